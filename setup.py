@@ -1,0 +1,23 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="sgl_piecewise",
+    version="0.1.0",
+    description="Piecewise CUDA graphs and torch.compile for LLM inference, as a library",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["sgl_piecewise", "sgl_piecewise.*"]),
+    package_data={"sgl_piecewise.models": ["configs/*.json"]},
+    # torch>=2.11: the GPU machine runs 2.11, CI installs 2.13 (the CPU build).
+    install_requires=["torch>=2.11,<2.15", "safetensors>=0.4", "tqdm>=4.60", "rich>=13"],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6", "transformers>=4.45", "safetensors>=0.4"],
+        "gpu": ["triton>=3.0", "flashinfer-python"],
+        "tensorrt": ["torch-tensorrt"],
+    },
+    entry_points={
+        "console_scripts": ["sgl-piecewise=sgl_piecewise.cli:main"],
+        "torch_dynamo_backends": ["sgl_piecewise=sgl_piecewise.compile.backend:sgl_piecewise_backend"],
+    },
+)

@@ -1,0 +1,32 @@
+"""sgl_piecewise: CUDA graphs and torch.compile for LLM forward passes.
+
+``import sgl_piecewise`` registers the ``sgl_piecewise::*`` custom ops.
+"""
+
+from sgl_piecewise import ops
+from sgl_piecewise.errors import (
+    InvalidInputError,
+    KVPoolExhaustedError,
+    NoForwardContextError,
+    SglPiecewiseError,
+    UnsupportedModeError,
+)
+from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo, forward_context
+from sgl_piecewise.memory import KVPool, ReqToTokenPool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ForwardBatch",
+    "ForwardMode",
+    "InvalidInputError",
+    "KVPool",
+    "KVPoolExhaustedError",
+    "NoForwardContextError",
+    "ReqToTokenPool",
+    "SglPiecewiseError",
+    "SpecInfo",
+    "UnsupportedModeError",
+    "forward_context",
+    "ops",
+]

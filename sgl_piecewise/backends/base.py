@@ -1,0 +1,129 @@
+"""The attention backend contract (DESIGN.md, "Attention backend contract").
+
+A backend turns a ``ForwardBatch`` into kernel metadata and runs attention over
+the paged KV pool. Three ways in:
+
+* eager: ``init_forward_metadata(batch)`` before each step;
+* CUDA graph: ``init_cuda_graph_state`` once, then per captured batch size
+  ``init_forward_metadata_capture_cuda_graph`` while capturing and
+  ``init_forward_metadata_replay_cuda_graph`` before each replay.
+
+Capture must be Pattern A (bind metadata fields to views of the static
+buffers, then call replay to fill them) or Pattern B (one creation helper
+shared by capture and replay; capture calls replay once). Lengths are computed
+with ``backends/lengths.py`` on every path.
+
+A backend declares what it serves (``supported_modes``,
+``supports_cuda_graph``); callers check ``supports(mode)`` and fall back
+instead of getting a silent wrong answer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import FrozenSet, Optional
+
+import torch
+
+from sgl_piecewise.errors import UnsupportedModeError
+from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
+from sgl_piecewise.memory import KVPool, ReqToTokenPool
+
+ALL_MODES: FrozenSet[ForwardMode] = frozenset(ForwardMode)
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+    supported_modes: FrozenSet[ForwardMode] = ALL_MODES
+    supports_cuda_graph: bool = False
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool):
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_pool = kv_pool
+
+    # ---- capability -------------------------------------------------------
+    def supports(self, mode: ForwardMode) -> bool:
+        return mode in self.supported_modes
+
+    def check_supported(self, mode: ForwardMode) -> None:
+        if not self.supports(mode):
+            raise UnsupportedModeError(
+                f"{self.name} backend: expected one of "
+                f"{sorted(m.name for m in self.supported_modes)}, got {mode.name}"
+            )
+
+    # ---- eager ------------------------------------------------------------
+    @abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Prepare kernel metadata for ``batch`` (eager path)."""
+
+    # ---- CUDA graph -------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self._no_graphs()
+
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        encoder_lens: Optional[torch.Tensor],
+        forward_mode: ForwardMode,
+        spec_info: Optional[SpecInfo],
+    ) -> None:
+        self._no_graphs()
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_sum: int,
+        encoder_lens: Optional[torch.Tensor],
+        forward_mode: ForwardMode,
+        spec_info: Optional[SpecInfo],
+        seq_lens_cpu: Optional[torch.Tensor],
+    ) -> None:
+        self._no_graphs()
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """``seq_lens`` value written into padded requests of a graph batch."""
+        return 1
+
+    def _no_graphs(self) -> None:
+        raise UnsupportedModeError(
+            f"{self.name} backend: expected a backend with supports_cuda_graph=True "
+            f"for graph capture, got one without it; use the graph-safe torch, "
+            f"triton or flashinfer backend"
+        )
+
+    # ---- attention --------------------------------------------------------
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> None:
+        """Attend the batch's new tokens; write ``out [T, Hq, Dv]`` in place.
+
+        ``q, k, v`` hold exactly the batch's ``num_tokens`` rows; their K/V is
+        already in the pool.
+        """
+        mode = batch.forward_mode
+        self.check_supported(mode)
+        if mode.is_idle() or q.shape[0] == 0:
+            return
+        if mode.is_decode():
+            self.forward_decode(q, k, v, out, layer_id, batch, scale)
+        else:
+            self.forward_extend(q, k, v, out, layer_id, batch, scale)
+
+    @abstractmethod
+    def forward_decode(self, q, k, v, out, layer_id, batch, scale) -> None: ...
+
+    @abstractmethod
+    def forward_extend(self, q, k, v, out, layer_id, batch, scale) -> None: ...

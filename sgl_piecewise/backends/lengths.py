@@ -1,0 +1,55 @@
+"""Length arithmetic shared by every backend's eager, capture and replay paths.
+
+SEEDS.md 000-002 are bugs where one path computed a length its own way. Every
+backend derives query extents, key extents and cumulative offsets through
+these functions and nowhere else, so the paths cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from sgl_piecewise.forward import ForwardMode
+
+
+def kv_lens(mode: ForwardMode, seq_lens: torch.Tensor, extend_seq_lens: torch.Tensor) -> torch.Tensor:
+    """Key extent per request: the cache length the new tokens attend over.
+
+    TARGET_VERIFY and DRAFT_EXTEND_V2 hold the prefix in ``seq_lens`` and the
+    new rows are already in the cache, so the extent is ``prefix + new``
+    (SEEDS.md 002). Every other mode's ``seq_lens`` already counts them.
+    """
+    if mode.seq_lens_exclude_new_tokens():
+        return seq_lens + extend_seq_lens
+    return seq_lens
+
+
+def uniform_query_lens(bs: int, width: int, device: torch.device | str) -> torch.Tensor:
+    """``[width] * bs``: DECODE (1), TARGET_VERIFY, DRAFT_EXTEND_V2 (SEEDS.md 004)."""
+    return torch.full((bs,), width, dtype=torch.int32, device=device)
+
+
+def query_width(mode: ForwardMode, num_tokens_per_req: Optional[int]) -> int:
+    """Uniform query width of a uniform mode (1 for DECODE)."""
+    if mode.is_decode():
+        return 1
+    if num_tokens_per_req is None:
+        raise ValueError(f"{mode.name}: expected spec_info.num_tokens_per_req, got None")
+    return int(num_tokens_per_req)
+
+
+def cumsum_with_zero(lens: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[0, l0, l0+l1, ...]`` as int32; written into ``out[: len+1]`` if given."""
+    n = lens.shape[0]
+    if out is None:
+        out = torch.empty(n + 1, dtype=torch.int32, device=lens.device)
+    out[0] = 0
+    torch.cumsum(lens, dim=0, out=out[1 : n + 1])
+    return out[: n + 1]
+
+
+def max_kv_len(kv: torch.Tensor) -> int:
+    """``max_i(prefix_i + extend_i)`` per request, not ``max(prefix)+max(extend)``."""
+    return int(kv.max().item()) if kv.numel() else 0

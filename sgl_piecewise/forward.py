@@ -1,0 +1,233 @@
+"""The data of one forward step, and the context the attention ops read it from.
+
+Conventions (SEEDS.md; the same in every backend, through ``backends/lengths.py``):
+
+* ``extend_seq_lens[r]`` is the number of *new* tokens of request ``r`` in this
+  step, in every mode (1 for DECODE, ``num_draft_tokens`` for TARGET_VERIFY,
+  ``num_tokens_per_req`` for DRAFT_EXTEND_V2, 0 requests for IDLE).
+* ``extend_prefix_lens[r]`` is the number of tokens already in the KV cache
+  before this step.
+* ``seq_lens[r]`` is ``prefix + new`` (the cache length after this step), except
+  in TARGET_VERIFY and DRAFT_EXTEND_V2, where — as in SGLang — it is the
+  *prefix* length; the key extent is then ``seq_lens + extend_seq_lens``
+  (SEEDS.md 002). ``ForwardMode.seq_lens_exclude_new_tokens`` tells which.
+* Token-major tensors (``input_ids``, ``positions``, ``out_cache_loc``) may be
+  longer than ``num_tokens`` (padding for a graph); rows past ``num_tokens``
+  are padding and never reach a real output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator, List, Optional
+
+import torch
+
+from sgl_piecewise.errors import InvalidInputError, NoForwardContextError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sgl_piecewise.backends.base import AttentionBackend
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1
+    DECODE = 2
+    MIXED = 3
+    IDLE = 4
+    TARGET_VERIFY = 5
+    DRAFT_EXTEND = 6
+    DRAFT_EXTEND_V2 = 7
+
+    def is_extend(self) -> bool:
+        """Modes whose attention is an extend kernel (many query rows per request)."""
+        return self in (
+            ForwardMode.EXTEND,
+            ForwardMode.MIXED,
+            ForwardMode.TARGET_VERIFY,
+            ForwardMode.DRAFT_EXTEND,
+            ForwardMode.DRAFT_EXTEND_V2,
+        )
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
+
+    def is_draft_extend(self, include_v2: bool = False) -> bool:
+        if self == ForwardMode.DRAFT_EXTEND:
+            return True
+        return include_v2 and self == ForwardMode.DRAFT_EXTEND_V2
+
+    def is_draft_extend_v2(self) -> bool:
+        return self == ForwardMode.DRAFT_EXTEND_V2
+
+    def is_cuda_graph(self) -> bool:
+        """Modes a whole-model (batch-axis) CUDA graph serves (DESIGN.md, Runners)."""
+        return self in (
+            ForwardMode.DECODE,
+            ForwardMode.TARGET_VERIFY,
+            ForwardMode.IDLE,
+            ForwardMode.DRAFT_EXTEND_V2,
+        )
+
+    def seq_lens_exclude_new_tokens(self) -> bool:
+        """True where ``seq_lens`` holds the prefix only (SEEDS.md 002)."""
+        return self in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2)
+
+    def has_uniform_query_width(self) -> bool:
+        """Every request has the same number of new tokens (SEEDS.md 004)."""
+        return self in (
+            ForwardMode.DECODE,
+            ForwardMode.TARGET_VERIFY,
+            ForwardMode.DRAFT_EXTEND_V2,
+        )
+
+
+@dataclass
+class SpecInfo:
+    """Speculative-decoding inputs of one step.
+
+    ``num_tokens_per_req``: uniform query width (TARGET_VERIFY: the number of
+    draft tokens; DRAFT_EXTEND_V2: tokens per request). ``accept_lengths``:
+    accepted tokens per request (DRAFT_EXTEND v1, ragged). ``custom_mask``: an
+    optional tree mask for TARGET_VERIFY, bool, the concatenation over requests
+    of a row-major ``[q_len, kv_len]`` block (prefix columns included).
+    """
+
+    num_tokens_per_req: Optional[int] = None
+    accept_lengths: Optional[torch.Tensor] = None
+    custom_mask: Optional[torch.Tensor] = None
+
+
+@dataclass
+class ForwardBatch:
+    """One step of a batch, token-major. See the module docstring for lengths."""
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    seq_lens: torch.Tensor  # [bs] int32
+    seq_lens_cpu: torch.Tensor  # [bs] int32, on the host
+    extend_seq_lens: torch.Tensor  # [bs] int32, new tokens per request
+    extend_prefix_lens: torch.Tensor  # [bs] int32, cached tokens before this step
+    req_pool_indices: torch.Tensor  # [bs] int64, rows of req_to_token
+    out_cache_loc: torch.Tensor  # [T] int64, KV slot of each new token
+    extend_seq_lens_cpu: List[int] = field(default_factory=list)
+    extend_prefix_lens_cpu: List[int] = field(default_factory=list)
+    num_token_non_padded: Optional[torch.Tensor] = None  # scalar int32
+    spec_info: Optional[SpecInfo] = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens that belong to requests (padding excluded)."""
+        return int(sum(self.extend_seq_lens_cpu))
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @property
+    def seq_lens_sum(self) -> int:
+        return int(self.seq_lens_cpu.sum().item()) if self.batch_size else 0
+
+    @classmethod
+    def build(
+        cls,
+        forward_mode: ForwardMode,
+        input_ids: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        prefix_lens: List[int],
+        extend_lens: List[int],
+        out_cache_loc: torch.Tensor,
+        spec_info: Optional[SpecInfo] = None,
+    ) -> "ForwardBatch":
+        """Derive every length field and the positions from prefix/new counts."""
+        bs = len(prefix_lens)
+        if len(extend_lens) != bs or req_pool_indices.shape != (bs,):
+            raise InvalidInputError(
+                f"expected {bs} requests in prefix_lens, extend_lens and req_pool_indices, "
+                f"got {len(prefix_lens)}, {len(extend_lens)}, {tuple(req_pool_indices.shape)}"
+            )
+        num_tokens = sum(extend_lens)
+        if input_ids.shape[0] < num_tokens or out_cache_loc.shape[0] < num_tokens:
+            raise InvalidInputError(
+                f"expected at least {num_tokens} tokens in input_ids and out_cache_loc, "
+                f"got {input_ids.shape[0]} and {out_cache_loc.shape[0]}"
+            )
+        device = input_ids.device
+        positions = torch.zeros(input_ids.shape[0], dtype=torch.int64)
+        if num_tokens:
+            positions[:num_tokens] = torch.cat(
+                [torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix_lens, extend_lens)]
+            )
+        prefix_t = torch.tensor(prefix_lens, dtype=torch.int32)
+        extend_t = torch.tensor(extend_lens, dtype=torch.int32)
+        seq_cpu = prefix_t if forward_mode.seq_lens_exclude_new_tokens() else prefix_t + extend_t
+        return cls(
+            forward_mode=forward_mode,
+            batch_size=bs,
+            input_ids=input_ids,
+            positions=positions.to(device),
+            seq_lens=seq_cpu.to(device),
+            seq_lens_cpu=seq_cpu,
+            extend_seq_lens=extend_t.to(device),
+            extend_prefix_lens=prefix_t.to(device),
+            req_pool_indices=req_pool_indices,
+            out_cache_loc=out_cache_loc,
+            extend_seq_lens_cpu=list(extend_lens),
+            extend_prefix_lens_cpu=list(prefix_lens),
+            num_token_non_padded=torch.tensor(num_tokens, dtype=torch.int32, device=device),
+            spec_info=spec_info,
+        )
+
+
+@dataclass
+class ForwardContext:
+    batch: ForwardBatch
+    backend: "AttentionBackend"
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def forward_context(batch: ForwardBatch, backend: "AttentionBackend") -> Iterator[ForwardContext]:
+    """Make ``batch`` and ``backend`` visible to the attention ops of this thread.
+
+    The ops run outside Dynamo's view (they are opaque custom ops), so reading
+    this context costs no graph break and no recompile.
+    """
+    stack = _stack()
+    ctx = ForwardContext(batch, backend)
+    stack.append(ctx)
+    try:
+        yield ctx
+    finally:
+        stack.pop()
+
+
+def _stack() -> list:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+def get_forward_context() -> ForwardContext:
+    stack = _stack()
+    if not stack:
+        raise NoForwardContextError(
+            "attention ran outside a forward context: expected "
+            "`with sgl_piecewise.forward_context(batch, backend): model(...)`, got none"
+        )
+    return stack[-1]

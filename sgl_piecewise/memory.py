@@ -1,0 +1,134 @@
+"""Paged KV memory: the request-to-token table and the token-to-KV pool.
+
+Pages are one token wide (as SGLang's default): ``req_to_token[req, pos]`` is
+the KV slot of token ``pos`` of request ``req``; per layer, K and V are
+``[num_slots, num_kv_heads, head_dim]``. Slot ``DUMMY_SLOT`` is never handed
+out: padded tokens write their K/V there, so padding never touches a real
+request's cache.
+
+Allocation is all-or-nothing: when a request cannot be served the pool raises
+:class:`KVPoolExhaustedError` *before* changing anything.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+from sgl_piecewise.checks import check_positive_int, check_tensor
+from sgl_piecewise.errors import InvalidInputError, KVPoolExhaustedError
+
+DUMMY_SLOT = 0
+
+
+class ReqToTokenPool:
+    """Rows of KV slot indices, one row per live request."""
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str = "cpu"):
+        self.max_reqs = check_positive_int("max_reqs", max_reqs)
+        self.max_context_len = check_positive_int("max_context_len", max_context_len)
+        self.device = torch.device(device)
+        # Unused entries point at the dummy slot, so a stray read is harmless.
+        self.req_to_token = torch.full(
+            (max_reqs, max_context_len), DUMMY_SLOT, dtype=torch.int32, device=self.device
+        )
+        self._free: List[int] = list(range(max_reqs))
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> List[int]:
+        if n > len(self._free):
+            raise KVPoolExhaustedError(
+                f"request table full: expected room for {n} more requests, "
+                f"got {len(self._free)} free of {self.max_reqs}; finish or free requests first"
+            )
+        taken, self._free = self._free[:n], self._free[n:]
+        return taken
+
+    def free(self, rows: Sequence[int]) -> None:
+        rows = list(rows)
+        bad = [r for r in rows if not 0 <= r < self.max_reqs or r in self._free]
+        if bad:
+            raise InvalidInputError(f"free: expected allocated request rows, got {bad}")
+        self.req_to_token[rows] = DUMMY_SLOT
+        self._free.extend(rows)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Record ``slots`` as the KV slots of positions ``start ..`` of ``row``."""
+        end = start + slots.shape[0]
+        if end > self.max_context_len:
+            raise InvalidInputError(
+                f"request too long: expected at most {self.max_context_len} tokens "
+                f"of context, got {end}"
+            )
+        self.req_to_token[row, start:end] = slots.to(self.req_to_token)
+
+
+class KVPool:
+    """Per-layer K and V buffers over ``num_slots`` usable slots (+ the dummy)."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        self.num_slots = check_positive_int("num_slots", num_slots)
+        self.num_layers = check_positive_int("num_layers", num_layers)
+        self.num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads)
+        self.head_dim = check_positive_int("head_dim", head_dim)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_slots + 1, num_kv_heads, head_dim)  # +1: the dummy slot 0
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)
+
+    @property
+    def available(self) -> int:
+        return int(self._free.numel())
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """``n`` fresh slots (int64, on the pool's device)."""
+        if n > self.available:
+            raise KVPoolExhaustedError(
+                f"KV pool exhausted: expected {n} free slots, got {self.available} "
+                f"of {self.num_slots}; free finished requests or build a larger pool"
+            )
+        taken, self._free = self._free[:n], self._free[n:]
+        return taken.to(self.device)
+
+    def free(self, slots: torch.Tensor) -> None:
+        slots = slots.detach().to("cpu", torch.int64).flatten()
+        if slots.numel() and (slots.min() < 1 or slots.max() > self.num_slots):
+            raise InvalidInputError(
+                f"free: expected slots in [1, {self.num_slots}], got "
+                f"min {int(slots.min())}, max {int(slots.max())}"
+            )
+        self._free = torch.cat([self._free, slots])
+
+    def check_layer(self, layer_id: int) -> None:
+        if not isinstance(layer_id, int) or not 0 <= layer_id < self.num_layers:
+            raise InvalidInputError(
+                f"layer_id: expected an int in [0, {self.num_layers}), got {layer_id!r}"
+            )
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k, v [n, num_kv_heads, head_dim]`` at slots ``loc [n]``."""
+        self.k_buffers[layer_id][loc] = k
+        self.v_buffers[layer_id][loc] = v
+
+    def check_kv_rows(self, name: str, t: torch.Tensor, num_tokens: int | None = None) -> None:
+        check_tensor(
+            name,
+            t,
+            shape=(num_tokens, self.num_kv_heads, self.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )

@@ -1,0 +1,135 @@
+"""``sgl_piecewise::unified_attention`` and its out variant.
+
+Model code calls these where it would call attention. Shapes are token-major:
+``q [T, Hq, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, Dv]``; the output is
+``[T, Hq, Dv]``. The op writes the new tokens' K/V into the paged pool at the
+batch's ``out_cache_loc`` and attends with the backend of the active
+:func:`~sgl_piecewise.forward.forward_context`.
+
+``T`` may exceed the batch's ``num_tokens`` (a graph padded the token axis):
+the padded rows write no K/V and their output rows are zero, so padding never
+reaches a real output or a real request's cache.
+
+Both ops are opaque to Dynamo (the fake implementations give shapes only),
+which is what lets the ``sgl_piecewise`` compile backend split the graph
+around them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from sgl_piecewise.checks import check_tensor
+from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.forward import get_forward_context
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Checks that need no pool: run in the fake implementation too, so shape
+    errors surface while tracing, not at the first real step."""
+    check_tensor("q", q, shape=(None, None, None))
+    num_tokens, num_heads, head_dim = q.shape
+    check_tensor("k", k, shape=(num_tokens, None, head_dim), dtype=q.dtype, device=q.device)
+    check_tensor("v", v, shape=(num_tokens, k.shape[1], None), dtype=q.dtype, device=q.device)
+    if k.shape[1] == 0 or num_heads % k.shape[1] != 0:
+        raise InvalidInputError(
+            f"q/k heads: expected num_heads divisible by num_kv_heads, got {num_heads} and {k.shape[1]}"
+        )
+
+
+def _attention_into(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    layer_id: int,
+    scale: Optional[float],
+) -> None:
+    ctx = get_forward_context()
+    batch, backend = ctx.batch, ctx.backend
+    pool = backend.kv_pool
+    pool.check_layer(layer_id)
+    pool.check_kv_rows("k", k)
+    check_tensor("v", v, shape=(None, pool.num_kv_heads, None), dtype=pool.dtype, device=pool.device)
+    n = batch.num_tokens
+    if q.shape[0] < n:
+        raise InvalidInputError(
+            f"q: expected at least the batch's {n} tokens, got {q.shape[0]}; "
+            f"was the forward context entered with the right batch?"
+        )
+    if n:
+        pool.set_kv(layer_id, batch.out_cache_loc[:n], k[:n], v[:n])
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        backend.forward(q[:n], k[:n], v[:n], out[:n], layer_id, batch, scale)
+    out[n:].zero_()
+
+
+@torch.library.custom_op("sgl_piecewise::unified_attention", mutates_args=())
+def _unified_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scale: Optional[float] = None
+) -> torch.Tensor:
+    _check_shapes(q, k, v)
+    out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    _attention_into(q, k, v, out, layer_id, scale)
+    return out
+
+
+@_unified_attention.register_fake
+def _unified_attention_fake(q, k, v, layer_id, scale=None):
+    _check_shapes(q, k, v)
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+@torch.library.custom_op("sgl_piecewise::unified_attention_with_output", mutates_args=("output",))
+def _unified_attention_with_output(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    output: torch.Tensor,
+    layer_id: int,
+    scale: Optional[float] = None,
+) -> None:
+    _check_shapes(q, k, v)
+    _check_output(q, v, output)
+    _attention_into(q, k, v, output, layer_id, scale)
+
+
+@_unified_attention_with_output.register_fake
+def _unified_attention_with_output_fake(q, k, v, output, layer_id, scale=None):
+    _check_shapes(q, k, v)
+    _check_output(q, v, output)
+
+
+def _check_output(q: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> None:
+    check_tensor(
+        "output", output, shape=tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device=q.device
+    )
+
+
+def unified_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_id: int, scale: Optional[float] = None
+) -> torch.Tensor:
+    """Write K/V for the new tokens, attend, return ``[T, Hq, Dv]``.
+
+    Example::
+
+        with sgl_piecewise.forward_context(batch, backend):
+            o = sgl_piecewise.ops.unified_attention(q, k, v, layer_id=0)
+    """
+    return torch.ops.sgl_piecewise.unified_attention(q, k, v, layer_id, scale)
+
+
+def unified_attention_with_output(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    layer_id: int,
+    scale: Optional[float] = None,
+) -> None:
+    """Like :func:`unified_attention`, writing into ``output [T, Hq, Dv]``."""
+    torch.ops.sgl_piecewise.unified_attention_with_output(q, k, v, output, layer_id, scale)
