@@ -1,0 +1,74 @@
+"""The paged KV pool and the request table: allocation, exhaustion, the dummy slot."""
+
+import pytest
+import torch
+
+from sgl_piecewise import KVPool, KVPoolExhaustedError, ReqToTokenPool
+from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.memory import DUMMY_SLOT
+
+
+def test_alloc_never_hands_out_the_dummy_slot():
+    pool = KVPool(num_slots=16, num_layers=1, num_kv_heads=1, head_dim=4)
+    slots = pool.alloc(16)
+    assert DUMMY_SLOT not in slots.tolist()
+    assert sorted(slots.tolist()) == list(range(1, 17))
+
+
+def test_exhaustion_raises_and_keeps_every_allocated_slot():
+    pool = KVPool(num_slots=10, num_layers=2, num_kv_heads=1, head_dim=4)
+    held = pool.alloc(7)
+    pool.k_buffers[0][held] = torch.randn(7, 1, 4)
+    before = pool.k_buffers[0].clone()
+    with pytest.raises(KVPoolExhaustedError, match="expected 4 free slots, got 3"):
+        pool.alloc(4)
+    assert pool.available == 3
+    assert torch.equal(pool.k_buffers[0], before)
+    # The three that remain are still allocatable, and distinct from the held ones.
+    rest = pool.alloc(3)
+    assert set(rest.tolist()).isdisjoint(held.tolist())
+
+
+def test_freed_slots_are_reused():
+    pool = KVPool(num_slots=4, num_layers=1, num_kv_heads=1, head_dim=4)
+    a = pool.alloc(4)
+    pool.free(a[:2])
+    assert sorted(pool.alloc(2).tolist()) == sorted(a[:2].tolist())
+
+
+def test_free_rejects_the_dummy_slot_and_out_of_range_slots():
+    pool = KVPool(num_slots=4, num_layers=1, num_kv_heads=1, head_dim=4)
+    with pytest.raises(InvalidInputError, match=r"expected slots in \[1, 4\]"):
+        pool.free(torch.tensor([DUMMY_SLOT]))
+    with pytest.raises(InvalidInputError):
+        pool.free(torch.tensor([5]))
+
+
+def test_request_table_exhaustion_keeps_state():
+    table = ReqToTokenPool(max_reqs=2, max_context_len=8)
+    rows = table.alloc(2)
+    with pytest.raises(KVPoolExhaustedError, match="expected room for 1 more requests, got 0 free"):
+        table.alloc(1)
+    table.free(rows[:1])
+    assert table.alloc(1) == rows[:1]
+
+
+def test_request_table_rejects_writes_past_the_context():
+    table = ReqToTokenPool(max_reqs=1, max_context_len=8)
+    (row,) = table.alloc(1)
+    with pytest.raises(InvalidInputError, match="expected at most 8 tokens of context, got 9"):
+        table.write(row, 4, torch.arange(5))
+
+
+def test_request_table_rejects_double_free():
+    table = ReqToTokenPool(max_reqs=2, max_context_len=8)
+    rows = table.alloc(1)
+    table.free(rows)
+    with pytest.raises(InvalidInputError, match="expected allocated request rows"):
+        table.free(rows)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5])
+def test_pool_sizes_must_be_positive_ints(bad):
+    with pytest.raises(InvalidInputError, match="expected a positive int"):
+        KVPool(num_slots=bad, num_layers=1, num_kv_heads=1, head_dim=4)

@@ -1,0 +1,177 @@
+"""The attention custom ops: registration, fake implementations, KV writes,
+padding, and one test per bad-input error."""
+
+import pytest
+import torch
+
+from sgl_piecewise import (
+    ForwardMode,
+    InvalidInputError,
+    KVPool,
+    NoForwardContextError,
+    ReqToTokenPool,
+    forward_context,
+)
+from sgl_piecewise.backends import ReferenceBackend
+from sgl_piecewise.errors import InvalidTypeError
+from sgl_piecewise.memory import DUMMY_SLOT
+from sgl_piecewise.ops import unified_attention, unified_attention_with_output
+from sgl_piecewise.testing import random_batch
+
+HQ, HKV, D, LAYERS = 4, 2, 8, 2
+
+
+@pytest.fixture
+def setup():
+    table = ReqToTokenPool(max_reqs=8, max_context_len=64)
+    pool = KVPool(num_slots=256, num_layers=LAYERS, num_kv_heads=HKV, head_dim=D)
+    backend = ReferenceBackend(table, pool)
+    batch = random_batch(ForwardMode.EXTEND, table, pool, [0, 6, 2], [3, 1, 5])
+    backend.init_forward_metadata(batch)
+    return batch, backend
+
+
+def qkv(n, dtype=torch.float32):
+    return torch.randn(n, HQ, D, dtype=dtype), torch.randn(n, HKV, D, dtype=dtype), torch.randn(n, HKV, D, dtype=dtype)
+
+
+def test_both_ops_pass_opcheck(setup):
+    batch, backend = setup
+    q, k, v = qkv(batch.num_tokens)
+    with forward_context(batch, backend):
+        torch.library.opcheck(torch.ops.sgl_piecewise.unified_attention.default, (q, k, v, 0))
+        out = torch.empty_like(q)
+        torch.library.opcheck(torch.ops.sgl_piecewise.unified_attention_with_output.default, (q, k, v, out, 1))
+
+
+def test_op_writes_new_kv_at_out_cache_loc(setup):
+    batch, backend = setup
+    q, k, v = qkv(batch.num_tokens)
+    with forward_context(batch, backend):
+        unified_attention(q, k, v, layer_id=1)
+    pool = backend.kv_pool
+    assert torch.equal(pool.k_buffers[1][batch.out_cache_loc], k)
+    assert torch.equal(pool.v_buffers[1][batch.out_cache_loc], v)
+
+
+def test_out_variant_equals_functional_variant(setup):
+    batch, backend = setup
+    q, k, v = qkv(batch.num_tokens)
+    out = torch.full_like(q, float("nan"))
+    with forward_context(batch, backend):
+        expected = unified_attention(q, k, v, layer_id=0)
+        unified_attention_with_output(q, k, v, out, layer_id=0)
+    assert torch.equal(out, expected)
+
+
+def test_padded_rows_are_zero_and_write_no_kv(setup):
+    batch, backend = setup
+    n, pad = batch.num_tokens, 5
+    q, k, v = qkv(n + pad)
+    pool = backend.kv_pool
+    before = [b.clone() for b in pool.k_buffers]
+    with forward_context(batch, backend):
+        out = unified_attention(q, k, v, layer_id=0)
+        unpadded = unified_attention(q[:n], k[:n], v[:n], layer_id=0)
+    assert torch.equal(out[n:], torch.zeros(pad, HQ, D))
+    assert torch.equal(out[:n], unpadded)
+    changed = (pool.k_buffers[0] != before[0]).any(dim=(1, 2)).nonzero().flatten()
+    assert sorted(changed.tolist()) == sorted(batch.out_cache_loc.tolist())
+    assert torch.equal(pool.k_buffers[0][DUMMY_SLOT], before[0][DUMMY_SLOT])
+
+
+def test_compiled_call_has_no_graph_break_and_no_recompile_across_sizes(setup):
+    _, backend = setup
+    table, pool = backend.req_to_token_pool, backend.kv_pool
+
+    def f(q, k, v):
+        return unified_attention(q * 2, k, v, layer_id=0).sum(-1) + 1
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for i, n in enumerate([3, 5, 9, 17, 2]):
+        batch = random_batch(ForwardMode.EXTEND, table, pool, [i], [n])
+        backend.init_forward_metadata(batch)
+        q, k, v = qkv(n)
+        with forward_context(batch, backend):
+            if i == 1:  # after the first (dynamic) compile, no size may recompile
+                torch.compiler.set_stance("fail_on_recompile")
+            try:
+                got = compiled(q, k, v)
+            finally:
+                torch.compiler.set_stance("default")
+            torch.testing.assert_close(got, f(q, k, v))
+
+
+def test_outside_a_forward_context_raises():
+    q, k, v = qkv(2)
+    with pytest.raises(NoForwardContextError, match="outside a forward context"):
+        unified_attention(q, k, v, layer_id=0)
+
+
+def test_unknown_layer_id_raises(setup):
+    batch, backend = setup
+    with forward_context(batch, backend), pytest.raises(InvalidInputError, match=r"layer_id: expected an int in \[0, 2\), got 7"):
+        unified_attention(*qkv(batch.num_tokens), layer_id=7)
+
+
+def test_wrong_rank_raises(setup):
+    batch, backend = setup
+    q, k, v = qkv(batch.num_tokens)
+    with forward_context(batch, backend), pytest.raises(InvalidInputError, match=r"q: expected shape \[\*, \*, \*\], got"):
+        unified_attention(q.flatten(1), k, v, layer_id=0)
+
+
+def test_mismatched_token_counts_raise(setup):
+    batch, backend = setup
+    q, k, v = qkv(batch.num_tokens)
+    with forward_context(batch, backend), pytest.raises(InvalidInputError, match="k: expected shape"):
+        unified_attention(q, k[:-1], v, layer_id=0)
+
+
+def test_fewer_rows_than_the_batch_raise(setup):
+    batch, backend = setup
+    q, k, v = qkv(batch.num_tokens - 1)
+    with forward_context(batch, backend), pytest.raises(InvalidInputError, match="expected at least the batch's"):
+        unified_attention(q, k, v, layer_id=0)
+
+
+def test_heads_not_divisible_raise(setup):
+    batch, backend = setup
+    n = batch.num_tokens
+    with forward_context(batch, backend), pytest.raises(InvalidInputError, match="divisible"):
+        unified_attention(torch.randn(n, 3, D), torch.randn(n, 2, D), torch.randn(n, 2, D), layer_id=0)
+
+
+def test_dtype_other_than_the_pool_raises(setup):
+    batch, backend = setup
+    with forward_context(batch, backend), pytest.raises(InvalidInputError, match="k: expected dtype torch.float32, got torch.bfloat16"):
+        unified_attention(*qkv(batch.num_tokens, torch.bfloat16), layer_id=0)
+
+
+def test_kv_heads_other_than_the_pool_raise(setup):
+    batch, backend = setup
+    n = batch.num_tokens
+    with forward_context(batch, backend), pytest.raises(InvalidInputError, match="k: expected shape"):
+        unified_attention(torch.randn(n, 4, D), torch.randn(n, 4, D), torch.randn(n, 4, D), layer_id=0)
+
+
+def test_device_other_than_the_pool_raises(setup):
+    batch, _ = setup
+    table = ReqToTokenPool(max_reqs=1, max_context_len=8)
+    meta_pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=HKV, head_dim=D, device="meta")
+    with forward_context(batch, ReferenceBackend(table, meta_pool)), pytest.raises(InvalidInputError, match="k: expected device meta, got cpu"):
+        unified_attention(*qkv(batch.num_tokens), layer_id=0)
+
+
+def test_wrong_output_shape_raises(setup):
+    batch, backend = setup
+    q, k, v = qkv(batch.num_tokens)
+    with forward_context(batch, backend), pytest.raises(InvalidInputError, match="output: expected shape"):
+        unified_attention_with_output(q, k, v, torch.empty(1, HQ, D), layer_id=0)
+
+
+def test_non_tensor_input_raises(setup):
+    batch, backend = setup
+    _, k, v = qkv(batch.num_tokens)
+    with forward_context(batch, backend), pytest.raises((InvalidTypeError, TypeError, RuntimeError)):
+        unified_attention([1.0], k, v, layer_id=0)
