@@ -1,0 +1,234 @@
+"""The ``sgl_piecewise`` Dynamo backend.
+
+``torch.compile(model, backend="sgl_piecewise", mode=..., options=...)``:
+
+1. rewrites attention to its out variant and splits the graph around every
+   splitting op (``split.py``);
+2. compiles each piece for the symbolic token count, sharing one artifact
+   between identical pieces (``piece_compiler.py``);
+3. with CUDA graphs on, pads each call's token count to the next capture size
+   through a buffer registry (the graphs read only those static buffers),
+   captures each piece per size on first use (``piece_graphs.py``), replays
+   afterwards, and returns the real rows, copied out of the graph pool.
+
+Attention runs eagerly between pieces on the real tokens and zeroes its
+padded rows. Above the largest capture size the compiled pieces run without
+graphs (counted in ``counters.eager_fallbacks``).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.fx
+
+from sgl_piecewise.compile.counters import counters
+from sgl_piecewise.compile.options import CompileOptions
+from sgl_piecewise.compile.piece_compiler import PieceCompiler
+from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StepState
+from sgl_piecewise.compile.registry import CudaGraphBufferRegistry, FillContext, PaddingPolicy
+from sgl_piecewise.compile.split import split_graph, to_out_variant
+from sgl_piecewise.compile.token_axis import TokenAxis, find_token_axis
+from sgl_piecewise.errors import InvalidInputError
+
+logger = logging.getLogger("sgl_piecewise.compile")
+
+
+def sgl_piecewise_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    mode: Optional[str] = None,
+    options: Optional[Mapping[str, Any]] = None,
+):
+    """The function ``torch.compile`` finds under the name ``sgl_piecewise``."""
+    return SglPiecewiseBackend(CompileOptions.from_compile_args(mode, options))(gm, example_inputs)
+
+
+class SglPiecewiseBackend:
+    """A configured backend; ``torch.compile(m, backend=SglPiecewiseBackend(opts))``
+    sets graph and compile options together (``torch.compile`` refuses
+    ``mode`` and ``options`` at once)."""
+
+    def __init__(self, options: Optional[CompileOptions] = None, **kwargs: Any):
+        if options is not None and kwargs:
+            raise InvalidInputError(f"expected CompileOptions or keyword options, got both ({sorted(kwargs)})")
+        self.options = options or CompileOptions.from_compile_args(None, kwargs)
+        self.modules: list = []  # every PiecewiseModule built, for inspection
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> "PiecewiseModule":
+        module = PiecewiseModule(gm, list(example_inputs), self.options)
+        self.modules.append(module)
+        return module
+
+
+def _fake_inputs(example_inputs: list):
+    """The backend's fake mode and the inputs in it, with their symbolic shapes.
+
+    Dynamo hands the backend a fake mode of its own (not the one of the
+    placeholders' ``example_value``); converting the real example inputs in it
+    returns the fakes Dynamo memoised, symbolic dims included.
+    """
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode()
+    return mode, [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+
+
+def _piece_static_args(split_gm: torch.fx.GraphModule, name: str) -> list:
+    """Per argument of piece ``name``: does it come straight from a graph input?"""
+    (call,) = [n for n in split_gm.graph.nodes if n.op == "call_module" and n.target == name]
+    return [isinstance(a, torch.fx.Node) and a.op == "placeholder" for a in call.args]
+
+
+class _CompilePieces(torch.fx.Interpreter):
+    """Runs the split module on fake inputs; compiles each piece with the
+    (symbolic) arguments it is actually called with, and swaps it in."""
+
+    def __init__(self, split_gm, pieces, compiler, state):
+        super().__init__(split_gm)
+        self.pieces = {p.name: p for p in pieces}
+        self.compiler = compiler
+        self.state = state
+
+    def call_module(self, target, args, kwargs):
+        result = super().call_module(target, args, kwargs)
+        piece = self.pieces[target]
+        if not piece.is_splitting_op:
+            compiled = self.compiler(piece.graph, args)
+            wrapper = PieceGraphs(target, compiled, self.state, _piece_static_args(self.module, target))
+            # Bypass nn.Module.__setattr__: the split module's code calls
+            # self.<name>(...), which must now reach the wrapper.
+            self.module.__dict__[target] = wrapper
+        return result
+
+
+class PiecewiseModule:
+    """What the backend returns to Dynamo: the split, compiled, graphed model."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list, options: CompileOptions):
+        counters.graphs_split += 1
+        self.options = options
+        to_out_variant(gm)
+        self.token_axis: TokenAxis = find_token_axis(gm, example_inputs)
+        self.split_gm, self.pieces = split_graph(gm)
+        device = self._device(example_inputs)
+        self.state = StepState(use_cuda=device.type == "cuda", debug_checks=options.debug_checks)
+        fake_mode, fake = _fake_inputs(example_inputs)
+        compiler = PieceCompiler(options.piece_compiler, options.share_identical_pieces)
+        with fake_mode:
+            _CompilePieces(self.split_gm, self.pieces, compiler, self.state).run(*fake)
+        self.graphs_reason = self._graphs_unavailable_reason()
+        self.registry = self._build_registry(example_inputs, device) if self.graphs_reason is None else None
+        self.captured_sizes: set = set()
+        if self.state.use_cuda and self.graphs_reason is None:
+            self.state.pool = torch.cuda.graph_pool_handle()
+            self.state.capture_stream = torch.cuda.Stream()
+
+    # ---- set-up -----------------------------------------------------------
+    @staticmethod
+    def _device(example_inputs: list) -> torch.device:
+        for x in example_inputs:
+            if isinstance(x, torch.Tensor):
+                return x.device
+        return torch.device("cpu")
+
+    def _graphs_unavailable_reason(self) -> Optional[str]:
+        if not self.options.cudagraphs:
+            return None
+        if self.token_axis.unsupported:
+            logger.warning("CUDA graphs off for this graph: %s", self.token_axis.unsupported)
+            return f"unsupported dynamic shape: {self.token_axis.unsupported}"
+        if not self.token_axis.tensor_inputs:
+            return "no input has a token axis"
+        return None
+
+    def _build_registry(self, example_inputs: list, device: torch.device) -> Optional[CudaGraphBufferRegistry]:
+        if not self.options.cudagraphs:
+            return None
+        max_tokens = max(self.options.capture_sizes)
+        registry = CudaGraphBufferRegistry(max_bs=1, max_num_tokens=max_tokens, device=device)
+        for i in self.token_axis.tensor_inputs:
+            x = example_inputs[i]
+            rest = tuple(x.shape[1:])
+            # Padded token rows compute on zeros (token id 0, position 0): finite,
+            # in range for every embedding and rope table, and never read back.
+            registry.register_slot(
+                f"input{i}", lambda bs, nt, rest=rest: (nt, *rest), x.dtype, "tokens",
+                padding_policy=PaddingPolicy.ZERO,
+            )  # fmt: skip
+        return registry
+
+    # ---- run --------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        if not self.options.cudagraphs:
+            return self._run(Phase.RUN, args)
+        if self.graphs_reason is not None:
+            counters.fallback(self.graphs_reason)
+            return self._run(Phase.RUN, args)
+        n = self._num_tokens(args)
+        padded = self.options.padded_size(n) if self.token_axis.is_dynamic else n
+        if padded is None:
+            counters.fallback(f"{n} tokens: above the largest capture size {max(self.options.capture_sizes)}")
+            return self._run(Phase.RUN, args)
+        if not self.token_axis.is_dynamic and padded not in self.options.capture_sizes:
+            counters.fallback(f"static graph of {n} tokens: not a capture size")
+            return self._run(Phase.RUN, args)
+        padded_args = self._pad(args, n, padded)
+        self.state.num_tokens, self.state.padded_tokens = n, padded
+        if padded in self.captured_sizes:
+            out = self._run(Phase.REPLAY, padded_args)
+        else:
+            out = self._warmup_and_capture(padded_args, padded)
+        return self._unpad(out, n)
+
+    def _run(self, phase: Phase, args) -> Any:
+        self.state.phase = phase
+        try:
+            return self.split_gm(*args)
+        finally:
+            self.state.phase = Phase.RUN
+
+    def _warmup_and_capture(self, padded_args, padded: int) -> Any:
+        self._run(Phase.WARMUP, padded_args)
+        # Frozen gc: a collection during capture would walk every live object
+        # (SGLang measured capture 2.3-3.7x faster with gc frozen).
+        gc.freeze()
+        try:
+            out = self._run(Phase.CAPTURE, padded_args)
+        finally:
+            gc.unfreeze()
+        self.captured_sizes.add(padded)
+        return out
+
+    def _num_tokens(self, args) -> int:
+        counts = {args[i].shape[0] for i in self.token_axis.tensor_inputs}
+        if len(counts) != 1:
+            raise InvalidInputError(
+                f"token-axis inputs {list(self.token_axis.tensor_inputs)}: expected one token count, got {sorted(counts)}"
+            )
+        return counts.pop()
+
+    def _pad(self, args, n: int, padded: int) -> list:
+        ctx = FillContext(raw_bs=0, padded_bs=0, raw_num_tokens=n, padded_num_tokens=padded)
+        self.registry.fill_from({f"input{i}": args[i] for i in self.token_axis.tensor_inputs}, ctx)
+        views = self.registry.extract(ctx)
+        padded_args = list(args)
+        for i in self.token_axis.tensor_inputs:
+            padded_args[i] = views[f"input{i}"]
+        for i in self.token_axis.symint_inputs:
+            padded_args[i] = padded
+        return padded_args
+
+    def _unpad(self, out: Any, n: int) -> Any:
+        """Real rows only, copied: graph outputs live in the pool and the next
+        replay overwrites them."""
+        token_outputs = set(self.token_axis.tensor_outputs)
+        values = out if isinstance(out, (tuple, list)) else (out,)
+        result = [
+            (v[:n] if i in token_outputs else v).clone() if isinstance(v, torch.Tensor) else v
+            for i, v in enumerate(values)
+        ]
+        return type(out)(result) if isinstance(out, (tuple, list)) else result[0]

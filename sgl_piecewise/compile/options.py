@@ -1,0 +1,84 @@
+"""Options of the ``sgl_piecewise`` Dynamo backend.
+
+``torch.compile`` hands a named backend its ``mode`` and ``options`` (and
+refuses both at once), so both spellings are accepted:
+
+* ``mode="reduce-overhead"``: CUDA graphs with the default capture sizes;
+* ``options={"cudagraphs": True, "capture_sizes": [...], ...}`` for the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional, Tuple
+
+from sgl_piecewise.errors import InvalidInputError
+
+PIECE_COMPILERS = ("inductor", "eager", "tensorrt")
+MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+DEFAULT_MAX_CAPTURE_SIZE = 512
+
+
+def default_capture_sizes(max_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> Tuple[int, ...]:
+    """SGLang's schedule: 1, 2, 4, 8, 12, 16, then every 8 to 256, every 16 to
+    512, every 64 beyond — dense where small batches are common, coarse where
+    padding costs little relative to the work."""
+    sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 513, 16), *range(576, 8193, 64)]
+    return tuple(s for s in sizes if s <= max_size)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Validated backend options.
+
+    cudagraphs: capture each piece as a CUDA graph per token count.
+    capture_sizes: token counts to capture (sorted ascending, unique).
+    max_capture_size: largest default size when ``capture_sizes`` is not given.
+    piece_compiler: "inductor" (default), "eager" or "tensorrt".
+    debug_checks: assert graph input addresses at every replay; poison padded
+        tails with NaN so a leak into real rows shows.
+    share_identical_pieces: compile structurally identical pieces once.
+    """
+
+    cudagraphs: bool = False
+    capture_sizes: Tuple[int, ...] = ()
+    max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE
+    piece_compiler: str = "inductor"
+    debug_checks: bool = False
+    share_identical_pieces: bool = True
+
+    def __post_init__(self) -> None:
+        if self.piece_compiler not in PIECE_COMPILERS:
+            raise InvalidInputError(
+                f"piece_compiler: expected one of {PIECE_COMPILERS}, got {self.piece_compiler!r}"
+            )
+        if not isinstance(self.max_capture_size, int) or self.max_capture_size < 1:
+            raise InvalidInputError(f"max_capture_size: expected an int >= 1, got {self.max_capture_size!r}")
+        sizes = self.capture_sizes or default_capture_sizes(self.max_capture_size)
+        if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
+            raise InvalidInputError(f"capture_sizes: expected positive ints, got {list(sizes)}")
+        object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
+
+    def padded_size(self, num_tokens: int) -> Optional[int]:
+        """Smallest capture size >= ``num_tokens``; None above the largest."""
+        for s in self.capture_sizes:
+            if s >= num_tokens:
+                return s
+        return None
+
+    @classmethod
+    def from_compile_args(cls, mode: Optional[str], options: Optional[Mapping[str, Any]]) -> "CompileOptions":
+        if mode is not None and mode not in MODES:
+            raise InvalidInputError(f"mode: expected one of {MODES}, got {mode!r}")
+        options = dict(options or {})
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - valid)
+        if unknown:
+            raise InvalidInputError(
+                f"sgl_piecewise options: expected keys among {sorted(valid)}, got unknown {unknown}"
+            )
+        if mode == "reduce-overhead":
+            options.setdefault("cudagraphs", True)
+        if "capture_sizes" in options:
+            options["capture_sizes"] = tuple(options["capture_sizes"])
+        return cls(**options)

@@ -1,0 +1,170 @@
+"""Per-piece CUDA graphs, one per padded token count.
+
+Who owns what:
+
+* graph inputs are owned by others and must not move: weights (the model),
+  the top-level token inputs (the buffer registry of ``backend.py``), and the
+  outputs of earlier pieces (the graph memory pool, at addresses that every
+  replay reproduces because pieces replay in capture order);
+* each captured graph owns nothing: its outputs are kept as *non-owning*
+  aliases, so once a forward is over the pool may reuse that memory for the
+  next size's capture. That is safe because replays of two sizes never
+  interleave inside one forward, and the top-level wrapper copies the final
+  outputs out before the next forward.
+
+Steps for one size (driven by ``StepState.phase``, set by the top level):
+WARMUP runs the compiled piece (first runs compile kernels and create
+handles, which must not happen while capturing); CAPTURE records the graph on
+a side stream into the shared pool and replays it at once, so this call's
+outputs are real (capture alone executes nothing, and eager attention reads
+them next); REPLAY replays. On a machine without CUDA, capture is a
+pass-through: the entry is recorded and "replay" runs the compiled piece.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from sgl_piecewise.compile.counters import counters
+from sgl_piecewise.errors import SglPiecewiseError
+
+
+class Phase(enum.Enum):
+    RUN = "run"  # no graphs: run the compiled piece
+    WARMUP = "warmup"
+    CAPTURE = "capture"
+    REPLAY = "replay"
+
+
+@dataclass
+class StepState:
+    """Shared by every piece of one compiled graph; set per call by the top level."""
+
+    phase: Phase = Phase.RUN
+    num_tokens: int = 0  # real tokens of this call
+    padded_tokens: int = 0  # the capture size they were padded to
+    use_cuda: bool = False
+    debug_checks: bool = False
+    pool: Any = None  # CUDA graph memory pool shared by all pieces and sizes
+    capture_stream: Optional[torch.cuda.Stream] = None
+
+
+def _non_owning_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory that does not keep the allocation alive."""
+    storage = torch._C._construct_storage_from_data_pointer(
+        t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes()
+    )
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
+def _map_tensors(fn, value):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(fn, v) for v in value)
+    return value
+
+
+@dataclass
+class _Entry:
+    input_ptrs: List[Optional[int]]
+    graph: Optional[torch.cuda.CUDAGraph] = None
+    outputs: Any = None  # non-owning aliases of the graph's outputs
+
+
+@dataclass
+class PieceGraphs:
+    """Replaces one compiled piece inside the split module."""
+
+    name: str
+    compiled: Any
+    state: StepState
+    # Per argument: True if its address is fixed even without a graph pool
+    # (weights, registry views); only those are checked on CPU.
+    static_args: Sequence[bool] = ()
+    entries: Dict[int, _Entry] = field(default_factory=dict)
+
+    def __call__(self, *args):
+        state = self.state
+        if state.phase in (Phase.RUN, Phase.WARMUP):
+            out = self.compiled(*args)
+        elif state.phase == Phase.CAPTURE:
+            out = self._capture(args)
+        else:
+            out = self._replay(args)
+        if state.debug_checks and state.phase != Phase.RUN:
+            _poison_padded_rows(out, state.num_tokens, state.padded_tokens)
+        return out
+
+    def _pointers(self, args: Sequence[Any]) -> List[Optional[int]]:
+        checked = lambda i: self.state.use_cuda or (i < len(self.static_args) and self.static_args[i])  # noqa: E731
+        return [a.data_ptr() if isinstance(a, torch.Tensor) and checked(i) else None for i, a in enumerate(args)]
+
+    def _capture(self, args: Tuple[Any, ...]) -> Any:
+        size = self.state.padded_tokens
+        entry = _Entry(input_ptrs=self._pointers(args))
+        if self.state.use_cuda:
+            out = self._capture_cuda_graph(entry, args)
+        else:
+            out = self.compiled(*args)
+        self.entries[size] = entry
+        counters.graphs_captured += 1
+        return out
+
+    def _capture_cuda_graph(self, entry: _Entry, args: Tuple[Any, ...]) -> Any:
+        state = self.state
+        stream = state.capture_stream
+        graph = torch.cuda.CUDAGraph()
+        # The capture stream must see the eager work (attention) issued so far.
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=state.pool)
+            try:
+                out = self.compiled(*args)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()  # capture executed nothing; make this call's outputs real
+        entry.graph = graph
+        entry.outputs = _map_tensors(_non_owning_alias, out)
+        return out
+
+    def _replay(self, args: Tuple[Any, ...]) -> Any:
+        size = self.state.padded_tokens
+        entry = self.entries.get(size)
+        if entry is None:
+            raise SglPiecewiseError(f"{self.name}: expected a captured graph for {size} tokens, got none")
+        if self.state.debug_checks:
+            self._check_addresses(entry, args)
+        counters.replays += 1
+        if entry.graph is None:  # CPU pass-through
+            return self.compiled(*args)
+        entry.graph.replay()
+        return entry.outputs
+
+    def _check_addresses(self, entry: _Entry, args: Sequence[Any]) -> None:
+        now = self._pointers(args)
+        moved = [i for i, (a, b) in enumerate(zip(entry.input_ptrs, now)) if a is not None and a != b]
+        if moved:
+            raise SglPiecewiseError(
+                f"{self.name}: graph inputs {moved} moved since capture at "
+                f"{self.state.padded_tokens} tokens: expected the captured addresses, got new ones; "
+                "a graph input must come from the registry, a weight or an earlier piece"
+            )
+
+
+def _poison_padded_rows(out: Any, num_tokens: int, padded: int) -> None:
+    """NaN in the padded rows: any op that leaks them into real rows shows at once."""
+    if padded <= num_tokens:
+        return
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.dim() and t.shape[0] == padded:
+            t[num_tokens:].fill_(float("nan"))
+        return t
+
+    _map_tensors(poison, out)

@@ -1,0 +1,117 @@
+"""Split a Dynamo graph around the splitting ops (attention, by default).
+
+Two passes:
+
+1. ``to_out_variant``: each functional ``unified_attention`` becomes
+   ``out = attention_output_buffer(q, v)`` + ``unified_attention_with_output(...,
+   out)``. The buffer is then created inside the piece *before* attention, so
+   under CUDA graphs it lives at a static address in the graph pool and the
+   piece after attention reads it without any copy.
+2. ``split_graph``: ``split_module`` into alternating pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, FrozenSet, List, Set, Tuple
+
+import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
+
+from sgl_piecewise.ops import attention as _attention_ops  # noqa: F401  (registers the ops)
+
+_FUNCTIONAL_ATTENTION = (
+    torch.ops.sgl_piecewise.unified_attention,
+    torch.ops.sgl_piecewise.unified_attention.default,
+)
+_OUT_ATTENTION = torch.ops.sgl_piecewise.unified_attention_with_output.default
+
+_splitting_ops: Set[Callable] = {
+    *_FUNCTIONAL_ATTENTION,
+    torch.ops.sgl_piecewise.unified_attention_with_output,
+    _OUT_ATTENTION,
+}
+
+
+def register_splitting_op(op: Callable) -> None:
+    """Also split the graph around ``op`` (a custom op, packet or overload).
+
+    Register before compiling. A splitting op runs eagerly between the
+    compiled (and graphed) pieces, so it may read host state, like attention.
+    """
+    if not callable(op):
+        raise TypeError(f"register_splitting_op: expected a callable op, got {type(op).__name__}")
+    _splitting_ops.add(op)
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        _splitting_ops.add(op.default)
+
+
+def splitting_ops() -> FrozenSet[Callable]:
+    return frozenset(_splitting_ops)
+
+
+def attention_output_buffer(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention output ``[T, Hq, Dv]``, allocated in the piece before attention."""
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+def to_out_variant(gm: torch.fx.GraphModule) -> int:
+    """Rewrite functional attention calls to the out variant; return how many."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _FUNCTIONAL_ATTENTION:
+            continue
+        args = list(node.args) + [None] * (5 - len(node.args))
+        q, k, v, layer_id, scale = args[:5]
+        layer_id = node.kwargs.get("layer_id", layer_id)
+        scale = node.kwargs.get("scale", scale)
+        with gm.graph.inserting_before(node):
+            out = gm.graph.call_function(attention_output_buffer, (q, v))
+            out.meta = dict(node.meta)
+            gm.graph.call_function(_OUT_ATTENTION, (q, k, v, out, layer_id, scale))
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        count += 1
+    gm.recompile()
+    return count
+
+
+@dataclass(frozen=True)
+class SplitItem:
+    """One piece of a split graph."""
+
+    name: str  # attribute name of the submodule in the split module
+    index: int
+    is_splitting_op: bool  # True: runs eagerly between compiled pieces
+    graph: torch.fx.GraphModule
+
+
+def split_graph(
+    gm: torch.fx.GraphModule, ops: FrozenSet[Callable] | None = None
+) -> Tuple[torch.fx.GraphModule, List[SplitItem]]:
+    """Split ``gm`` so every splitting op sits alone in its own piece."""
+    ops = splitting_ops() if ops is None else ops
+    piece_of = {}
+    splitting_ids = set()
+    piece = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target in ops:
+            piece += 1
+            piece_of[node] = piece
+            splitting_ids.add(piece)
+            piece += 1
+        else:
+            piece_of[node] = piece
+    # keep_original_order: attention mutates the KV cache and its output
+    # buffer; reordering pieces by data dependence alone could run a reader
+    # before the op that fills what it reads.
+    split_gm = split_module(gm, None, lambda n: piece_of[n], keep_original_order=True)
+    items = []
+    for name, module in split_gm.named_children():
+        index = int(name.rsplit("_", 1)[-1])
+        items.append(SplitItem(name, index, index in splitting_ids, module))
+    items.sort(key=lambda item: item.index)
+    return split_gm, items
