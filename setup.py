@@ -12,7 +12,7 @@ setup(
     # torch>=2.11: the GPU machine runs 2.11, CI installs 2.13 (the CPU build).
     install_requires=["torch>=2.11,<2.15", "safetensors>=0.4", "tqdm>=4.60", "rich>=13"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "transformers>=4.45", "safetensors>=0.4"],
+        "test": ["pytest>=8", "hypothesis>=6", "transformers>=4.45", "safetensors>=0.4", "triton>=3.0"],
         "gpu": ["triton>=3.0", "flashinfer-python"],
         "tensorrt": ["torch-tensorrt"],
     },

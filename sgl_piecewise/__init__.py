@@ -30,3 +30,17 @@ __all__ = [
     "forward_context",
     "ops",
 ]
+
+
+def _register_dynamo_backend() -> None:
+    """Make ``backend="sgl_piecewise"`` work after ``import sgl_piecewise`` even
+    without an installed entry point (e.g. a source checkout on PYTHONPATH)."""
+    from torch._dynamo.backends import registry
+
+    if "sgl_piecewise" not in registry._COMPILER_FNS:
+        from sgl_piecewise.compile.backend import sgl_piecewise_backend
+
+        registry.register_backend(sgl_piecewise_backend, "sgl_piecewise")
+
+
+_register_dynamo_backend()

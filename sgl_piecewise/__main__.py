@@ -1,0 +1,5 @@
+import sys
+
+from sgl_piecewise.cli import main
+
+sys.exit(main())

@@ -1,0 +1,90 @@
+"""``PiecewiseCudaGraphRunner``: a ``ModelRunner``'s model, compiled by the
+``sgl_piecewise`` backend, with every capture size captured up front.
+
+The backend's own wrapper does the capturing (one place, not two); this
+runner only drives it: it marks the token axis dynamic (unbacked, so sizes 0
+and 1 share the graph too), and calls the compiled model once per capture
+size, largest first — so smaller sizes reuse the pool memory the largest one
+reserved — with Python's gc frozen and a progress bar.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any, Optional
+
+import torch
+from tqdm import tqdm
+
+from sgl_piecewise.compile.backend import SglPiecewiseBackend
+from sgl_piecewise.compile.options import CompileOptions
+from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
+from sgl_piecewise.memory import DUMMY_SLOT
+
+
+def mark_token_axis(*tensors: torch.Tensor) -> None:
+    """Make dim 0 dynamic for Dynamo without 0/1 specialisation (no recompile at 1 token)."""
+    for t in tensors:
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+
+
+class CompiledModel:
+    """``torch.compile(model, backend=sgl_piecewise)`` with the token axis marked."""
+
+    def __init__(self, model: torch.nn.Module, options: CompileOptions):
+        self.backend = SglPiecewiseBackend(options)
+        self.compiled = torch.compile(model, backend=self.backend, fullgraph=True)
+        self._marked = False
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        if not self._marked:
+            mark_token_axis(input_ids, positions)
+            self._marked = True
+        return self.compiled(input_ids, positions)
+
+
+class PiecewiseCudaGraphRunner:
+    """Installs the compiled model into ``model_runner.model_forward``."""
+
+    def __init__(self, model_runner: Any, options: Optional[CompileOptions] = None):
+        self.model_runner = model_runner
+        self.options = options or CompileOptions(cudagraphs=True)
+        self.compiled = CompiledModel(model_runner.model, self.options)
+        model_runner.model_forward = self.compiled
+
+    def capture(self, progress: bool = True) -> float:
+        """Compile and capture every size, largest first; return the seconds it took."""
+        start = time.perf_counter()
+        sizes = sorted(self.options.capture_sizes, reverse=True)
+        gc.collect()
+        gc.freeze()
+        try:
+            for size in tqdm(sizes, desc="capturing piecewise graphs", disable=not progress, unit="size"):
+                self._dummy_forward(size)
+        finally:
+            gc.unfreeze()
+        if self.model_runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    @torch.no_grad()
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """One request of ``num_tokens`` new tokens that all write the dummy slot."""
+        mr = self.model_runner
+        device = mr.device
+        (row,) = mr.req_to_token_pool.alloc(1)
+        try:
+            batch = ForwardBatch.build(
+                ForwardMode.EXTEND,
+                torch.zeros(num_tokens, dtype=torch.int64, device=device),
+                torch.tensor([row], dtype=torch.int64, device=device),
+                [0],
+                [num_tokens],
+                torch.full((num_tokens,), DUMMY_SLOT, dtype=torch.int64, device=device),
+            )
+            mr.backend.init_forward_metadata(batch)
+            with forward_context(batch, mr.backend):
+                self.compiled(batch.input_ids, batch.positions)
+        finally:
+            mr.req_to_token_pool.free([row])

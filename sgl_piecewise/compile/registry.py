@@ -1,0 +1,532 @@
+"""Static graph inputs, declared once: the buffer registry (SEEDS.md 003).
+
+A CUDA graph reads its inputs from fixed addresses. Before each replay the new
+step's data must land at those addresses, padded rows must hold values that
+are safe to compute on, and nothing else may move. When every runner copied
+``ForwardBatch`` fields by hand, the copies drifted apart (SEEDS.md 003). Here
+each input is declared once as a :class:`GraphSlot`, and every runner — at
+capture and at replay alike — fills all of them through
+:meth:`CudaGraphBufferRegistry.fill_from`.
+
+Ownership: the registry owns every buffer it allocates and adopts, without
+copying, a buffer handed to ``register_slot(bind=...)``. A slot's buffer never
+changes after registration, so a graph captured on ``slot.slice_for(...)``
+sees every later fill.
+
+One ``fill_from(batch, ctx)``:
+
+1. checks ``ctx`` against the capacity and resolves and checks every source
+   (a tensor; dtype castable; shape ``[raw, *buffer.shape[1:]]``; device) —
+   all before writing, so a rejected fill leaves every buffer as it was;
+2. resets the padded tail ``[raw, padded)`` of each copied slot by its policy;
+3. copies every head ``[:raw]`` with one ``torch._foreach_copy_`` per
+   (device, dst dtype, src dtype) group, per tensor if that call raises;
+4. runs the ``post_fill(slot, batch, ctx)`` hooks in registration order.
+
+``registry_factories`` declares the registries of the runners
+(``build_decode_registry``, ``build_prefill_registry``) and the pool they share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Union
+
+import torch
+
+from sgl_piecewise.checks import check_positive_int, check_tensor, same_device
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sgl_piecewise.compile.registry_factories import SharedBufferPool
+
+logger = logging.getLogger(__name__)
+
+AXES = ("bs", "tokens", "none")
+
+ShapeFn = Callable[[int, int], Tuple[int, ...]]
+SliceFn = Callable[[torch.Tensor, int, int], torch.Tensor]
+SourceFn = Callable[[Any], Optional[torch.Tensor]]
+PostFill = Callable[["GraphSlot", Any, "FillContext"], None]
+PadValue = Union[bool, int, float]
+
+
+class PaddingPolicy(enum.Enum):
+    """What a fill writes into the padded tail ``[raw, padded)`` of a slot."""
+
+    KEEP_PAD = "keep_pad"  # the graph never reads the tail: left as is (poisoned in debug)
+    FILL_SENTINEL = "fill_sentinel"  # tail := pad_value (seq_lens fill, dummy KV slot)
+    ZERO = "zero"  # tail := 0
+    # Head only; the graph may read the tail, whose earlier contents are valid
+    # values (token ids of an earlier step), so it is never poisoned.
+    FOREACH_COPY = "foreach_copy"
+    FILL_ONCE = "fill_once"  # a constant: pad_value at registration, never written again
+
+
+class MissingSource(enum.Enum):
+    """What a fill does with a slot whose source is None (an optional field)."""
+
+    ERROR = "error"  # raise: the field is required
+    SKIP = "skip"  # leave the slot exactly as it is
+    PAD = "pad"  # treat every row as padding: the whole padded view := pad_value
+
+
+def check_count(name: str, value: object) -> int:
+    """An int >= 0 (a size or a count; bools are not counts)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidInputError(f"{name}: expected an int >= 0, got {value!r}")
+    return value
+
+
+def canonical_device(device: Union[torch.device, str]) -> torch.device:
+    """``cuda`` and ``cuda:<current>`` are one device; give both the same key."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return torch.device("cuda", index)
+    return device
+
+
+@dataclass(frozen=True)
+class FillContext:
+    """Sizes of one fill: the batch's real counts and the graph's padded sizes.
+
+    Rows ``[:raw]`` come from the batch; rows ``[raw, padded)`` are padding.
+    ``pp_proxy_tensors`` (a later pipeline stage's inputs) is passed to hooks
+    untouched.
+    """
+
+    raw_bs: int
+    padded_bs: int
+    raw_num_tokens: int
+    padded_num_tokens: int
+    pp_proxy_tensors: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        for name in ("raw_bs", "padded_bs", "raw_num_tokens", "padded_num_tokens"):
+            check_count(f"FillContext.{name}", getattr(self, name))
+        if self.raw_bs > self.padded_bs:
+            raise InvalidInputError(
+                f"FillContext: expected raw_bs <= padded_bs, got {self.raw_bs} > {self.padded_bs}"
+            )
+        if self.raw_num_tokens > self.padded_num_tokens:
+            raise InvalidInputError(
+                f"FillContext: expected raw_num_tokens <= padded_num_tokens, "
+                f"got {self.raw_num_tokens} > {self.padded_num_tokens}"
+            )
+
+    @classmethod
+    def uniform(
+        cls, raw_bs: int, padded_bs: int, tokens_per_req: int = 1, pp_proxy_tensors: Any = None
+    ) -> "FillContext":
+        """Every request (padded ones too) has ``tokens_per_req`` new tokens:
+        DECODE (1), TARGET_VERIFY (draft tokens), DRAFT_EXTEND_V2."""
+        n = check_positive_int("tokens_per_req", tokens_per_req)
+        raw, padded = check_count("raw_bs", raw_bs), check_count("padded_bs", padded_bs)
+        return cls(raw, padded, raw * n, padded * n, pp_proxy_tensors)
+
+    def counts(self, axis: str) -> Tuple[int, int]:
+        """``(raw, padded)`` along ``axis`` (``bs`` or ``tokens``)."""
+        if axis == "bs":
+            return self.raw_bs, self.padded_bs
+        if axis == "tokens":
+            return self.raw_num_tokens, self.padded_num_tokens
+        raise InvalidInputError(f"axis: expected 'bs' or 'tokens', got {axis!r}")
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: tensors have no truth value to compare by
+class GraphSlot:
+    """One static graph input: a buffer, the axis it is padded along, and how.
+
+    ``shape_fn(max_bs, max_num_tokens)`` gives the buffer's shape; the padded
+    axis (``bs`` or ``tokens``) is dim 0. ``source_fn(batch)`` overrides the
+    default source ``getattr(batch, name)`` (or ``batch[name]`` for a
+    mapping). ``slice_fn(buffer, padded_bs, padded_num_tokens)`` overrides the
+    view a graph is captured on. ``post_fill(slot, batch, ctx)`` runs after
+    every copy of the fill. ``copy_from_fb=False``: fill_from writes the slot
+    only through its hook. ``buffer`` is set by the registry.
+    """
+
+    name: str
+    shape_fn: Optional[ShapeFn]
+    dtype: torch.dtype
+    axis: str
+    device: Optional[torch.device] = None
+    padding_policy: PaddingPolicy = PaddingPolicy.KEEP_PAD
+    pad_value: PadValue = 0
+    post_fill: Optional[PostFill] = None
+    slice_fn: Optional[SliceFn] = None
+    source_fn: Optional[SourceFn] = None
+    copy_from_fb: bool = True
+    buffer: Optional[torch.Tensor] = None
+    when_missing: MissingSource = MissingSource.ERROR
+
+    def __post_init__(self) -> None:
+        where = f"slot {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidInputError(f"slot name: expected a non-empty str, got {self.name!r}")
+        if self.axis not in AXES:
+            raise InvalidInputError(f"{where}: axis: expected one of {AXES}, got {self.axis!r}")
+        for field, kind in (
+            ("dtype", torch.dtype),
+            ("padding_policy", PaddingPolicy),
+            ("when_missing", MissingSource),
+            ("pad_value", (bool, int, float)),
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, kind):
+                want = "a number" if field == "pad_value" else f"a {kind.__name__}"
+                raise InvalidTypeError(f"{where}: {field}: expected {want}, got {value!r}")
+        if self.shape_fn is None and self.buffer is None:
+            raise InvalidInputError(f"{where}: expected a shape_fn or a buffer to bind, got none")
+        if self.device is not None:
+            object.__setattr__(self, "device", torch.device(self.device))
+        self._check_policy(where)
+
+    def _check_policy(self, where: str) -> None:
+        policy = self.padding_policy
+        if self.axis == "none" and policy is not PaddingPolicy.KEEP_PAD:
+            raise InvalidInputError(
+                f"{where}: an axis='none' slot has no padded tail: expected "
+                f"padding_policy KEEP_PAD, got {policy.name}"
+            )
+        if policy is PaddingPolicy.FILL_ONCE and (self.copy_from_fb or self.post_fill is not None):
+            raise InvalidInputError(
+                f"{where}: a FILL_ONCE slot is a constant: expected copy_from_fb=False and "
+                f"no post_fill, got copy_from_fb={self.copy_from_fb}, "
+                f"post_fill={self.post_fill!r}"
+            )
+
+    def slice_for(self, padded_bs: int, padded_num_tokens: int) -> torch.Tensor:
+        """The view a graph of these sizes is captured on; it shares the buffer's storage."""
+        buf = self._require_buffer()
+        if self.slice_fn is not None:
+            return self.slice_fn(buf, padded_bs, padded_num_tokens)
+        if self.axis == "none":
+            return buf
+        rows = padded_bs if self.axis == "bs" else padded_num_tokens
+        if not 0 <= rows <= buf.shape[0]:
+            raise InvalidInputError(
+                f"slot {self.name!r}: expected at most {buf.shape[0]} rows along "
+                f"{self.axis}, got {rows}"
+            )
+        return buf[:rows]
+
+    def _require_buffer(self) -> torch.Tensor:
+        if self.buffer is None:
+            raise InvalidInputError(
+                f"slot {self.name!r}: expected a registered slot with a buffer, got none; "
+                f"use the slot returned by CudaGraphBufferRegistry.register_slot"
+            )
+        return self.buffer
+
+
+@dataclass
+class RegistryStats:
+    """Counters of one registry (checked exactly by tests and ``verify``)."""
+
+    fills: int = 0
+    foreach_copies: int = 0  # grouped copies done by one torch._foreach_copy_
+    per_tensor_fallbacks: int = 0  # groups copied tensor by tensor instead
+    last_fallback_reason: Optional[str] = None
+
+
+class _Fill(NamedTuple):
+    """A slot's part in one fill. ``src is None``: every row is padding (MissingSource.PAD)."""
+
+    slot: GraphSlot
+    src: Optional[torch.Tensor]
+    raw: int
+    padded: int
+
+
+def _poison_value(dtype: torch.dtype) -> PadValue:
+    """A value no real input has: NaN, or the most negative int (a wild index)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype == torch.bool:
+        return True
+    return torch.iinfo(dtype).min
+
+
+def _source(slot: GraphSlot, batch: Any) -> Any:
+    if slot.source_fn is not None:
+        return slot.source_fn(batch)
+    if isinstance(batch, Mapping):
+        return batch.get(slot.name)
+    return getattr(batch, slot.name, None)
+
+
+def _check_source(slot: GraphSlot, src: object, raw: int) -> None:
+    where = f"slot {slot.name!r}: source"
+    if not isinstance(src, torch.Tensor):
+        raise InvalidTypeError(f"{where}: expected a torch.Tensor, got {type(src).__name__}")
+    buf = slot.buffer
+    if not same_device(src.device, buf.device):
+        raise InvalidInputError(
+            f"{where}: expected device {buf.device}, got {src.device}; "
+            f"move the batch to the graph's device first"
+        )
+    if not torch.can_cast(src.dtype, buf.dtype):
+        raise InvalidInputError(
+            f"{where}: expected a dtype that casts safely to {buf.dtype}, got {src.dtype}"
+        )
+    if slot.axis == "none":
+        want, why = tuple(buf.shape), "the whole buffer"
+    else:
+        want, why = (raw, *buf.shape[1:]), f"raw {slot.axis} count {raw}"
+    if tuple(src.shape) != want:
+        raise InvalidInputError(
+            f"{where}: expected shape {list(want)} ({why}), got {list(src.shape)}"
+        )
+
+
+class CudaGraphBufferRegistry:
+    """Owns the static inputs of one runner's graphs (module docstring: fill steps).
+
+    ``max_bs`` / ``max_num_tokens``: the largest captured sizes; every buffer
+    holds at least that many rows along its axis. ``pool``: allocate through a
+    ``registry_factories.SharedBufferPool``, so registries alias identical buffers.
+    ``poison_tails`` (debug): KEEP_PAD tails get a value no computation
+    survives (NaN, the most negative int), so a graph that reads them shows it.
+    """
+
+    def __init__(
+        self,
+        max_bs: int,
+        max_num_tokens: int,
+        device: Union[torch.device, str],
+        *,
+        pool: Optional["SharedBufferPool"] = None,
+        poison_tails: bool = False,
+    ):
+        self.max_bs = check_positive_int("max_bs", max_bs)
+        self.max_num_tokens = check_positive_int("max_num_tokens", max_num_tokens)
+        self.device = canonical_device(device)
+        self.pool = pool
+        self.poison_tails = bool(poison_tails)
+        self.stats = RegistryStats()
+        self._slots: Dict[str, GraphSlot] = {}
+
+    # ---- declaration ------------------------------------------------------
+    def register_slot(
+        self,
+        name: str,
+        shape_fn: Optional[ShapeFn],
+        dtype: torch.dtype,
+        axis: str,
+        *,
+        device: Union[torch.device, str, None] = None,
+        padding_policy: PaddingPolicy = PaddingPolicy.KEEP_PAD,
+        pad_value: PadValue = 0,
+        post_fill: Optional[PostFill] = None,
+        slice_fn: Optional[SliceFn] = None,
+        source_fn: Optional[SourceFn] = None,
+        copy_from_fb: bool = True,
+        bind: Optional[torch.Tensor] = None,
+        when_missing: MissingSource = MissingSource.ERROR,
+    ) -> GraphSlot:
+        """Declare a slot; allocate its buffer, or adopt ``bind`` (same storage, no copy)."""
+        slot = GraphSlot(name, shape_fn, dtype, axis, device, padding_policy, pad_value, post_fill,
+                         slice_fn, source_fn, copy_from_fb, bind, when_missing)  # fmt: skip
+        return self.register(slot)
+
+    def register(self, slot: GraphSlot) -> GraphSlot:
+        """Add a declared slot (``slot.buffer`` set: adopt it); return the registered slot."""
+        if slot.name in self._slots:
+            raise InvalidInputError(
+                f"slot {slot.name!r}: expected a new name, got a duplicate "
+                f"(registered: {list(self._slots)})"
+            )
+        device = canonical_device(slot.device if slot.device is not None else self.device)
+        buffer = self._allocate(slot, device) if slot.buffer is None else self._adopt(slot, device)
+        slot = dataclasses.replace(slot, device=device, buffer=buffer)
+        self._slots[slot.name] = slot
+        return slot
+
+    def _rows_needed(self, axis: str) -> Optional[int]:
+        return {"bs": self.max_bs, "tokens": self.max_num_tokens}.get(axis)
+
+    def _shape(self, slot: GraphSlot) -> Tuple[int, ...]:
+        shape = tuple(slot.shape_fn(self.max_bs, self.max_num_tokens))
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise InvalidInputError(
+                f"slot {slot.name!r}: shape_fn: expected a tuple of ints >= 0, got {shape!r}"
+            )
+        need = self._rows_needed(slot.axis)
+        if need is not None and (not shape or shape[0] < need):
+            raise InvalidInputError(
+                f"slot {slot.name!r}: expected at least {need} rows along {slot.axis} "
+                f"(the registry's maximum), got shape {list(shape)}"
+            )
+        return shape
+
+    def _allocate(self, slot: GraphSlot, device: torch.device) -> torch.Tensor:
+        shape = self._shape(slot)
+        # A FILL_ONCE constant must not alias a buffer that other fills rewrite.
+        if self.pool is not None and slot.padding_policy is not PaddingPolicy.FILL_ONCE:
+            numel = math.prod(shape)
+            buf = self.pool.share_input_buffer(slot.name, numel, slot.dtype, device).view(shape)
+        else:
+            buf = torch.empty(shape, dtype=slot.dtype, device=device)
+        # Never uninitialised memory: a graph captured before the first fill
+        # reads the policy's values, the same on every run.
+        if slot.padding_policy in (PaddingPolicy.FILL_SENTINEL, PaddingPolicy.FILL_ONCE):
+            buf.fill_(slot.pad_value)
+        else:
+            buf.zero_()
+        return buf
+
+    def _adopt(self, slot: GraphSlot, device: torch.device) -> torch.Tensor:
+        """Take the caller's buffer as is: its owner may have filled it already."""
+        where = f"slot {slot.name!r}: bind"
+        buf = check_tensor(where, slot.buffer, dtype=slot.dtype, device=device)
+        want = list(self._shape(slot)) if slot.shape_fn is not None else None
+        need = self._rows_needed(slot.axis)
+        if need is None:  # axis "none": the whole buffer is the graph input
+            ok = want is None or list(buf.shape) == want
+        else:
+            ok = buf.dim() >= 1 and buf.shape[0] >= need
+            ok = ok and (want is None or list(buf.shape[1:]) == want[1:])
+        if not ok:
+            raise InvalidInputError(
+                f"{where}: expected shape {want or [need, '*']} (at least {need} rows along "
+                f"{slot.axis}), got {list(buf.shape)}"
+            )
+        if slot.padding_policy is PaddingPolicy.FILL_ONCE:
+            buf.fill_(slot.pad_value)
+        return buf
+
+    # ---- access -----------------------------------------------------------
+    def get_slot(self, name: str) -> GraphSlot:
+        if name not in self._slots:
+            raise InvalidInputError(f"slot: expected one of {list(self._slots)}, got {name!r}")
+        return self._slots[name]
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return tuple(self._slots)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._slots
+
+    def __iter__(self) -> Iterator[GraphSlot]:
+        return iter(self._slots.values())
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def extract(self, ctx: FillContext) -> Dict[str, torch.Tensor]:
+        """Name -> the padded view a graph of ``ctx``'s sizes reads (its inputs)."""
+        self._check_ctx(ctx)
+        bs, tokens = ctx.padded_bs, ctx.padded_num_tokens
+        return {name: slot.slice_for(bs, tokens) for name, slot in self._slots.items()}
+
+    # ---- filling ----------------------------------------------------------
+    def fill_from(self, batch_or_sources: Any, ctx: FillContext) -> None:
+        """Write one step into every slot: check, pad tails, grouped copy, hooks.
+
+        ``batch_or_sources``: a ``ForwardBatch`` (any object whose attributes
+        are the slot names) or a mapping name -> tensor; hooks receive it as is.
+        """
+        self._check_ctx(ctx)
+        # Check everything first: a rejected fill must not leave half a step behind.
+        plans = (self._plan(slot, batch_or_sources, ctx) for slot in self._slots.values())
+        fills = [f for f in plans if f is not None]
+        dsts: List[torch.Tensor] = []
+        srcs: List[torch.Tensor] = []
+        for f in fills:
+            self._write_padding(f)
+            if f.src is not None and f.src.numel():
+                dsts.append(f.slot.buffer if f.slot.axis == "none" else f.slot.buffer[: f.raw])
+                srcs.append(f.src)
+        self._copy_grouped(dsts, srcs)
+        for slot in self._slots.values():
+            if slot.post_fill is not None:
+                slot.post_fill(slot, batch_or_sources, ctx)
+        self.stats.fills += 1
+
+    def _check_ctx(self, ctx: FillContext) -> None:
+        if not isinstance(ctx, FillContext):
+            raise InvalidTypeError(f"ctx: expected a FillContext, got {type(ctx).__name__}")
+        for field, size, limit in (
+            ("padded_bs", ctx.padded_bs, self.max_bs),
+            ("padded_num_tokens", ctx.padded_num_tokens, self.max_num_tokens),
+        ):
+            if size > limit:
+                raise InvalidInputError(
+                    f"FillContext.{field}: expected at most {limit} (the registry's maximum), "
+                    f"got {size}; run this batch eagerly or build a larger registry"
+                )
+
+    def _plan(self, slot: GraphSlot, batch: Any, ctx: FillContext) -> Optional[_Fill]:
+        if not slot.copy_from_fb:
+            return None  # written only by its hook; its source is never read
+        raw, padded = (0, 0) if slot.axis == "none" else ctx.counts(slot.axis)
+        src = _source(slot, batch)
+        if src is None:
+            if slot.when_missing is MissingSource.ERROR:
+                raise InvalidInputError(
+                    f"slot {slot.name!r}: expected a source tensor, got None (field missing or "
+                    f"None); declare when_missing=SKIP or PAD if the field is optional"
+                )
+            if slot.when_missing is MissingSource.SKIP:
+                return None
+            return _Fill(slot, None, raw, padded)
+        _check_source(slot, src, raw)
+        return _Fill(slot, src, raw, padded)
+
+    def _write_padding(self, f: _Fill) -> None:
+        slot, buf = f.slot, f.slot.buffer
+        if f.src is None:  # MissingSource.PAD: every row is padding
+            (buf if slot.axis == "none" else buf[: f.padded]).fill_(slot.pad_value)
+            return
+        if slot.axis == "none" or f.raw == f.padded:
+            return
+        tail = buf[f.raw : f.padded]
+        policy = slot.padding_policy
+        if policy is PaddingPolicy.FILL_SENTINEL:
+            tail.fill_(slot.pad_value)
+        elif policy is PaddingPolicy.ZERO:
+            tail.zero_()
+        elif policy is PaddingPolicy.KEEP_PAD and self.poison_tails:
+            tail.fill_(_poison_value(slot.dtype))
+
+    def _copy_grouped(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
+        # One foreach call takes tensors of one device, and its fast path one
+        # (dst, src) dtype pair. Sources are checked to be on their slot's
+        # device, so every copy is stream-ordered and non_blocking would change
+        # nothing.
+        groups: Dict[Tuple[torch.device, torch.dtype, torch.dtype], Tuple[list, list]] = {}
+        for dst, src in zip(dsts, srcs):
+            group = groups.setdefault((dst.device, dst.dtype, src.dtype), ([], []))
+            group[0].append(dst)
+            group[1].append(src)
+        for group_dsts, group_srcs in groups.values():
+            self._copy_group(group_dsts, group_srcs)
+
+    def _copy_group(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
+        foreach = getattr(torch, "_foreach_copy_", None)
+        if foreach is None:
+            reason = "this torch has no torch._foreach_copy_"
+        else:
+            try:
+                foreach(dsts, srcs)
+                self.stats.foreach_copies += 1
+                return
+            except Exception as exc:  # any failure of the fast path is retried per tensor
+                reason = f"torch._foreach_copy_ raised {type(exc).__name__}: {exc}"
+        self.stats.per_tensor_fallbacks += 1
+        self.stats.last_fallback_reason = reason
+        # Warn once per registry: this runs before every replay.
+        level = logging.WARNING if self.stats.per_tensor_fallbacks == 1 else logging.DEBUG
+        logger.log(level, "registry: copying %d tensors one by one: %s", len(dsts), reason)
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src)
+

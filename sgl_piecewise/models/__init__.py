@@ -1,0 +1,29 @@
+"""Llama-family models written against ``sgl_piecewise.ops.unified_attention``,
+with Hugging Face config and safetensors loading.
+
+Model code never imports ``sgl_piecewise.compile``: compilation is applied by
+the caller (``torch.compile(model, backend="sgl_piecewise")``).
+"""
+
+from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
+from sgl_piecewise.models.llama import LlamaForCausalLM
+from sgl_piecewise.models.loader import (
+    MODEL_CLASSES,
+    build_random_model,
+    default_config,
+    load_model,
+    load_model_or_default,
+)
+from sgl_piecewise.models.qwen2 import Qwen2ForCausalLM
+
+__all__ = [
+    "Llama3RopeScaling",
+    "LlamaForCausalLM",
+    "MODEL_CLASSES",
+    "ModelConfig",
+    "Qwen2ForCausalLM",
+    "build_random_model",
+    "default_config",
+    "load_model",
+    "load_model_or_default",
+]

@@ -1,0 +1,185 @@
+"""Building blocks of the Llama-family models: linear, embedding, RMSNorm,
+rotary embedding, gated MLP, attention and the decoder layer.
+
+Everything is token-major: activations are ``[T, ...]`` with ``T`` the number
+of tokens of the step (all requests concatenated, padding included). Nothing
+here branches on ``T`` or reads a tensor's value on the host, so a model built
+from these traces into one graph under ``torch.compile(dynamic=True)``.
+
+Parameters are allocated uninitialised (``torch.empty``): a checkpoint or
+``build_random_model`` fills every one of them, and skipping a random init we
+would overwrite keeps loading a large model fast.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
+from sgl_piecewise.ops import unified_attention
+
+
+class Linear(nn.Module):
+    """``y = x @ weight.T (+ bias)``, weight ``[out, in]`` as in ``nn.Linear``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device)
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype, device=device))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)  # [T] -> [T, dim]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale after casting back, in the same order
+        # as Hugging Face, so half-precision results match it bit for bit.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: Optional[Llama3RopeScaling]
+) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` float32, Llama-3 scaled if asked.
+
+    Computed in float32 with the same operations as transformers, so the
+    rotary angles (and thus logits) agree with it exactly in float32.
+    """
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponent)
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are stretched by `factor`, short ones kept, the band
+    # between them interpolated smoothly.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, Hugging Face "rotate_half" convention.
+
+    ``cos_sin_cache [max_positions, head_dim]`` holds ``cos`` in its first half
+    and ``sin`` in its second, one row per position; ``forward`` gathers rows
+    by ``positions``, so ragged batches need no per-request offsets.
+    """
+
+    def __init__(self, config: ModelConfig, dtype, device):
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        t = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
+        freqs = t[:, None] * inv_freq[None, :]  # [P, D/2], float32 like transformers
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [P, D]
+        cache = cache.to(device=device, dtype=dtype)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with ``cos``/``sin`` stored once per pair."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused in one matmul."""
+
+    def __init__(self, config: ModelConfig, dtype, device):
+        super().__init__()
+        h, f = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = Linear(h, 2 * f, bias=False, dtype=dtype, device=device)
+        self.down_proj = Linear(f, h, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each
+        return self.down_proj(F.silu(gate) * up)  # [T, H]
+
+
+class Attention(nn.Module):
+    """Fused QKV projection, rotary, paged attention (the custom op), output projection."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype, device):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scaling = self.head_dim**-0.5
+        h = config.hidden_size
+        self.qkv_proj = Linear(
+            h, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype, device=device
+        )
+        self.o_proj = Linear(self.q_size, h, bias=False, dtype=dtype, device=device)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        # x: [T, H]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = rotary(positions, q, k)
+        o = unified_attention(q, k, v, layer_id=self.layer_id, scale=self.scaling)  # [T, Hq, D]
+        return self.o_proj(o.reshape(-1, self.q_size))  # [T, H]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then the gated MLP."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype, device):
+        super().__init__()
+        eps, h = config.rms_norm_eps, config.hidden_size
+        self.input_layernorm = RMSNorm(h, eps, dtype, device)
+        self.self_attn = Attention(config, layer_id, dtype, device)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
+        self.mlp = GatedMLP(config, dtype, device)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        # x: [T, H]
+        x = x + self.self_attn(positions, self.input_layernorm(x), rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))

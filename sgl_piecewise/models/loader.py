@@ -1,0 +1,224 @@
+"""Building models: from a Hugging Face checkpoint directory (config.json +
+safetensors, single file or sharded), or with seeded random weights from a
+config (the embedded default one included).
+
+Checkpoint names map onto ours one to one, except that ``q_proj/k_proj/v_proj``
+are concatenated into ``qkv_proj`` and ``gate_proj/up_proj`` into
+``gate_up_proj``, and a tied ``lm_head`` shares the embedding. Every tensor is
+checked against the shape the config implies *before* anything is fused, so
+an error names the checkpoint's own tensor.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from importlib import resources
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+from safetensors import safe_open
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
+from sgl_piecewise.models.config import ModelConfig
+from sgl_piecewise.models.layers import RMSNorm
+from sgl_piecewise.models.llama import LlamaForCausalLM
+from sgl_piecewise.models.qwen2 import Qwen2ForCausalLM
+
+MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": Qwen2ForCausalLM}
+
+# Checkpoint entries that carry no weight of ours: rotary caches that old
+# exports saved as buffers, and the copy of a tied lm_head some exports keep
+# (transformers ignores it too and ties to the embedding).
+_ROTARY_BUFFER_SUFFIX = ".rotary_emb.inv_freq"
+_TIED_HEAD = "lm_head.weight"
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def new_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device | str
+) -> LlamaForCausalLM:
+    """The model class of ``config.architecture``, parameters uninitialised."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InvalidTypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+    return MODEL_CLASSES[config.architecture](config, dtype=dtype, device=device)
+
+
+def hf_weight_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of ``config`` holds, with its shape."""
+    h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.q_size, config.kv_size
+    shapes: Dict[str, Tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes[_TIED_HEAD] = (v, h)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (f, h),
+            p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+        })
+        if config.qkv_bias:
+            shapes.update({
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            })
+    return shapes
+
+
+def check_hf_weights(config: ModelConfig, tensors: Dict[str, torch.Tensor]) -> None:
+    """Raise naming every missing, unexpected or misshapen checkpoint tensor."""
+    expected = hf_weight_shapes(config)
+    ignorable = {n for n in tensors if n.endswith(_ROTARY_BUFFER_SUFFIX)}
+    if config.tie_word_embeddings:
+        ignorable.add(_TIED_HEAD)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected) - ignorable)
+    if missing or unexpected:
+        found = [
+            f"{what} {_abbrev(names)}"
+            for what, names in (("missing", missing), ("unexpected", unexpected))
+            if names
+        ]
+        raise InvalidInputError(
+            f"checkpoint weights for {config.architecture}: expected exactly the tensors "
+            f"config.json implies, got {' and '.join(found)}"
+        )
+    bad = [
+        f"{n}: expected {list(shape)}, got {list(tensors[n].shape)}"
+        for n, shape in expected.items()
+        if tuple(tensors[n].shape) != shape
+    ]
+    if bad:
+        raise InvalidInputError(
+            "checkpoint weight shapes do not match config.json: " + "; ".join(bad[:8])
+        )
+
+
+def _abbrev(names: List[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > limit else ''}]"
+
+
+def fuse_hf_weights(
+    config: ModelConfig, tensors: Dict[str, torch.Tensor]
+) -> Dict[str, torch.Tensor]:
+    """Checked checkpoint tensors -> our parameter names (fused projections)."""
+    ours = {n: t for n, t in tensors.items() if n in hf_weight_shapes(config)}
+    for i in range(config.num_hidden_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        kinds = ("weight", "bias") if config.qkv_bias else ("weight",)
+        for kind in kinds:
+            parts = [ours.pop(f"{attn}{p}_proj.{kind}") for p in "qkv"]
+            ours[f"{attn}qkv_proj.{kind}"] = torch.cat(parts, dim=0)
+        parts = [ours.pop(f"{mlp}{p}_proj.weight") for p in ("gate", "up")]
+        ours[f"{mlp}gate_up_proj.weight"] = torch.cat(parts, dim=0)
+    return ours
+
+
+def checkpoint_files(model_dir: str) -> List[str]:
+    """The safetensors files of a checkpoint: from the shard index, else every file."""
+    index_path = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        absent = [p for p in files if not os.path.isfile(p)]
+        if absent:
+            raise InvalidInputError(
+                f"{INDEX_FILE}: expected its shards on disk, got {absent} missing"
+            )
+        return files
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise InvalidInputError(
+            f"model_dir: expected model.safetensors or {INDEX_FILE} in {model_dir!r}, got neither"
+        )
+    return files
+
+
+def read_safetensors(files: Iterable[str]) -> Dict[str, torch.Tensor]:
+    tensors: Dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name in tensors:
+                    raise InvalidInputError(
+                        f"{name}: expected in one shard, got it twice (in {path})"
+                    )
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def load_model(
+    model_dir: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LlamaForCausalLM:
+    """Load a Llama or Qwen2 Hugging Face checkpoint directory, eval mode."""
+    model_dir = os.fspath(model_dir)
+    config = ModelConfig.from_pretrained_dir(model_dir)
+    tensors = read_safetensors(checkpoint_files(model_dir))
+    check_hf_weights(config, tensors)
+    model = new_model(config, dtype, device)
+    params = dict(model.named_parameters())
+    weights = fuse_hf_weights(config, tensors)
+    assert set(weights) == set(params), sorted(set(weights) ^ set(params))
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)  # casts to the model's dtype and device
+    return model.eval()
+
+
+def build_random_model(
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    std: float = 0.02,
+) -> LlamaForCausalLM:
+    """A model with seeded normal(0, ``std``) weights and unit norm scales.
+
+    The draw happens on the CPU in float32 and is then cast, so a seed gives
+    the same weights on every device and dtype.
+    """
+    model = new_model(config, dtype, device)
+    gen = torch.Generator().manual_seed(seed)
+    norm_params = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) in norm_params:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model.eval()
+
+
+def default_config() -> ModelConfig:
+    """The embedded default: a small Llama-3-shaped model that runs quickly on a CPU."""
+    package = resources.files("sgl_piecewise.models")
+    text = package.joinpath("configs/default.json").read_text("utf-8")
+    return ModelConfig.from_hf_dict(json.loads(text))
+
+
+def load_model_or_default(
+    model_dir: Optional[str | os.PathLike] = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """A checkpoint if ``model_dir`` is given, else the default config with random weights."""
+    if model_dir is None:
+        return build_random_model(default_config(), dtype, device, seed)
+    return load_model(model_dir, dtype, device)

@@ -1,0 +1,220 @@
+"""``ModelRunner``: the KV pool, an attention backend and a model, driven step
+by step; ``generate`` runs greedy decoding for a batch of token-id prompts.
+
+The runner calls ``self.model_forward(input_ids, positions)`` for the hidden
+states. It starts as the model itself; a caller may replace it with any
+callable of the same signature (a ``torch.compile``d model, a graph runner)
+and every step goes through it, with the batch's forward context entered.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from typing import Callable, List, NamedTuple, Optional, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from sgl_piecewise.backends.base import AttentionBackend
+from sgl_piecewise.backends.reference import ReferenceBackend
+from sgl_piecewise.checks import check_positive_int
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, KVPoolExhaustedError
+from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
+from sgl_piecewise.memory import KVPool, ReqToTokenPool
+from sgl_piecewise.testing import place_requests
+
+BackendFactory = Callable[[ReqToTokenPool, KVPool], AttentionBackend]
+
+# Below this many decode steps a run finishes in moments, and a progress bar
+# would only clutter the output (``progress=None`` means "decide from this").
+AUTO_PROGRESS_MIN_STEPS = 128
+
+
+class StepStat(NamedTuple):
+    """Wall time of one ``forward_step`` (logits included)."""
+
+    mode: str
+    batch_size: int
+    num_tokens: int
+    seconds: float
+
+
+class ModelRunner:
+    """Own the pools, the backend and the model; run steps and greedy generation.
+
+    ``model`` is a model of ``sgl_piecewise.models`` (or anything with
+    ``config``, ``forward(input_ids, positions)`` and ``compute_logits``). The
+    KV pool takes the dtype and device of the model's parameters.
+    ``num_slots`` defaults to ``max_reqs * max_context_len`` (every request
+    can reach full length); ``max_context_len`` defaults to the model's
+    ``max_position_embeddings`` and may not exceed it (the rotary cache ends
+    there).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_reqs: int = 8,
+        max_context_len: Optional[int] = None,
+        num_slots: Optional[int] = None,
+        backend: BackendFactory = ReferenceBackend,
+    ):
+        config = model.config
+        if max_context_len is None:
+            max_context_len = config.max_position_embeddings
+        check_positive_int("max_context_len", max_context_len)
+        if max_context_len > config.max_position_embeddings:
+            raise InvalidInputError(
+                f"max_context_len: expected at most the model's max_position_embeddings "
+                f"({config.max_position_embeddings}), got {max_context_len}"
+            )
+        check_positive_int("max_reqs", max_reqs)
+        num_slots = max_reqs * max_context_len if num_slots is None else num_slots
+        param = next(model.parameters())
+        self.model = model
+        self.config = config
+        self.device, self.dtype = param.device, param.dtype
+        self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context_len, self.device)
+        self.kv_pool = KVPool(
+            num_slots,
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.backend = backend(self.req_to_token_pool, self.kv_pool)
+        self.model_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = model
+        self.step_stats: List[StepStat] = []
+
+    @property
+    def max_context_len(self) -> int:
+        return self.req_to_token_pool.max_context_len
+
+    @torch.no_grad()
+    def forward_step(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step; return ``[bs, vocab]`` float32 logits of each request's last new token."""
+        start = time.perf_counter()
+        self.backend.init_forward_metadata(batch)
+        with forward_context(batch, self.backend):
+            hidden = self.model_forward(batch.input_ids, batch.positions)  # [T, H]
+        # Row of each request's last new token; requests are laid out back to back.
+        last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), dim=0) - 1  # [bs]
+        logits = self.model.compute_logits(hidden[last])  # [bs, vocab]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # wall time of the work, not of the launches
+        seconds = time.perf_counter() - start
+        mode = batch.forward_mode.name
+        self.step_stats.append(StepStat(mode, batch.batch_size, batch.num_tokens, seconds))
+        return logits
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        progress: Optional[bool] = None,
+    ) -> List[List[int]]:
+        """Greedy-decode ``max_new_tokens`` tokens for each prompt; return the new tokens.
+
+        One EXTEND step prefills every prompt (a ragged batch), then DECODE
+        steps add one token per request. Room for the whole run is checked
+        before anything is allocated, and every request row and KV slot is
+        freed at the end, on error too. ``progress=None`` shows a bar only for
+        runs of at least ``AUTO_PROGRESS_MIN_STEPS`` steps.
+        """
+        prompts = self._check_prompts(prompts)
+        check_positive_int("max_new_tokens", max_new_tokens)
+        self._check_room(prompts, max_new_tokens)
+        bs = len(prompts)
+        lens = [len(p) for p in prompts]
+        rows: Optional[torch.Tensor] = None
+        held: List[torch.Tensor] = []
+        try:
+            rows, loc = place_requests(
+                self.req_to_token_pool, self.kv_pool, [0] * bs, lens, fill_prefix=False
+            )
+            held.append(loc)
+            flat = [t for p in prompts for t in p]
+            ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
+            batch = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [0] * bs, lens, loc)
+            next_ids = self.forward_step(batch).argmax(dim=-1)  # [bs]
+            out = [[t] for t in next_ids.tolist()]
+            show = max_new_tokens >= AUTO_PROGRESS_MIN_STEPS if progress is None else progress
+            for step in tqdm(range(1, max_new_tokens), desc="decode", disable=not show):
+                prefix = [n + step - 1 for n in lens]  # tokens cached before this one
+                loc = self._alloc_decode_slots(rows, prefix)
+                held.append(loc)
+                batch = ForwardBatch.build(
+                    ForwardMode.DECODE, next_ids, rows, prefix, [1] * bs, loc
+                )
+                next_ids = self.forward_step(batch).argmax(dim=-1)
+                for seq, t in zip(out, next_ids.tolist()):
+                    seq.append(t)
+            return out
+        finally:
+            if held:
+                self.kv_pool.free(torch.cat(held))
+            if rows is not None:
+                self.req_to_token_pool.free(rows.tolist())
+
+    def _alloc_decode_slots(self, rows: torch.Tensor, positions: List[int]) -> torch.Tensor:
+        """One fresh slot per request, recorded at its new token's position."""
+        loc = self.kv_pool.alloc(len(positions))  # [bs]
+        for i, (row, pos) in enumerate(zip(rows.tolist(), positions)):
+            self.req_to_token_pool.write(row, pos, loc[i : i + 1])
+        return loc
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> List[List[int]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise InvalidTypeError(
+                f"prompts: expected a list of lists of token ids, got {type(prompts).__name__}"
+            )
+        if not prompts:
+            raise InvalidInputError("prompts: expected at least one prompt, got an empty list")
+        vocab = self.config.vocab_size
+        checked = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+                raise InvalidTypeError(
+                    f"prompts[{i}]: expected a list of int token ids, got {type(prompt).__name__}"
+                )
+            if not prompt:
+                raise InvalidInputError(
+                    f"prompts[{i}]: expected at least one token, got an empty prompt"
+                )
+            for t in prompt:
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise InvalidTypeError(
+                        f"prompts[{i}]: expected int token ids, got {t!r} ({type(t).__name__})"
+                    )
+                if not 0 <= t < vocab:
+                    raise InvalidInputError(
+                        f"prompts[{i}]: expected token ids in [0, {vocab}), got {t}"
+                    )
+            checked.append([int(t) for t in prompt])
+        return checked
+
+    def _check_room(self, prompts: List[List[int]], max_new_tokens: int) -> None:
+        """Everything that could fail mid-run is checked here, before any allocation."""
+        for i, prompt in enumerate(prompts):
+            if len(prompt) + max_new_tokens > self.max_context_len:
+                raise InvalidInputError(
+                    f"prompts[{i}]: expected prompt + max_new_tokens <= max_context_len "
+                    f"({self.max_context_len}), got {len(prompt)} + {max_new_tokens}; "
+                    f"shorten the prompt or ask for fewer tokens"
+                )
+        if len(prompts) > self.req_to_token_pool.available:
+            raise KVPoolExhaustedError(
+                f"request table: expected room for {len(prompts)} requests, got "
+                f"{self.req_to_token_pool.available} free; pass fewer prompts or a larger max_reqs"
+            )
+        # The last generated token is never fed back, so it needs no KV slot.
+        needed = sum(len(p) + max_new_tokens - 1 for p in prompts)
+        if needed > self.kv_pool.available:
+            raise KVPoolExhaustedError(
+                f"KV pool exhausted: expected {needed} free slots for this run, got "
+                f"{self.kv_pool.available} of {self.kv_pool.num_slots}; pass fewer or shorter "
+                f"prompts, fewer new tokens, or a larger num_slots"
+            )

@@ -1,0 +1,202 @@
+"""``ModelRunner``: greedy generation over the paged pools, the bookkeeping
+of rows and slots, the ``model_forward`` seam, and one error per bad input.
+
+Agreement with Hugging Face is in ``test_models_hf_parity.py``; here the model
+is a tiny seeded random Llama.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from sgl_piecewise.backends import ReferenceBackend
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, KVPoolExhaustedError
+from sgl_piecewise.models import ModelConfig, build_random_model
+from sgl_piecewise.runner import ModelRunner
+
+VOCAB = 97
+MAX_POS = 64
+
+CONFIG = ModelConfig(
+    architecture="LlamaForCausalLM",
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=MAX_POS,
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    # std 0.2: wide logits, so greedy choices are far from ties.
+    return build_random_model(CONFIG, seed=11, std=0.2)
+
+
+def _runner(model, **kwargs) -> ModelRunner:
+    kwargs = {"max_reqs": 4, "max_context_len": 48, **kwargs}
+    return ModelRunner(model, **kwargs)
+
+
+def _prompts(lens, seed=0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
+
+
+def _pool_state(runner: ModelRunner) -> tuple[int, int]:
+    return runner.kv_pool.available, runner.req_to_token_pool.available
+
+
+def test_generate_returns_max_new_tokens_ids_per_prompt_and_frees_every_row_and_slot(model):
+    runner = _runner(model)
+    before = _pool_state(runner)
+    out = runner.generate(_prompts([5, 2, 9]), max_new_tokens=6)
+    assert [len(t) for t in out] == [6, 6, 6]
+    assert all(0 <= t < VOCAB for seq in out for t in seq)
+    assert _pool_state(runner) == before
+
+
+def test_batched_generate_equals_each_prompt_generated_alone(model):
+    runner = _runner(model)
+    prompts = _prompts([7, 1, 12, 3], seed=1)
+    together = runner.generate(prompts, max_new_tokens=8)
+    alone = [runner.generate([p], max_new_tokens=8)[0] for p in prompts]
+    assert together == alone
+
+
+def test_step_stats_record_one_extend_then_one_decode_per_further_token(model):
+    runner = _runner(model)
+    runner.generate(_prompts([4, 6]), max_new_tokens=3)
+    # prefill of 4 + 6 tokens, then 2 decode steps of one token per request
+    got = [(s.mode, s.batch_size, s.num_tokens) for s in runner.step_stats]
+    assert got == [("EXTEND", 2, 10), ("DECODE", 2, 2), ("DECODE", 2, 2)]
+    assert all(s.seconds > 0 for s in runner.step_stats)
+
+
+def test_generate_frees_every_row_and_slot_when_a_step_fails(model):
+    runner = _runner(model)
+    before = _pool_state(runner)
+    calls = []
+
+    def fails_on_third_step(input_ids, positions):
+        calls.append(input_ids.shape[0])
+        if len(calls) == 3:
+            raise RuntimeError("step failed")
+        return model(input_ids, positions)
+
+    runner.model_forward = fails_on_third_step
+    with pytest.raises(RuntimeError, match="step failed"):
+        runner.generate(_prompts([3, 5]), max_new_tokens=10)
+    assert _pool_state(runner) == before
+
+
+def test_backend_factory_gets_the_runner_pools(model):
+    made = []
+
+    def factory(req_to_token_pool, kv_pool):
+        made.append((req_to_token_pool, kv_pool))
+        return ReferenceBackend(req_to_token_pool, kv_pool)
+
+    runner = _runner(model, backend=factory)
+    assert made == [(runner.req_to_token_pool, runner.kv_pool)]
+    assert runner.generate(_prompts([4]), max_new_tokens=2) == _runner(model).generate(
+        _prompts([4]), max_new_tokens=2
+    )
+
+
+def test_compiled_model_forward_traces_one_graph_and_never_recompiles(model):
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    runner = _runner(model)
+    runner.model_forward = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    eager = _runner(model)
+    # Token counts seen: prefills of 11, 3 and 2 tokens, decodes of 2 and 3.
+    # (Batches of one decode token are left out: Dynamo specialises size-1
+    # dims of graph inputs, which is a property of the caller's compile
+    # settings, not of the model.)
+    for lens in ([5, 6], [1, 1, 1], [2]):
+        prompts = _prompts(lens, seed=len(lens))
+        max_new = 4 if len(lens) > 1 else 1
+        assert runner.generate(prompts, max_new) == eager.generate(prompts, max_new)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+# ---- bad input: a clear error, and the pools exactly as they were ----------
+
+
+@pytest.fixture
+def runner(model):
+    runner = _runner(model)
+    yield runner
+    assert _pool_state(runner) == (runner.kv_pool.num_slots, runner.req_to_token_pool.max_reqs)
+
+
+def test_empty_prompt_list_is_rejected(runner):
+    with pytest.raises(InvalidInputError, match="expected at least one prompt, got an empty list"):
+        runner.generate([], max_new_tokens=2)
+
+
+def test_empty_prompt_is_rejected_by_index(runner):
+    with pytest.raises(InvalidInputError, match=r"prompts\[1\]: expected at least one token"):
+        runner.generate([[1, 2], []], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("bad_id", [-1, VOCAB])
+def test_token_id_outside_the_vocab_is_rejected(runner, bad_id):
+    want = rf"prompts\[0\]: expected token ids in \[0, {VOCAB}\), got {bad_id}"
+    with pytest.raises(InvalidInputError, match=want):
+        runner.generate([[1, bad_id, 2]], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("bad_id", [1.0, "3", True, None])
+def test_non_int_token_id_is_rejected(runner, bad_id):
+    with pytest.raises(InvalidTypeError, match=r"prompts\[0\]: expected int token ids"):
+        runner.generate([[1, bad_id]], max_new_tokens=2)
+
+
+def test_prompt_that_is_not_a_list_is_rejected(runner):
+    want = r"prompts\[0\]: expected a list of int token ids, got str"
+    with pytest.raises(InvalidTypeError, match=want):
+        runner.generate(["hello"], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, -3, 2.0])
+def test_max_new_tokens_that_is_not_a_positive_int_is_rejected(runner, max_new_tokens):
+    with pytest.raises(InvalidInputError, match="max_new_tokens: expected a positive int"):
+        runner.generate([[1]], max_new_tokens=max_new_tokens)
+
+
+def test_prompt_plus_new_tokens_past_max_context_len_is_rejected(runner):
+    # max_context_len is 48: 40 + 8 fits exactly, 40 + 9 does not.
+    runner.generate([[1] * 40], max_new_tokens=8)
+    want = r"prompt \+ max_new_tokens <= max_context_len \(48\), got 40 \+ 9"
+    with pytest.raises(InvalidInputError, match=want):
+        runner.generate([[1] * 40], max_new_tokens=9)
+
+
+def test_max_context_len_past_max_position_embeddings_is_rejected(model):
+    want = rf"max_position_embeddings \({MAX_POS}\), got {MAX_POS + 1}"
+    with pytest.raises(InvalidInputError, match=want):
+        ModelRunner(model, max_context_len=MAX_POS + 1)
+
+
+def test_kv_pool_exhaustion_raises_before_allocating_anything(model):
+    # Two prompts of 10 with 6 new tokens need 2 * (10 + 6 - 1) = 30 slots.
+    runner = _runner(model, num_slots=29)
+    with pytest.raises(KVPoolExhaustedError, match="expected 30 free slots for this run, got 29"):
+        runner.generate(_prompts([10, 10]), max_new_tokens=6)
+    assert _pool_state(runner) == (29, 4)
+    assert runner.generate(_prompts([10, 9]), max_new_tokens=6)  # 29 slots: fits exactly
+    assert _pool_state(runner) == (29, 4)
+
+
+def test_more_prompts_than_request_rows_raises_before_allocating_anything(model):
+    runner = _runner(model, max_reqs=2)
+    with pytest.raises(KVPoolExhaustedError, match="expected room for 3 requests, got 2 free"):
+        runner.generate(_prompts([1, 1, 1]), max_new_tokens=2)
+    assert _pool_state(runner) == (runner.kv_pool.num_slots, 2)
