@@ -143,3 +143,53 @@ def test_greedy_generate_matches_hf_generate_token_for_token(hf_and_dir):
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
             )
         assert tokens == out[0, len(prompt) :].tolist()
+
+
+# ---- on a CUDA GPU ---------------------------------------------------------
+# bf16 tolerance: bf16 keeps 8 bits of mantissa (relative step 2^-8 ~ 4e-3);
+# through two layers of matmuls with different summation orders (HF's
+# attention vs ours) logits of magnitude ~1-3 move by a few of those steps.
+# 5e-2 absolute covers that with room while a real bug (wrong rope, bias,
+# mask) moves logits by ~1e-1 or more (see the CPU tolerance note above).
+BF16_ATOL = 5e-2
+
+
+@pytest.mark.gpu
+def test_greedy_tokens_match_hf_on_cuda_in_float32(hf_and_dir):
+    hf, path = hf_and_dir
+    hf_cuda = hf.to("cuda")
+    runner = ModelRunner(load_model(path, device="cuda"), max_reqs=4, max_context_len=64)
+    prompts = _prompts(seed=9)
+    got = runner.generate(prompts, max_new_tokens=NEW_TOKENS)
+    for prompt, tokens in zip(prompts, got):
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            out = hf_cuda.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert tokens == out[0, len(prompt) :].tolist()
+    hf.to("cpu")
+
+
+@pytest.mark.gpu
+def test_bf16_logits_match_hf_on_cuda_within_tolerance(hf_and_dir):
+    hf, path = hf_and_dir
+    hf_bf16 = type(hf)(hf.config).to("cuda", torch.bfloat16).eval()
+    hf_bf16.load_state_dict(hf.state_dict())
+    model = load_model(path, dtype=torch.bfloat16, device="cuda")
+    cfg = model.config
+    prompts = _prompts(seed=10)
+    lens = [len(p) for p in prompts]
+    req_pool = ReqToTokenPool(max_reqs=4, max_context_len=64, device="cuda")
+    kv_pool = KVPool(256, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16, "cuda")
+    backend = ReferenceBackend(req_pool, kv_pool)
+    rows, loc = place_requests(req_pool, kv_pool, [0] * 3, lens, fill_prefix=False)
+    ids = torch.tensor([t for p in prompts for t in p], device="cuda")
+    batch = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [0] * 3, lens, loc)
+    backend.init_forward_metadata(batch)
+    with torch.no_grad(), forward_context(batch, backend):
+        ours = model.compute_logits(model(batch.input_ids, batch.positions))
+    start = 0
+    for prompt in prompts:
+        with torch.no_grad():
+            want = hf_bf16(torch.tensor([prompt], device="cuda")).logits[0].float()
+        torch.testing.assert_close(ours[start : start + len(prompt)], want, atol=BF16_ATOL, rtol=0)
+        start += len(prompt)

@@ -1,0 +1,567 @@
+"""The buffer registry (SEEDS.md 003): slots, padding policies, fills, hooks,
+grouped copies, the shared pool, num_token_non_padded and the two factories.
+
+Every fill draws fresh random data; "tail" is rows ``[raw, padded)``.
+"""
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sgl_piecewise.compile.registry import (
+    CudaGraphBufferRegistry,
+    FillContext,
+    MissingSource,
+    PaddingPolicy,
+)
+from sgl_piecewise.compile.registry_factories import (
+    SharedBufferPool,
+    build_decode_registry,
+    build_prefill_registry,
+    compute_local_num_token_non_padded,
+    num_token_non_padded_for,
+)
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
+from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
+from sgl_piecewise.memory import DUMMY_SLOT, KVPool, ReqToTokenPool
+from sgl_piecewise.testing import place_requests
+
+P = PaddingPolicy
+COPYING = [P.KEEP_PAD, P.FILL_SENTINEL, P.ZERO, P.FOREACH_COPY]
+MAX_BS, MAX_TOKENS = 8, 16
+I32, I64 = torch.int32, torch.int64
+
+
+def rows(bs, nt):
+    return (bs,)
+
+
+def bad(match, err=InvalidInputError):
+    return pytest.raises(err, match=match)
+
+
+def decode_(max_bs=MAX_BS, **kw):
+    return build_decode_registry(max_bs, "cpu", seq_len_fill_value=kw.pop("fill", 1), **kw)
+
+
+def reg_(**kw):
+    return CudaGraphBufferRegistry(MAX_BS, MAX_TOKENS, "cpu", **kw)
+
+
+def slot_(reg, name="x", policy=P.KEEP_PAD, pad_value=-7, dtype=I64, **kw):
+    kw.update(padding_policy=policy, pad_value=pad_value)
+    return reg.register_slot(name, rows, dtype, "bs", **kw)
+
+
+def ctx_(raw, padded):
+    return FillContext(raw, padded, raw, padded)
+
+
+def rand(n, dtype=I64):
+    return torch.randint(1, 1000, (n,), dtype=dtype)
+
+
+def scramble(slot):
+    """Fresh random contents, so 'left as is' cannot pass by accident."""
+    slot.buffer.copy_(rand(slot.buffer.shape[0], slot.buffer.dtype))
+    return slot.buffer.clone()
+
+
+# ---- declaration -------------------------------------------------------------
+def test_register_allocates_the_registry_maximum_along_each_axis():
+    reg = reg_()
+    a = reg.register_slot("a", rows, I32, "bs")
+    b = reg.register_slot("b", lambda bs, nt: (nt, 3), torch.float16, "tokens")
+    c = reg.register_slot("c", lambda bs, nt: (), I32, "none")
+    assert (a.buffer.shape, b.buffer.shape, c.buffer.shape) == ((8,), (16, 3), ())
+    assert (a.buffer.dtype, b.buffer.dtype) == (I32, torch.float16)
+    assert a.device == torch.device("cpu")
+    assert reg.names == ("a", "b", "c") and reg.get_slot("b") is b
+
+
+@pytest.mark.parametrize("policy", list(P))
+def test_allocated_buffer_starts_at_its_policy_value(policy):
+    kw = {"copy_from_fb": False} if policy is P.FILL_ONCE else {}
+    slot = slot_(reg_(), policy=policy, pad_value=5, **kw)
+    # Graphs captured before the first fill read defined values, never garbage.
+    want = 5 if policy in (P.FILL_SENTINEL, P.FILL_ONCE) else 0
+    assert torch.equal(slot.buffer, torch.full((MAX_BS,), want))
+
+
+def test_duplicate_slot_name_is_rejected():
+    reg = reg_()
+    slot_(reg, "seq_lens")
+    with bad("'seq_lens': expected a new name, got a duplicate"):
+        slot_(reg, "seq_lens")
+
+
+NONE_AXIS = {"axis": "none", "shape_fn": lambda bs, nt: (), "copy_from_fb": False}
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"axis": "batch"}, r"axis: expected one of \('bs', 'tokens', 'none'\), got 'batch'"),
+        *[
+            ({**NONE_AXIS, "padding_policy": p}, f"expected padding_policy KEEP_PAD, got {p.name}")
+            for p in (P.FILL_SENTINEL, P.ZERO, P.FOREACH_COPY, P.FILL_ONCE)
+        ],
+        ({"padding_policy": P.FILL_ONCE}, "FILL_ONCE slot is a constant: expected copy_from_fb="),
+        ({"shape_fn": lambda bs, nt: (4,)}, r"at least 8 rows along bs .*got shape \[4\]"),
+        ({"bind": torch.zeros(8, dtype=I32)}, "expected dtype torch.int64, got torch.int32"),
+        ({"bind": torch.zeros(5, dtype=I64)}, r"at least 8 rows along bs\), got \[5\]"),
+    ],
+)
+def test_bad_declaration_says_what_was_expected(kw, match):
+    with bad(match):
+        reg_().register_slot(**{"name": "x", "shape_fn": rows, "dtype": I64, "axis": "bs", **kw})
+
+
+def test_bind_adopts_the_same_storage_without_writing_it():
+    mine = rand(10)  # more rows than the maximum is fine
+    before = mine.clone()
+    reg = reg_()
+    slot = slot_(reg, policy=P.FILL_SENTINEL, bind=mine)
+    assert slot.buffer.data_ptr() == mine.data_ptr() and torch.equal(mine, before)
+    src = rand(3)
+    reg.fill_from({"x": src}, ctx_(3, 5))  # fills land in the caller's tensor
+    assert torch.equal(mine[:5], torch.cat([src, torch.full((2,), -7)]))
+
+
+# ---- views -------------------------------------------------------------------
+def test_slice_for_cuts_the_padded_axis_and_slice_fn_overrides_it():
+    reg = reg_()
+    a = slot_(reg, "a")
+    t = reg.register_slot("t", lambda bs, nt: (nt,), I64, "tokens")
+    n = reg.register_slot("n", lambda bs, nt: (), I32, "none")
+    cu_shape, cu_slice = (lambda bs, nt: (bs + 1,)), (lambda buf, bs, nt: buf[: bs + 1])
+    cu = reg.register_slot("cu", cu_shape, I32, "bs", copy_from_fb=False, slice_fn=cu_slice)
+    assert [len(s.slice_for(3, 5)) for s in (a, t, cu)] == [3, 5, 4]
+    assert n.slice_for(3, 5) is n.buffer
+    with bad("expected at most 8 rows along bs, got 9"):
+        a.slice_for(9, 5)
+
+
+def test_views_share_storage_so_a_captured_graph_sees_later_fills():
+    reg = reg_()
+    slot = slot_(reg, policy=P.FILL_SENTINEL)
+    captured = reg.extract(ctx_(4, 6))["x"]  # what a graph of 6 rows was captured on
+    assert captured.data_ptr() == slot.buffer.data_ptr()
+    src = rand(4)
+    reg.fill_from({"x": src}, ctx_(4, 6))
+    assert torch.equal(captured, torch.cat([src, torch.full((2,), -7)]))
+
+
+def test_addresses_never_change_across_fills():
+    reg = decode_()
+    ptrs = {s.name: s.buffer.data_ptr() for s in reg}
+    for raw, padded in [(3, 4), (8, 8), (1, 8), (0, 2)]:
+        ctx = FillContext.uniform(raw, padded)
+        reg.fill_from(_decode_sources(raw), ctx)
+        assert {s.name: s.buffer.data_ptr() for s in reg} == ptrs
+        assert {n: v.data_ptr() for n, v in reg.extract(ctx).items()} == ptrs
+
+
+# ---- FillContext -------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args, match",
+    [((3, 2, 1, 1), "raw_bs <= padded_bs, got 3"), ((1, 1, 5, 4), "5 > 4"), ((-1, 0, 0, 0), "-1")],
+)
+def test_fill_context_is_validated(args, match):
+    with bad(match):
+        FillContext(*args)
+
+
+def test_fill_context_uniform_gives_every_request_the_same_width():
+    assert FillContext.uniform(3, 4, tokens_per_req=2) == FillContext(3, 4, 6, 8)
+
+
+# ---- padding policies --------------------------------------------------------
+@pytest.mark.parametrize("raw, padded", [(3, 6), (5, 5)])
+@pytest.mark.parametrize(
+    "policy, tail",
+    [(P.KEEP_PAD, "as is"), (P.FOREACH_COPY, "as is"), (P.FILL_SENTINEL, -7), (P.ZERO, 0)],
+)
+def test_policy_copies_the_head_and_sets_the_tail(policy, tail, raw, padded):
+    reg = reg_()
+    slot = slot_(reg, policy=policy)
+    before = scramble(slot)
+    src = rand(raw)
+    reg.fill_from({"x": src}, ctx_(raw, padded))
+    buf = slot.buffer
+    want_tail = before[raw:padded] if tail == "as is" else torch.full((padded - raw,), tail)
+    assert torch.equal(buf[:raw], src) and torch.equal(buf[raw:padded], want_tail)
+    assert torch.equal(buf[padded:], before[padded:])  # beyond the padded size: never touched
+
+
+def test_fill_once_is_never_written_by_fill_from():
+    reg = reg_()
+    const = slot_(reg, policy=P.FILL_ONCE, pad_value=3, copy_from_fb=False)
+    for raw, padded in [(2, 8), (8, 8)]:
+        reg.fill_from({"x": rand(raw)}, ctx_(raw, padded))
+        assert torch.equal(const.buffer, torch.full((8,), 3))
+
+
+def test_poison_tails_marks_keep_pad_tails_and_nothing_else():
+    reg = reg_(poison_tails=True)
+    keep = slot_(reg, "keep")
+    ids = slot_(reg, "ids", policy=P.FOREACH_COPY)
+    f = reg.register_slot("f", rows, torch.float32, "bs")
+    ids_before = scramble(ids)
+    reg.fill_from({"keep": rand(2), "ids": rand(2), "f": torch.rand(2)}, ctx_(2, 4))
+    assert torch.equal(keep.buffer[2:4], torch.full((2,), torch.iinfo(I64).min))
+    assert f.buffer[2:4].isnan().all()
+    # FOREACH_COPY tails are read by the graph, so they are never poisoned.
+    assert torch.equal(ids.buffer[2:], ids_before[2:])
+
+
+# ---- sources -----------------------------------------------------------------
+def test_source_fn_replaces_the_attribute():
+    reg = reg_()
+    slot = slot_(reg, source_fn=lambda b: b.other)
+    src = rand(3)
+    reg.fill_from(SimpleNamespace(other=src), ctx_(3, 3))
+    assert torch.equal(slot.buffer[:3], src)
+
+
+def test_slot_without_copy_from_fb_is_untouched_and_its_source_never_read():
+    reg = reg_()
+    calls = []
+    slot = slot_(reg, policy=P.ZERO, copy_from_fb=False, source_fn=calls.append)
+    before = scramble(slot)
+    reg.fill_from(SimpleNamespace(), ctx_(2, 6))  # no attribute "x" at all
+    assert torch.equal(slot.buffer, before) and calls == []
+
+
+def test_missing_required_source_is_an_error():
+    reg = reg_()
+    slot_(reg)
+    with bad("'x': expected a source tensor, got None.*when_missing"):
+        reg.fill_from(SimpleNamespace(x=None), ctx_(2, 2))
+
+
+def test_missing_optional_source_is_skipped_or_padded_as_declared():
+    reg = reg_()
+    skip = slot_(reg, "skip", policy=P.ZERO, when_missing=MissingSource.SKIP)
+    pad = slot_(reg, "pad", policy=P.FILL_SENTINEL, when_missing=MissingSource.PAD)
+    skip_before, pad_before = scramble(skip), scramble(pad)
+    reg.fill_from({}, ctx_(2, 5))
+    assert torch.equal(skip.buffer, skip_before)
+    assert torch.equal(pad.buffer[:5], torch.full((5,), -7))  # every row is padding
+    assert torch.equal(pad.buffer[5:], pad_before[5:])
+
+
+def test_source_dtype_is_cast_when_safe_and_rejected_otherwise():
+    reg = reg_()
+    slot = slot_(reg, dtype=I32)
+    src = rand(3, I64)
+    reg.fill_from({"x": src}, ctx_(3, 3))
+    assert torch.equal(slot.buffer[:3], src.to(I32))
+    with bad("casts safely to torch.int32, got torch.float32"):
+        reg.fill_from({"x": torch.rand(3)}, ctx_(3, 3))
+
+
+# ---- hooks -------------------------------------------------------------------
+def test_post_fill_hooks_run_after_all_copies_in_registration_order():
+    reg = reg_()
+    seen = []
+
+    def hook(slot, batch, ctx):
+        # Every copy is done before any hook: both heads already hold the batch.
+        heads = [reg.get_slot(n).buffer[:2].tolist() for n in ("a", "c")]
+        seen.append((slot.name, batch, ctx, *heads))
+
+    slot_(reg, "b", post_fill=hook, copy_from_fb=False)
+    slot_(reg, "a", post_fill=hook)
+    slot_(reg, "c")
+    batch, ctx = {"a": rand(2), "c": rand(2)}, ctx_(2, 3)
+    reg.fill_from(batch, ctx)
+    heads = (batch["a"].tolist(), batch["c"].tolist())
+    assert seen == [("b", batch, ctx, *heads), ("a", batch, ctx, *heads)]
+
+
+# ---- bad input ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    "src, ctx, err, match",
+    [
+        (torch.zeros(4, dtype=I64), (3, 4), InvalidInputError, r"shape \[3\] \(raw bs count 3\)"),
+        (torch.zeros(3, 2, dtype=I64), (3, 4), InvalidInputError, r"shape \[3\].*got \[3, 2\]"),
+        (torch.zeros(3, dtype=I64, device="meta"), (3, 4), InvalidInputError, "cpu, got meta"),
+        ([1, 2, 3], (3, 4), InvalidTypeError, "expected a torch.Tensor, got list"),
+        # A batch larger than every buffer: rejected before any source is read.
+        (torch.zeros(10, dtype=I64), (10, 10), InvalidInputError, "padded_bs: expected at most 8"),
+    ],
+)
+def test_bad_input_is_rejected_with_what_was_expected(src, ctx, err, match):
+    reg = reg_()
+    slot_(reg)
+    with bad(match, err):
+        reg.fill_from({"x": src}, ctx_(*ctx))
+
+
+def test_rejected_fill_leaves_every_buffer_unchanged():
+    reg = reg_()
+    good = slot_(reg, "good", policy=P.ZERO)
+    slot_(reg, "bad")
+    before = scramble(good)
+    with pytest.raises(InvalidInputError):
+        reg.fill_from({"good": rand(2), "bad": rand(5)}, ctx_(2, 6))
+    assert torch.equal(good.buffer, before) and reg.stats.fills == 0
+
+
+# ---- grouped copy ------------------------------------------------------------
+def test_one_foreach_copy_per_dtype_pair(monkeypatch):
+    real, calls = torch._foreach_copy_, []
+
+    def recording(dsts, srcs, *args, **kw):
+        calls.append(sorted((str(d.dtype), str(s.dtype)) for d, s in zip(dsts, srcs)))
+        return real(dsts, srcs, *args, **kw)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", recording)
+    reg = decode_()
+    reg.fill_from(_decode_sources(3), FillContext.uniform(3, 4))
+    # int64 <- int64: input_ids, positions, out_cache_loc, req_pool_indices;
+    # int32 <- int32: seq_lens, seq_lens_cpu, extend_seq_lens (all on the CPU here).
+    pair32, pair64 = ("torch.int32",) * 2, ("torch.int64",) * 2
+    assert sorted(calls) == [[pair32] * 3, [pair64] * 4]
+    assert (reg.stats.foreach_copies, reg.stats.per_tensor_fallbacks) == (2, 0)
+
+
+def test_foreach_failure_falls_back_to_per_tensor_copies(monkeypatch, caplog):
+    def broken(dsts, srcs, *args, **kw):
+        raise RuntimeError("mixed-device group")
+
+    monkeypatch.setattr(torch, "_foreach_copy_", broken)
+    reg = decode_()
+    sources = _decode_sources(3)
+    with caplog.at_level(logging.DEBUG, logger="sgl_piecewise.compile.registry"):
+        reg.fill_from(sources, FillContext.uniform(3, 4))
+        reg.fill_from(sources, FillContext.uniform(3, 4))
+    for name in ("input_ids", "seq_lens", "out_cache_loc"):
+        assert torch.equal(reg.get_slot(name).buffer[:3].long(), sources[name].long())
+    # 2 dtype groups x 2 fills fell back; warned once, then at debug level.
+    assert reg.stats.per_tensor_fallbacks == 4 and reg.stats.foreach_copies == 0
+    assert "RuntimeError: mixed-device group" in reg.stats.last_fallback_reason
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] + [logging.DEBUG] * 3
+
+
+def test_torch_without_foreach_copy_falls_back(monkeypatch):
+    monkeypatch.delattr(torch, "_foreach_copy_")
+    reg = reg_()
+    slot = slot_(reg)
+    src = rand(4)
+    reg.fill_from({"x": src}, ctx_(4, 4))
+    assert torch.equal(slot.buffer[:4], src)
+    assert reg.stats.last_fallback_reason == "this torch has no torch._foreach_copy_"
+
+
+# ---- shared pool -------------------------------------------------------------
+def test_pool_aliases_identical_requests_and_keeps_differing_ones_apart():
+    pool = SharedBufferPool()
+    a = pool.share_input_buffer("seq_lens", 8, I32, "cpu")
+    others = [("positions", 8, I32), ("seq_lens", 9, I32), ("seq_lens", 8, I64)]
+    ptrs = {pool.share_input_buffer(n, k, d, "cpu").data_ptr() for n, k, d in others}
+    assert pool.share_input_buffer("seq_lens", 8, I32, torch.device("cpu")) is a
+    assert len(pool) == 4 and len(ptrs | {a.data_ptr()}) == 4
+
+
+@pytest.mark.parametrize("decode_first", [True, False])
+def test_registries_sharing_a_pool_alias_same_spec_slots_whatever_the_order(decode_first):
+    pool = SharedBufferPool()
+    build = [
+        lambda: build_decode_registry(4, "cpu", seq_len_fill_value=1, pool=pool),
+        lambda: build_prefill_registry(4, 4, "cpu", seq_len_fill_value=1, pool=pool),
+    ]
+    dec, pre = (build[0](), build[1]()) if decode_first else reversed([build[1](), build[0]()])
+    for name in dec.names:  # same name, numel, dtype, device -> same memory
+        assert dec.get_slot(name).buffer.data_ptr() == pre.get_slot(name).buffer.data_ptr()
+    assert "extend_prefix_lens" not in dec and len(pool) == len(pre)
+
+
+def test_fill_once_constants_are_never_pooled():
+    pool = SharedBufferPool()
+    a = slot_(reg_(pool=pool), policy=P.FILL_ONCE, pad_value=1, copy_from_fb=False)
+    b = slot_(reg_(pool=pool), policy=P.FILL_ONCE, pad_value=2, copy_from_fb=False)
+    assert a.buffer.data_ptr() != b.buffer.data_ptr() and len(pool) == 0
+
+
+# ---- num_token_non_padded (SEEDS.md 001) -------------------------------------
+@pytest.mark.parametrize(
+    "global_num, per_dp, tp, rank, local",
+    [
+        (5, 8, 1, 0, 5),  # no attention TP: the identity
+        (5, 8, 2, 0, 4),  # 4 rows per rank: rank 0 holds rows 0-3, all real
+        (5, 8, 2, 1, 1),  # rank 1 holds rows 4-7, only row 4 real
+        (3, 8, 4, 2, 0),  # rank 2 holds rows 4-5: none real
+        (8, 8, 4, 3, 2),  # full batch: every rank holds 2 real rows
+    ],
+)
+def test_local_num_token_non_padded(global_num, per_dp, tp, rank, local):
+    assert compute_local_num_token_non_padded(global_num, per_dp, tp, rank) == local
+    as_tensor = compute_local_num_token_non_padded(torch.tensor(global_num), per_dp, tp, rank)
+    assert int(as_tensor) == local
+
+
+def test_local_num_token_non_padded_rejects_a_split_that_loses_rows():
+    with bad("expected a multiple of attn_tp_size=2, got 7"):
+        compute_local_num_token_non_padded(5, 7, 2, 0)
+    with bad(r"attn_tp_rank: expected an int in \[0, 2\), got 2"):
+        compute_local_num_token_non_padded(5, 8, 2, 2)
+
+
+# ---- factories ---------------------------------------------------------------
+def _decode_sources(raw, width=1):
+    n = raw * width
+    return {
+        "input_ids": rand(n), "positions": rand(n), "out_cache_loc": rand(n),
+        "seq_lens": rand(raw, I32), "seq_lens_cpu": rand(raw, I32), "req_pool_indices": rand(raw),
+        "extend_seq_lens": torch.full((raw,), width, dtype=I32),
+    }  # fmt: skip
+
+
+def _table(reg):
+    return {s.name: (s.axis, s.padding_policy, s.pad_value, s.dtype, s.buffer.shape) for s in reg}
+
+
+def test_decode_registry_declares_its_slots():
+    reg = decode_(4, fill=2, num_tokens_per_bs=3, with_accept_lengths=True)
+    S = P.FILL_SENTINEL
+    assert _table(reg) == {
+        "input_ids": ("tokens", P.FOREACH_COPY, 0, I64, (12,)),  # 4 requests x 3 tokens
+        "positions": ("tokens", P.ZERO, 0, I64, (12,)),
+        "out_cache_loc": ("tokens", S, DUMMY_SLOT, I64, (12,)),
+        "num_token_non_padded": ("none", P.KEEP_PAD, 0, I32, ()),
+        "seq_lens": ("bs", S, 2, I32, (4,)),
+        "seq_lens_cpu": ("bs", S, 2, I32, (4,)),
+        "req_pool_indices": ("bs", P.ZERO, 0, I64, (4,)),
+        "extend_seq_lens": ("bs", S, 3, I32, (4,)),
+        "accept_lengths": ("bs", S, 3, I32, (4,)),
+    }
+    assert reg.get_slot("num_token_non_padded").copy_from_fb is False
+
+
+def _real_batch(mode, prefix, extend, spec_info=None):
+    req_pool, kv_pool = ReqToTokenPool(16, 64), KVPool(256, 1, 1, 4)
+    rows_, loc = place_requests(req_pool, kv_pool, prefix, extend)
+    ids = torch.randint(0, 100, (sum(extend),))
+    return ForwardBatch.build(mode, ids, rows_, list(prefix), list(extend), loc, spec_info)
+
+
+def test_decode_fill_from_a_forward_batch_gives_the_padded_views():
+    batch = _real_batch(ForwardMode.DECODE, torch.randint(1, 20, (3,)).tolist(), [1, 1, 1])
+    reg = decode_()
+    old_ids = rand(MAX_BS)
+    reg.get_slot("input_ids").buffer.copy_(old_ids)  # an earlier step's ids
+    ctx = FillContext.uniform(3, 4)
+    reg.fill_from(batch, ctx)
+    v = reg.extract(ctx)
+    pad = lambda t, x: torch.cat([t.to(I64), torch.tensor([x])])  # noqa: E731
+    assert torch.equal(v["input_ids"], pad(batch.input_ids, int(old_ids[3])))
+    assert torch.equal(v["positions"], pad(batch.positions, 0))
+    assert torch.equal(v["out_cache_loc"], pad(batch.out_cache_loc, DUMMY_SLOT))
+    assert torch.equal(v["seq_lens"].long(), pad(batch.seq_lens, 1))
+    assert torch.equal(v["seq_lens_cpu"].long(), pad(batch.seq_lens_cpu, 1))
+    assert torch.equal(v["req_pool_indices"], pad(batch.req_pool_indices, 0))
+    assert v["extend_seq_lens"].tolist() == [1, 1, 1, 1] and int(v["num_token_non_padded"]) == 3
+
+
+@pytest.mark.parametrize("tp, rank", [(1, 0), (2, 0), (2, 1)])
+def test_capture_and_replay_write_the_same_num_token_non_padded(tp, rank):
+    reg = decode_(attn_tp_size=tp, attn_tp_rank=rank)
+    ctx = FillContext.uniform(3, 4)
+    reg.fill_from(_decode_sources(3), ctx)  # capture: dummy inputs of these sizes
+    captured = int(reg.get_slot("num_token_non_padded").buffer)
+    reg.fill_from(_real_batch(ForwardMode.DECODE, [4, 2, 7], [1, 1, 1]), ctx)  # replay
+    replayed = int(reg.get_slot("num_token_non_padded").buffer)
+    assert captured == replayed == num_token_non_padded_for(ctx, tp, rank)
+    assert replayed == compute_local_num_token_non_padded(3, 4, tp, rank)
+
+
+def test_decode_target_verify_pads_requests_to_the_draft_width():
+    spec = SpecInfo(num_tokens_per_req=2)
+    batch = _real_batch(ForwardMode.TARGET_VERIFY, [5, 3], [2, 2], spec)
+    reg = decode_(4, num_tokens_per_bs=2)
+    ctx = FillContext.uniform(2, 3, tokens_per_req=2)
+    reg.fill_from(batch, ctx)
+    v = reg.extract(ctx)
+    assert v["seq_lens"].tolist() == [5, 3, 1]  # TARGET_VERIFY: seq_lens is the prefix
+    assert v["extend_seq_lens"].tolist() == [2, 2, 2]
+    assert v["out_cache_loc"][4:].tolist() == [DUMMY_SLOT] * 2
+    assert v["positions"][4:].tolist() == [0, 0]
+    assert int(v["num_token_non_padded"]) == 4
+
+
+def test_decode_accept_lengths_are_padded_to_the_width_and_absent_spec_is_all_padding():
+    reg = decode_(4, num_tokens_per_bs=3, with_accept_lengths=True)
+    ctx = FillContext.uniform(2, 3, tokens_per_req=3)
+    spec = SpecInfo(num_tokens_per_req=3, accept_lengths=torch.tensor([1, 2], dtype=I32))
+    reg.fill_from(_real_batch(ForwardMode.DRAFT_EXTEND_V2, [4, 6], [3, 3], spec), ctx)
+    assert reg.extract(ctx)["accept_lengths"].tolist() == [1, 2, 3]
+    reg.fill_from(_real_batch(ForwardMode.DRAFT_EXTEND_V2, [4, 6], [3, 3]), ctx)  # spec_info None
+    assert reg.extract(ctx)["accept_lengths"].tolist() == [3, 3, 3]
+
+
+def test_prefill_registry_declares_its_slots():
+    reg = build_prefill_registry(32, 4, "cpu", seq_len_fill_value=1)
+    table = _table(reg)
+    assert {n: t[:3] for n, t in table.items() if t[0] == "tokens"} == {
+        "input_ids": ("tokens", P.FOREACH_COPY, 0),
+        "positions": ("tokens", P.ZERO, 0),
+        "out_cache_loc": ("tokens", P.FILL_SENTINEL, DUMMY_SLOT),
+    }
+    assert table["extend_seq_lens"][:3] == ("bs", P.ZERO, 0)
+    assert table["extend_prefix_lens"][:3] == ("bs", P.FILL_SENTINEL, 1)
+    assert set(table) == set(_decode_sources(1)) | {"num_token_non_padded", "extend_prefix_lens"}
+    assert table["input_ids"][4] == (32,) and table["seq_lens"][4] == (4,)
+
+
+def test_prefill_fill_from_an_extend_batch_gives_the_padded_views():
+    batch = _real_batch(ForwardMode.EXTEND, [0, 4], [5, 3])
+    reg = build_prefill_registry(MAX_TOKENS, MAX_BS, "cpu", seq_len_fill_value=1)
+    ctx = FillContext(raw_bs=2, padded_bs=3, raw_num_tokens=8, padded_num_tokens=12)
+    reg.fill_from(batch, ctx)
+    v = reg.extract(ctx)
+    assert torch.equal(v["input_ids"][:8], batch.input_ids)
+    assert torch.equal(v["positions"][:8], batch.positions)
+    assert v["positions"][8:].tolist() == [0] * 4
+    assert v["out_cache_loc"][8:].tolist() == [DUMMY_SLOT] * 4
+    assert v["seq_lens"].tolist() == [5, 7, 1] and v["extend_seq_lens"].tolist() == [5, 3, 0]
+    # prefix + new == seq_lens for the padded request too
+    assert (v["extend_prefix_lens"] + v["extend_seq_lens"]).tolist() == v["seq_lens"].tolist()
+    assert int(v["num_token_non_padded"]) == 8
+
+
+def test_factory_bind_adopts_named_buffers_and_rejects_unknown_names():
+    mine = torch.zeros(MAX_BS, dtype=I32)
+    reg = decode_(bind={"seq_lens": mine})
+    assert reg.get_slot("seq_lens").buffer is mine
+    with bad(r"bind: expected names among .* got \['seq_len'\]"):
+        decode_(bind={"seq_len": mine})
+
+
+# ---- property ----------------------------------------------------------------
+@settings(max_examples=80, deadline=None)
+@given(
+    policy=st.sampled_from(COPYING),
+    padded=st.integers(0, MAX_BS),
+    data=st.data(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_head_is_the_source_and_tail_is_the_policy_value(policy, padded, data, seed):
+    raw = data.draw(st.integers(0, padded))
+    gen = torch.Generator().manual_seed(seed)
+    reg = reg_()
+    slot = slot_(reg, policy=policy, dtype=I32)
+    before = torch.randint(-100, 100, (MAX_BS,), generator=gen, dtype=I32)
+    slot.buffer.copy_(before)
+    src = torch.randint(-100, 100, (raw,), generator=gen)
+    reg.fill_from({"x": src}, ctx_(raw, padded))
+    tail = {P.FILL_SENTINEL: -7, P.ZERO: 0}.get(policy)  # None: left as it was
+    want_tail = before[raw:padded] if tail is None else torch.full((padded - raw,), tail)
+    assert torch.equal(slot.buffer[:raw], src.to(I32))
+    assert torch.equal(slot.buffer[raw:padded], want_tail.to(I32))
+    assert torch.equal(slot.buffer[padded:], before[padded:])
