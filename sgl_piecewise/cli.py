@@ -69,7 +69,7 @@ def _prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> List[Li
 
 
 def _run_mode(mode: str, model, args, prompts) -> ModeResult:
-    from sgl_piecewise.backends.registry import backend_class
+    from sgl_piecewise.backends.registry import create_backend
     from sgl_piecewise.compile.options import CompileOptions
     from sgl_piecewise.compile.piecewise_runner import CompiledModel, PiecewiseCudaGraphRunner
     from sgl_piecewise.runner import ModelRunner
@@ -78,8 +78,10 @@ def _run_mode(mode: str, model, args, prompts) -> ModeResult:
     runner = ModelRunner(
         model,
         max_reqs=len(prompts),
-        max_context_len=max(context, args.max_capture_size),
-        backend=backend_class(args.backend),
+        max_context_len=min(max(context, args.max_capture_size), model.config.max_position_embeddings),
+        backend=lambda table, pool: create_backend(
+            args.backend, table, pool, num_q_heads=model.config.num_attention_heads
+        ),
     )
     start = time.perf_counter()
     if mode == "compiled":

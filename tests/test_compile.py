@@ -154,10 +154,12 @@ def test_nan_poison_reveals_a_leak_of_padded_rows():
 def test_debug_check_rejects_an_input_that_moved_since_capture():
     state = StepState(debug_checks=True, phase=Phase.CAPTURE, num_tokens=4, padded_tokens=4)
     piece = PieceGraphs("submod_0", lambda x: x * 2, state, static_args=[True])
-    piece(torch.ones(4))
+    captured, moved = torch.ones(4), torch.ones(4)  # both alive: distinct addresses
+    piece(captured)
     state.phase = Phase.REPLAY
+    piece(captured)  # the same input replays fine
     with pytest.raises(SglPiecewiseError, match=r"graph inputs \[0\] moved since capture"):
-        piece(torch.ones(4))
+        piece(moved)
 
 
 def test_unknown_options_are_rejected_with_the_valid_keys():

@@ -21,15 +21,20 @@ instead of getting a silent wrong answer.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import FrozenSet, Optional
+from typing import Dict, FrozenSet, Optional
 
 import torch
 
-from sgl_piecewise.errors import UnsupportedModeError
+from sgl_piecewise.errors import SglPiecewiseError, UnsupportedModeError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
 from sgl_piecewise.memory import KVPool, ReqToTokenPool
 
 ALL_MODES: FrozenSet[ForwardMode] = frozenset(ForwardMode)
+
+
+class BackendUnavailableError(SglPiecewiseError, ImportError):
+    """A backend's optional dependency (``triton``, ``flashinfer``: the ``gpu``
+    extra) is not installed."""
 
 
 class AttentionBackend(ABC):
@@ -37,9 +42,18 @@ class AttentionBackend(ABC):
     supported_modes: FrozenSet[ForwardMode] = ALL_MODES
     supports_cuda_graph: bool = False
 
-    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: KVPool,
+        num_q_heads: Optional[int] = None,
+    ):
+        """``num_q_heads``: query heads per layer. Backends whose static buffers
+        or kernel plans depend on it (triton, flashinfer) require it; the others
+        accept and ignore it, so every backend is built the same way."""
         self.req_to_token_pool = req_to_token_pool
         self.kv_pool = kv_pool
+        self.num_q_heads = num_q_heads
 
     # ---- capability -------------------------------------------------------
     def supports(self, mode: ForwardMode) -> bool:
@@ -89,6 +103,16 @@ class AttentionBackend(ABC):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` value written into padded requests of a graph batch."""
         return 1
+
+    def cuda_graph_buffers(self) -> Dict[str, torch.Tensor]:
+        """Every static buffer the capture/replay hooks write, by name.
+
+        Captured kernels read these addresses, so they never move after
+        ``init_cuda_graph_state``. Tests compare them byte for byte between
+        capture and replay of the same batch (SEEDS.md 000/001); a debug mode
+        can check their ``data_ptr()``. Empty for backends without graphs.
+        """
+        return {}
 
     def _no_graphs(self) -> None:
         raise UnsupportedModeError(

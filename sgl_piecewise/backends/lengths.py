@@ -45,7 +45,7 @@ def cumsum_with_zero(lens: torch.Tensor, out: Optional[torch.Tensor] = None) -> 
     n = lens.shape[0]
     if out is None:
         out = torch.empty(n + 1, dtype=torch.int32, device=lens.device)
-    out[0] = 0
+    out[:1].zero_()  # not `out[0] = 0`: that copies a host scalar and syncs
     torch.cumsum(lens, dim=0, out=out[1 : n + 1])
     return out[: n + 1]
 

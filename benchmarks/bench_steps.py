@@ -1,0 +1,236 @@
+"""Step-time benchmark (a script, not a test): eager vs ``sgl_piecewise``
+without graphs vs with piecewise graphs vs ``torch.compile(mode=
+"reduce-overhead")`` vs Hugging Face eager, as multiples of the floor (PERF.md).
+
+    python benchmarks/bench_steps.py --out results/          # full run
+    python benchmarks/bench_steps.py --startup-only --out r/  # warm start (2nd process)
+
+Decode at batch 1, 8, 32, 128 with 1024 tokens of context; EXTEND of 1, 16,
+128, 512, 2048 tokens; cold start (compile + capture of the default sizes up
+to 512) and graph pool memory. Writes ``results.json`` and ``results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch._dynamo
+
+import sgl_piecewise as sp
+from sgl_piecewise.backends.registry import create_backend
+from sgl_piecewise.compile import CompileOptions, counters
+from sgl_piecewise.compile.piecewise_runner import CompiledModel, PiecewiseCudaGraphRunner
+from sgl_piecewise.models import ModelConfig, build_random_model
+from sgl_piecewise.runner import ModelRunner
+from sgl_piecewise.testing import place_requests
+
+QWEN_05B = dict(
+    architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def cuda_median_ms(fn, warmup=5, iters=30) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_rate() -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = cuda_median_ms(lambda: y.copy_(x), 3, 20)
+    return 2 * x.numel() / (ms / 1e3)
+
+
+def matmul_rate() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    ms = cuda_median_ms(lambda: a @ b, 3, 10)
+    return 2 * 8192**3 / (ms / 1e3)
+
+
+def weight_bytes(model) -> tuple[int, int]:
+    """(bytes read per step: weights minus the embedding table, plus the LM
+    head even when tied; non-embedding parameter count)."""
+    emb = model.model.embed_tokens.weight if hasattr(model, "model") else None
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb_bytes = emb.numel() * emb.element_size() if emb is not None else 0
+    tied = model.config.tie_word_embeddings
+    read = total - emb_bytes + (emb_bytes if tied else 0)
+    return read, (total - emb_bytes) // 2
+
+
+def make_batch(runner, mode, prefix, extend):
+    rows, loc = place_requests(runner.req_to_token_pool, runner.kv_pool, prefix, extend, fill_prefix=False)
+    ids = torch.randint(0, runner.config.vocab_size, (sum(extend),), device="cuda")
+    return sp.ForwardBatch.build(mode, ids, rows, prefix, extend, loc)
+
+
+def free_batch(runner, batch):
+    rows = batch.req_pool_indices.tolist()
+    table = runner.req_to_token_pool.req_to_token
+    for r, p, e in zip(rows, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu):
+        runner.kv_pool.free(table[r, : p + e].to(torch.int64))
+    runner.req_to_token_pool.free(rows)
+
+
+def step_fn(runner, fn, batch):
+    def run():
+        runner.backend.init_forward_metadata(batch)
+        with sp.forward_context(batch, runner.backend):
+            h = fn(batch.input_ids, batch.positions)
+        last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), 0) - 1
+        return runner.model.compute_logits(h[last])
+
+    return run
+
+
+def build(args):
+    config = ModelConfig.from_hf_dict(QWEN_05B)
+    model = build_random_model(config, torch.bfloat16, "cuda", seed=0)
+    max_reqs = max(args.decode_bs)
+    slots = max_reqs * args.context + max(args.extend) + 1024
+
+    def backend(table, pool):
+        return create_backend(args.backend, table, pool, num_q_heads=config.num_attention_heads)
+
+    runner = ModelRunner(model, max_reqs=max_reqs + 2, max_context_len=max(args.context, max(args.extend)) + 8,
+                         num_slots=slots, backend=backend)  # fmt: skip
+    for layer in range(config.num_hidden_layers):  # stand-in cache contents: random, not zeros
+        runner.kv_pool.k_buffers[layer].normal_()
+        runner.kv_pool.v_buffers[layer].normal_()
+    return model, runner
+
+
+def cold_start(runner, max_size):
+    torch.cuda.synchronize()
+    mem0, alloc0 = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    graphs = PiecewiseCudaGraphRunner(runner, CompileOptions(cudagraphs=True, max_capture_size=max_size))
+    graphs.capture(progress=True)
+    seconds = time.perf_counter() - start
+    return graphs.compiled, {
+        "cold_start_s": seconds,
+        "sizes": len(graphs.options.capture_sizes),
+        "reserved_delta_gib": (torch.cuda.memory_reserved() - mem0) / 2**30,
+        "allocated_delta_gib": (torch.cuda.memory_allocated() - alloc0) / 2**30,
+        "counters": counters.as_dict(),
+    }
+
+
+def hf_decode_ms(args, bs):
+    import transformers
+
+    cfg = {k: v for k, v in QWEN_05B.items() if k != "architectures"}
+    with torch.device("cuda"):
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg)).to(torch.bfloat16).eval()
+    ids = torch.randint(0, cfg["vocab_size"], (bs, args.context - 1), device="cuda")
+    with torch.no_grad():
+        out = hf(input_ids=ids, use_cache=True)
+        cache = out.past_key_values
+        nxt = torch.randint(0, cfg["vocab_size"], (bs, 1), device="cuda")
+
+        def step():
+            hf(input_ids=nxt, past_key_values=cache, use_cache=True)
+            cache.crop(args.context - 1)
+
+        ms = cuda_median_ms(step, 3, 20)
+    del hf, cache
+    torch.cuda.empty_cache()
+    return ms
+
+
+def time_modes(runner, modes, batch):
+    result, ref = {}, None
+    for name, fn in modes.items():
+        try:
+            run = step_fn(runner, fn, batch)
+            with torch.no_grad():
+                logits = run()
+                result[name] = cuda_median_ms(run)
+            diff = 0.0 if ref is None else (logits - ref).abs().max().item()
+            ref = logits if ref is None else ref
+            result[name + "_maxdiff"] = diff
+        except Exception as e:  # record and go on: one mode failing must not hide the rest
+            result[name] = None
+            result[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"[{name}] failed: {result[name + '_error']}", file=sys.stderr)
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--backend", default="triton")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--extend", type=int, nargs="+", default=[1, 16, 128, 512, 2048])
+    p.add_argument("--reduce-overhead-extend", type=int, nargs="*", default=[16, 512])
+    p.add_argument("--max-capture-size", type=int, default=512)
+    p.add_argument("--startup-only", action="store_true")
+    p.add_argument("--skip-hf", action="store_true")
+    args = p.parse_args()
+    # One code object is compiled once per variant here (graphs, no graphs,
+    # reduce-overhead per shape): more than Dynamo's default limit of 8.
+    torch._dynamo.config.cache_size_limit = 64
+    os.makedirs(args.out, exist_ok=True)
+    info = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": args.backend,
+            "argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+    model, runner = build(args)
+    graphs, start = cold_start(runner, args.max_capture_size)
+    info["startup"] = start
+    print(json.dumps(start, indent=1))
+    if args.startup_only:
+        json.dump(info, open(os.path.join(args.out, "startup.json"), "w"), indent=1)
+        return
+    info["copy_rate_Bps"], info["matmul_flops"] = copy_rate(), matmul_rate()
+    read_bytes, nonemb_params = weight_bytes(model)
+    compiled = CompiledModel(model, CompileOptions())
+    cfg = model.config
+    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    info["decode"], info["extend"] = {}, {}
+    with torch.no_grad():
+        for bs in args.decode_bs:
+            batch = make_batch(runner, sp.ForwardMode.DECODE, [args.context - 1] * bs, [1] * bs)
+            modes = {"eager": model, "sgl_piecewise": compiled, "piecewise_graphs": graphs,
+                     "reduce_overhead": torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)}  # fmt: skip
+            r = time_modes(runner, modes, batch)
+            r["floor_ms"] = 1e3 * (read_bytes + bs * args.context * kv_per_token) / info["copy_rate_Bps"]
+            if not args.skip_hf:
+                r["hf_eager"] = hf_decode_ms(args, bs)
+            info["decode"][bs] = r
+            print("decode", bs, json.dumps(r), flush=True)
+            free_batch(runner, batch)
+        for n in args.extend:
+            batch = make_batch(runner, sp.ForwardMode.EXTEND, [0], [n])
+            modes = {"eager": model, "sgl_piecewise": compiled, "piecewise_graphs": graphs}
+            if n in args.reduce_overhead_extend:
+                modes["reduce_overhead"] = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
+            r = time_modes(runner, modes, batch)
+            r["floor_ms"] = 1e3 * max(read_bytes / info["copy_rate_Bps"], 2 * nonemb_params * n / info["matmul_flops"])
+            info["extend"][n] = r
+            print("extend", n, json.dumps(r), flush=True)
+            free_batch(runner, batch)
+    info["counters_end"] = counters.as_dict()
+    json.dump(info, open(os.path.join(args.out, "results.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

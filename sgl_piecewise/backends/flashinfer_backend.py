@@ -1,0 +1,216 @@
+"""The FlashInfer backend (``"flashinfer"``): FlashInfer's paged decode and
+prefill wrappers over the pool, page size 1, NHD layout.
+
+DECODE runs ``BatchDecodeWithPagedKVCacheWrapper``; every other mode runs
+``BatchPrefillWithPagedKVCacheWrapper`` (causal, FlashInfer aligns the causal
+diagonal bottom-right, i.e. offset ``kv_len - q_len``; or the verify tree mask).
+
+Graphs follow Pattern B (SEEDS.md 000): one creation helper,
+:meth:`FlashInferBackend._create_wrappers`, builds the eager wrappers at
+construction and, at capture, a graph wrapper per ``(mode, bs)`` whose fixed
+buffers are views of the static buffers; capture then calls replay once.
+Replay fills the buffers with the same ``_fill_metadata`` as the eager path and
+calls ``plan()`` — host side, outside the graph; ``run()`` is what the graph
+captures.
+
+``flashinfer`` is optional (``pip install sgl_piecewise[gpu]``): importing this
+module does not import it; constructing the backend does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from sgl_piecewise.backends.base import BackendUnavailableError
+from sgl_piecewise.backends.metadata import (
+    LengthMetadata,
+    StaticBuffers,
+    StaticGraphBackend,
+    copy_custom_mask,
+    fill_kv_indices,
+    fill_lengths,
+    has_custom_mask,
+    host_lengths,
+)
+from sgl_piecewise.checks import check_positive_int
+from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.forward import ForwardBatch, ForwardMode
+
+# FlashInfer's documented recommendation for the float workspace.
+DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
+PAGE_SIZE = 1  # req_to_token maps one token to one slot
+
+
+def import_flashinfer() -> Any:
+    """``import flashinfer``, or raise naming the extra that installs it."""
+    try:
+        return importlib.import_module("flashinfer")
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"flashinfer backend: expected the flashinfer package, got ImportError ({exc}); "
+            f"install it with `pip install sgl_piecewise[gpu]`, or use the torch or triton backend"
+        ) from exc
+
+
+@dataclass
+class FlashInferMetadata(LengthMetadata):
+    kv_indices: torch.Tensor  # [N >= kv_indptr[bs]] int32 slots (= pages)
+    last_page_len: torch.Tensor  # [bs] int32, all 1: every page holds one token
+    custom_mask: Optional[torch.Tensor]  # [M] bool flat [q_len, kv_len] blocks
+    wrapper: Any  # the decode or prefill wrapper that plans and runs this step
+
+
+def _is_decode_step(mode: ForwardMode) -> bool:
+    return mode.is_decode() or mode.is_idle()
+
+
+class FlashInferBackend(StaticGraphBackend):
+    """FlashInfer kernels behind the capture/replay contract (CUDA only).
+
+    Args:
+        req_to_token_pool, kv_pool: the pools (``kv_pool`` on a CUDA device,
+            float16 or bfloat16).
+        num_q_heads: query heads per layer (``plan()`` needs it).
+        workspace_bytes: FlashInfer's float workspace, shared by all wrappers.
+    """
+
+    name = "flashinfer"
+
+    def __init__(self, req_to_token_pool, kv_pool, num_q_heads: Optional[int] = None,
+                 *, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES):
+        super().__init__(req_to_token_pool, kv_pool, num_q_heads)
+        self._flashinfer = import_flashinfer()
+        if kv_pool.device.type != "cuda":
+            raise InvalidInputError(
+                f"flashinfer backend: expected a KV pool on a CUDA device, got {kv_pool.device}; "
+                f"use the torch or triton backend on this device"
+            )
+        if not isinstance(num_q_heads, int) or num_q_heads <= 0 or num_q_heads % kv_pool.num_kv_heads:
+            raise InvalidInputError(
+                f"num_q_heads: expected a positive multiple of the pool's {kv_pool.num_kv_heads} "
+                f"kv heads (plan() needs it), got {num_q_heads!r}"
+            )
+        check_positive_int("workspace_bytes", workspace_bytes)
+        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=kv_pool.device)
+        # Grouped heads: the tensor-core (prefill-kernel) decode path is the
+        # faster one from a group of 4 up, as in SGLang's choice.
+        self._decode_tensor_cores = num_q_heads // kv_pool.num_kv_heads >= 4
+        # plan() fixes the softmax scale; layers with another scale rescale q.
+        self._plan_scale = 1.0 / math.sqrt(kv_pool.head_dim)
+        self._eager_decode = self._create_wrappers(decode=True, views=None)
+        self._eager_prefill = self._create_wrappers(decode=False, views=None)
+
+    def _create_wrappers(self, decode: bool, views: Optional[FlashInferMetadata]) -> Any:
+        """The one place wrappers are made: eager (``views=None``) or graph
+        mode on ``views``' fixed buffers (batch size fixed for its lifetime)."""
+        fi = self._flashinfer
+        if decode:
+            graph = {} if views is None else dict(
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=views.kv_indptr,
+                paged_kv_indices_buffer=views.kv_indices,
+                paged_kv_last_page_len_buffer=views.last_page_len,
+            )
+            return fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_tensor_cores=self._decode_tensor_cores, **graph
+            )
+        graph = {} if views is None else dict(
+            use_cuda_graph=True,
+            qo_indptr_buf=views.qo_indptr,
+            paged_kv_indptr_buf=views.kv_indptr,
+            paged_kv_indices_buf=views.kv_indices,
+            paged_kv_last_page_len_buf=views.last_page_len,
+            # FlashInfer packs our bool mask into these at plan() time.
+            custom_mask_buf=self._buffers["packed_mask"] if views.masked else None,
+            mask_indptr_buf=self._buffers["packed_mask_indptr"][: views.bs + 1] if views.masked else None,
+        )
+        return fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", **graph)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        # plan() needs >= 1 page per request (last_page_len is 1, not 0).
+        return 1
+
+    # ---- metadata --------------------------------------------------------
+    def _alloc_metadata(self, batch: ForwardBatch) -> FlashInferMetadata:
+        bs, mode, new = batch.batch_size, batch.forward_mode, self._new
+        q_cpu, kv_cpu = host_lengths(batch)
+        masked = has_custom_mask(batch.spec_info)
+        return FlashInferMetadata(
+            forward_mode=mode, bs=bs, max_q_len=int(q_cpu.max()) if bs else 0,
+            num_tokens=batch.num_tokens,
+            q_lens=new(bs), kv_lens=new(bs), qo_indptr=new(bs + 1), kv_indptr=new(bs + 1),
+            masked=masked,  # FlashInfer derives the mask offsets from the indptrs
+            kv_indices=new(int(kv_cpu.sum())),
+            last_page_len=new(bs),
+            custom_mask=new(int((q_cpu * kv_cpu).sum()), dtype=torch.bool) if masked else None,
+            wrapper=self._eager_decode if _is_decode_step(mode) else self._eager_prefill,
+        )
+
+    def _alloc_graph_buffers(self, buffers: StaticBuffers, max_bs: int, max_num_tokens: int) -> None:
+        context = self.req_to_token_pool.max_context_len
+        for name in ("q_lens", "kv_lens", "last_page_len"):
+            buffers.alloc(name, (max_bs,), torch.int32)
+        for name in ("qo_indptr", "kv_indptr", "packed_mask_indptr"):
+            buffers.alloc(name, (max_bs + 1,), torch.int32)
+        buffers.alloc("kv_indices", (max_bs * context,), torch.int32)
+        buffers.alloc("custom_mask", (max_num_tokens * context,), torch.bool)
+        # Bit-packed per request: ceil(q_len * kv_len / 8) bytes each.
+        buffers.alloc("packed_mask", (max_num_tokens * context // 8 + max_bs,), torch.uint8)
+
+    def _bind_metadata(self, bs: int, width: int, mode: ForwardMode, spec_info) -> FlashInferMetadata:
+        b = self._buffers
+        views = FlashInferMetadata(
+            forward_mode=mode, bs=bs, max_q_len=width, num_tokens=bs * width,
+            q_lens=b["q_lens"][:bs], kv_lens=b["kv_lens"][:bs],
+            qo_indptr=b["qo_indptr"][: bs + 1], kv_indptr=b["kv_indptr"][: bs + 1],
+            masked=has_custom_mask(spec_info),
+            kv_indices=b["kv_indices"],
+            last_page_len=b["last_page_len"][:bs],
+            custom_mask=b["custom_mask"] if has_custom_mask(spec_info) else None,
+            wrapper=None,
+        )
+        views.wrapper = self._create_wrappers(_is_decode_step(mode), views)
+        return views
+
+    def _fill_metadata(self, meta, bs, req_pool_indices, seq_lens, extend_lens, mode, spec_info) -> None:
+        fill_lengths(meta, seq_lens, extend_lens)
+        fill_kv_indices(meta.kv_indices, self.req_to_token_pool.req_to_token, req_pool_indices, meta.kv_indptr)
+        meta.last_page_len.fill_(PAGE_SIZE)
+        if meta.masked:
+            copy_custom_mask(meta.custom_mask, spec_info.custom_mask)
+        if bs:
+            self._plan(meta)
+
+    def _plan(self, meta: FlashInferMetadata) -> None:
+        """Host-side scheduling (reads the indptrs back): never inside a graph."""
+        pool = self.kv_pool
+        common = dict(q_data_type=pool.dtype, kv_data_type=pool.dtype, sm_scale=self._plan_scale)
+        heads = (self.num_q_heads, pool.num_kv_heads, pool.head_dim, PAGE_SIZE)
+        if _is_decode_step(meta.forward_mode):
+            meta.wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.last_page_len, *heads, **common)
+            return
+        meta.wrapper.plan(
+            meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.last_page_len, *heads,
+            custom_mask=meta.custom_mask, causal=not meta.masked, **common,
+        )
+
+    # ---- attention -------------------------------------------------------
+    def forward_decode(self, q, k, v, out, layer_id, batch, scale) -> None:
+        self._run(q, out, layer_id, batch, scale)
+
+    def forward_extend(self, q, k, v, out, layer_id, batch, scale) -> None:
+        self._run(q, out, layer_id, batch, scale)
+
+    def _run(self, q, out, layer_id, batch, scale) -> None:
+        meta = self._current_metadata(q, batch)
+        if scale != self._plan_scale:
+            q = q * (scale / self._plan_scale)
+        # Page size 1: [slots, Hkv, D] is [pages, page_size=1, Hkv, D] (NHD).
+        k_cache = self.kv_pool.k_buffers[layer_id].unsqueeze(1)
+        v_cache = self.kv_pool.v_buffers[layer_id].unsqueeze(1)
+        meta.wrapper.run(q, (k_cache, v_cache), out=out)

@@ -1,0 +1,185 @@
+"""The graph-safe PyTorch backend (``"torch"``): every mode, pure torch ops.
+
+Where the reference backend loops over requests with host-side lengths, this
+one works on the whole batch at once with shapes that depend only on the batch
+size: keys are gathered through a page table ``[bs, W]`` into
+``[bs, W, Hkv, D]``, an ``allowed [bs, S, W]`` mask (key extent, causal offset
+``kv_len - q_len``, or the verify tree mask) is prepared once per step, and the
+softmax runs in float32. When graphed, ``W`` is the pool's context length and
+``S`` the uniform query width, so a captured step replays for any lengths.
+
+Eager EXTEND / MIXED / DRAFT_EXTEND use the same math over the ragged layout:
+queries are gathered into ``[bs, S = max_q_len]`` and gathered back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sgl_piecewise.backends import lengths
+from sgl_piecewise.backends.metadata import (
+    LengthMetadata,
+    StaticBuffers,
+    StaticGraphBackend,
+    fill_lengths,
+    fill_mask_indptr,
+    has_custom_mask,
+    host_lengths,
+    request_of_position,
+)
+from sgl_piecewise.forward import ForwardBatch, ForwardMode
+
+_MASKED = torch.finfo(torch.float32).min  # finite: a row with no key stays NaN-free
+
+
+@dataclass
+class TorchGraphMetadata(LengthMetadata):
+    mask_indptr: Optional[torch.Tensor]  # [bs+1] int64 block offsets in the custom mask
+    page_table: torch.Tensor  # [bs, W] int64: slot of key j of request b
+    allowed: torch.Tensor  # [bs, S, W] bool: query row i of request b may see key j
+    # Ragged eager steps only (None when every request has S query rows):
+    q_rows: Optional[torch.Tensor]  # [bs * S] int64: token row behind padded query (b, i)
+    token_src: Optional[torch.Tensor]  # [T] int64: padded query row each token's output is
+
+
+class TorchGraphBackend(StaticGraphBackend):
+    """Pure-PyTorch attention that can be captured in a CUDA graph.
+
+    Example::
+
+        backend = TorchGraphBackend(req_to_token_pool, kv_pool)
+        backend.init_forward_metadata(batch)
+        with sgl_piecewise.forward_context(batch, backend):
+            o = sgl_piecewise.ops.unified_attention(q, k, v, layer_id=0)
+
+    Memory per layer call: the gathered keys and values in float32,
+    ``[bs, W, Hkv, D]`` each, and the logits ``[bs, Hq, S, W]``.
+    """
+
+    name = "torch"
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        # One key per padded request: every padded row has something to attend.
+        return 1
+
+    # ---- metadata --------------------------------------------------------
+    def _alloc_metadata(self, batch: ForwardBatch) -> TorchGraphMetadata:
+        bs, tokens, new = batch.batch_size, batch.num_tokens, self._new
+        q_cpu, kv_cpu = host_lengths(batch)
+        width, keys = max(batch.extend_seq_lens_cpu, default=0), lengths.max_kv_len(kv_cpu)
+        ragged = any(n != width for n in batch.extend_seq_lens_cpu)
+        masked = has_custom_mask(batch.spec_info)
+        return TorchGraphMetadata(
+            forward_mode=batch.forward_mode, bs=bs, max_q_len=width, num_tokens=tokens,
+            q_lens=new(bs), kv_lens=new(bs), qo_indptr=new(bs + 1), kv_indptr=new(bs + 1),
+            masked=masked, mask_indptr=new(bs + 1, dtype=torch.int64) if masked else None,
+            page_table=new(bs, keys, dtype=torch.int64),
+            allowed=new(bs, width, keys, dtype=torch.bool),
+            q_rows=new(bs * width, dtype=torch.int64) if ragged else None,
+            token_src=new(tokens, dtype=torch.int64) if ragged else None,
+        )
+
+    def _alloc_graph_buffers(self, buffers: StaticBuffers, max_bs: int, max_num_tokens: int) -> None:
+        context = self.req_to_token_pool.max_context_len
+        for name in ("q_lens", "kv_lens"):
+            buffers.alloc(name, (max_bs,), torch.int32)
+        for name in ("qo_indptr", "kv_indptr"):
+            buffers.alloc(name, (max_bs + 1,), torch.int32)
+        buffers.alloc("mask_indptr", (max_bs + 1,), torch.int64)
+        buffers.alloc("page_table", (max_bs, context), torch.int64)
+        # One row of keys per graph query row: [max_num_tokens, context] bool.
+        buffers.alloc("allowed", (max_num_tokens, context), torch.bool)
+
+    def _bind_metadata(self, bs: int, width: int, mode: ForwardMode, spec_info) -> TorchGraphMetadata:
+        b = self._buffers
+        context = self.req_to_token_pool.max_context_len
+        masked = has_custom_mask(spec_info)
+        return TorchGraphMetadata(
+            forward_mode=mode, bs=bs, max_q_len=width, num_tokens=bs * width,
+            q_lens=b["q_lens"][:bs], kv_lens=b["kv_lens"][:bs],
+            qo_indptr=b["qo_indptr"][: bs + 1], kv_indptr=b["kv_indptr"][: bs + 1],
+            masked=masked, mask_indptr=b["mask_indptr"][: bs + 1] if masked else None,
+            page_table=b["page_table"][:bs],
+            allowed=b["allowed"][: bs * width].view(bs, width, context),
+            q_rows=None,
+            token_src=None,
+        )
+
+    def _fill_metadata(self, meta, bs, req_pool_indices, seq_lens, extend_lens, mode, spec_info) -> None:
+        fill_lengths(meta, seq_lens, extend_lens)
+        table = self.req_to_token_pool.req_to_token
+        meta.page_table.copy_(table[req_pool_indices.long(), : meta.page_table.shape[1]])
+        if meta.q_rows is not None:
+            _fill_ragged_rows(meta)
+        custom = spec_info.custom_mask if meta.masked else None
+        _fill_allowed(meta, custom)
+
+    # ---- attention -------------------------------------------------------
+    def forward_decode(self, q, k, v, out, layer_id, batch, scale) -> None:
+        self._attend(q, out, layer_id, batch, scale)
+
+    def forward_extend(self, q, k, v, out, layer_id, batch, scale) -> None:
+        self._attend(q, out, layer_id, batch, scale)
+
+    def _attend(self, q, out, layer_id, batch, scale) -> None:
+        """``q [T, Hq, D]`` -> ``out [T, Hq, Dv]``, no host sync."""
+        meta = self._current_metadata(q, batch)
+        k_cache = self.kv_pool.k_buffers[layer_id]
+        v_cache = self.kv_pool.v_buffers[layer_id]
+        bs, width = meta.bs, meta.max_q_len
+        num_kv_heads, head_dim = k_cache.shape[1], q.shape[2]
+        group = q.shape[1] // num_kv_heads
+        rows = q if meta.q_rows is None else q.index_select(0, meta.q_rows)
+        # [bs, S, Hkv, G, D]: grouped heads attend one kv head without repeating it.
+        qg = rows.float().view(bs, width, num_kv_heads, group, head_dim)
+        keys = k_cache[meta.page_table].float()  # [bs, W, Hkv, D]
+        logits = torch.einsum("bshgd,bwhd->bhgsw", qg, keys) * scale
+        logits = logits.masked_fill(~meta.allowed[:, None, None], _MASKED)
+        probs = torch.softmax(logits, dim=-1)
+        vals = v_cache[meta.page_table].float()  # [bs, W, Hkv, Dv]
+        o = torch.einsum("bhgsw,bwhd->bshgd", probs, vals)
+        o = o.reshape(bs * width, num_kv_heads * group, vals.shape[-1])
+        if meta.token_src is not None:
+            o = o.index_select(0, meta.token_src)
+        out.copy_(o)
+
+
+def _fill_ragged_rows(meta: TorchGraphMetadata) -> None:
+    """Maps between the ragged token layout and the padded ``[bs, S]`` one.
+
+    Padded query slots past a request's ``q_len`` repeat its last row (any
+    valid row will do: ``allowed`` masks them and ``token_src`` never reads
+    them back).
+    """
+    bs, width = meta.bs, meta.max_q_len
+    i = torch.arange(width, device=meta.q_lens.device)
+    last = (meta.q_lens.long() - 1).clamp_(min=0)
+    rows = meta.qo_indptr[:bs, None].long() + torch.minimum(i[None, :], last[:, None])
+    meta.q_rows.copy_(rows.reshape(-1).clamp_(0, max(meta.num_tokens - 1, 0)))
+    t = torch.arange(meta.num_tokens, device=meta.q_lens.device)
+    req = request_of_position(meta.qo_indptr, t)
+    meta.token_src.copy_(req * width + (t - meta.qo_indptr[req]))
+
+
+def _fill_allowed(meta: TorchGraphMetadata, custom_mask: Optional[torch.Tensor]) -> None:
+    """``allowed[b, i, j]``: key ``j < kv_len`` for query ``i < q_len``, and
+    either causal at offset ``kv_len - q_len`` or ``custom_mask`` (a flat
+    concatenation of row-major ``[q_len, kv_len]`` blocks, SpecInfo)."""
+    bs, width, keys = meta.allowed.shape
+    device = meta.allowed.device
+    i = torch.arange(width, device=device).view(1, width, 1)
+    j = torch.arange(keys, device=device).view(1, 1, keys)
+    q_len = meta.q_lens.view(bs, 1, 1).long()
+    kv_len = meta.kv_lens.view(bs, 1, 1).long()
+    in_range = (i < q_len) & (j < kv_len)
+    if custom_mask is None:
+        meta.allowed.copy_(in_range & (j <= kv_len - q_len + i))
+        return
+    fill_mask_indptr(meta.mask_indptr, meta.q_lens, meta.kv_lens)
+    flat_mask = custom_mask.reshape(-1)
+    # Out-of-range (b, i, j) are clamped to a valid index and masked by in_range.
+    flat = (meta.mask_indptr[:bs].view(bs, 1, 1) + i * kv_len + j).clamp_(0, max(flat_mask.numel() - 1, 0))
+    meta.allowed.copy_(flat_mask[flat].bool() & in_range)

@@ -1,0 +1,161 @@
+"""The Triton backend (``"triton"``): the split-KV decode kernel for DECODE,
+the extend kernel for every other mode, over the paged pool (page size 1).
+
+Per step it builds, on the device and into caller-visible buffers,
+``qo_indptr``, ``kv_indptr``, the flattened page table ``kv_indices``, the
+decode split counts and, for tree verification, ``mask_indptr`` plus a copy of
+the flat custom mask. Graphs bind all of them to static buffers once
+(Pattern A, ``StaticGraphBackend``); the kernels' grids depend only on the
+batch size and the static ``max_q_len``, so one captured launch serves every
+replay. Importing this module imports ``triton``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sgl_piecewise.backends.metadata import (
+    LengthMetadata,
+    StaticBuffers,
+    StaticGraphBackend,
+    copy_custom_mask,
+    fill_kv_indices,
+    fill_lengths,
+    fill_mask_indptr,
+    has_custom_mask,
+    host_lengths,
+)
+from sgl_piecewise.backends.triton_kernels import (
+    choose_num_kv_splits,
+    decode_attention,
+    extend_attention,
+)
+from sgl_piecewise.checks import check_positive_int
+from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.forward import ForwardBatch, ForwardMode
+
+# SGLang's default `--triton-attention-num-kv-splits`.
+DEFAULT_MAX_KV_SPLITS = 8
+
+
+@dataclass
+class TritonMetadata(LengthMetadata):
+    mask_indptr: Optional[torch.Tensor]  # [bs+1] int64 block offsets in custom_mask
+    kv_indices: torch.Tensor  # [N >= kv_indptr[bs]] int32 slots, request-major
+    # Decode steps (DECODE, IDLE) only:
+    num_kv_splits: Optional[torch.Tensor]  # [bs] int32
+    attn_logits: Optional[torch.Tensor]  # [bs, Hq, max_kv_splits, Dv] f32 scratch
+    attn_lse: Optional[torch.Tensor]  # [bs, Hq, max_kv_splits] f32 scratch
+    # Steps with a tree mask only: the flat [q_len, kv_len] blocks, request-major.
+    custom_mask: Optional[torch.Tensor]  # [M] bool
+
+
+def _is_decode_step(mode: ForwardMode) -> bool:
+    # An idle graph is a decode graph of padding (metadata.graph_query_width).
+    return mode.is_decode() or mode.is_idle()
+
+
+class TritonBackend(StaticGraphBackend):
+    """Triton kernels behind the capture/replay contract.
+
+    Args:
+        req_to_token_pool, kv_pool: the pools the kernels read.
+        num_q_heads: query heads per layer; sizes the decode scratch.
+        max_kv_splits: most key splits per decode request (the scratch's
+            split axis; more splits = more parallelism on long contexts).
+    """
+
+    name = "triton"
+
+    def __init__(self, req_to_token_pool, kv_pool, num_q_heads: Optional[int] = None,
+                 *, max_kv_splits: int = DEFAULT_MAX_KV_SPLITS):
+        super().__init__(req_to_token_pool, kv_pool, num_q_heads)
+        if not isinstance(num_q_heads, int) or num_q_heads <= 0 or num_q_heads % kv_pool.num_kv_heads:
+            raise InvalidInputError(
+                f"num_q_heads: expected a positive multiple of the pool's {kv_pool.num_kv_heads} "
+                f"kv heads (it sizes the decode scratch), got {num_q_heads!r}"
+            )
+        self.max_kv_splits = check_positive_int("max_kv_splits", max_kv_splits)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        # One key per padded request: one split, one tile, no empty-range work.
+        return 1
+
+    # ---- metadata --------------------------------------------------------
+    def _alloc_metadata(self, batch: ForwardBatch) -> TritonMetadata:
+        bs, mode, new = batch.batch_size, batch.forward_mode, self._new
+        q_cpu, kv_cpu = host_lengths(batch)
+        decode = _is_decode_step(mode)
+        masked = has_custom_mask(batch.spec_info)
+        hq, dv = self.num_q_heads, self.kv_pool.head_dim
+        return TritonMetadata(
+            forward_mode=mode, bs=bs, max_q_len=int(q_cpu.max()) if bs else 0,
+            num_tokens=batch.num_tokens,
+            q_lens=new(bs), kv_lens=new(bs), qo_indptr=new(bs + 1), kv_indptr=new(bs + 1),
+            masked=masked, mask_indptr=new(bs + 1, dtype=torch.int64) if masked else None,
+            kv_indices=new(int(kv_cpu.sum())),
+            num_kv_splits=new(bs) if decode else None,
+            attn_logits=new(bs, hq, self.max_kv_splits, dv, dtype=torch.float32) if decode else None,
+            attn_lse=new(bs, hq, self.max_kv_splits, dtype=torch.float32) if decode else None,
+            custom_mask=new(int((q_cpu * kv_cpu).sum()), dtype=torch.bool) if masked else None,
+        )
+
+    def _alloc_graph_buffers(self, buffers: StaticBuffers, max_bs: int, max_num_tokens: int) -> None:
+        context = self.req_to_token_pool.max_context_len
+        hq, dv, splits = self.num_q_heads, self.kv_pool.head_dim, self.max_kv_splits
+        for name in ("q_lens", "kv_lens", "num_kv_splits"):
+            buffers.alloc(name, (max_bs,), torch.int32)
+        for name in ("qo_indptr", "kv_indptr"):
+            buffers.alloc(name, (max_bs + 1,), torch.int32)
+        buffers.alloc("mask_indptr", (max_bs + 1,), torch.int64)
+        # Every request's keys fit in its req_to_token row: <= context each.
+        buffers.alloc("kv_indices", (max_bs * context,), torch.int32)
+        buffers.alloc("attn_logits", (max_bs, hq, splits, dv), torch.float32)
+        buffers.alloc("attn_lse", (max_bs, hq, splits), torch.float32)
+        # One [context] row of mask per graph query row.
+        buffers.alloc("custom_mask", (max_num_tokens * context,), torch.bool)
+
+    def _bind_metadata(self, bs: int, width: int, mode: ForwardMode, spec_info) -> TritonMetadata:
+        b = self._buffers
+        decode = _is_decode_step(mode)
+        masked = has_custom_mask(spec_info)
+        return TritonMetadata(
+            forward_mode=mode, bs=bs, max_q_len=width, num_tokens=bs * width,
+            q_lens=b["q_lens"][:bs], kv_lens=b["kv_lens"][:bs],
+            qo_indptr=b["qo_indptr"][: bs + 1], kv_indptr=b["kv_indptr"][: bs + 1],
+            masked=masked, mask_indptr=b["mask_indptr"][: bs + 1] if masked else None,
+            kv_indices=b["kv_indices"],
+            num_kv_splits=b["num_kv_splits"][:bs] if decode else None,
+            attn_logits=b["attn_logits"][:bs] if decode else None,
+            attn_lse=b["attn_lse"][:bs] if decode else None,
+            custom_mask=b["custom_mask"] if masked else None,
+        )
+
+    def _fill_metadata(self, meta, bs, req_pool_indices, seq_lens, extend_lens, mode, spec_info) -> None:
+        fill_lengths(meta, seq_lens, extend_lens)
+        fill_kv_indices(meta.kv_indices, self.req_to_token_pool.req_to_token, req_pool_indices, meta.kv_indptr)
+        if meta.num_kv_splits is not None:
+            choose_num_kv_splits(meta.kv_lens, self.max_kv_splits, meta.num_kv_splits)
+        if meta.masked:
+            fill_mask_indptr(meta.mask_indptr, meta.q_lens, meta.kv_lens)
+            copy_custom_mask(meta.custom_mask, spec_info.custom_mask)
+
+    # ---- attention -------------------------------------------------------
+    def forward_decode(self, q, k, v, out, layer_id, batch, scale) -> None:
+        meta = self._current_metadata(q, batch)
+        decode_attention(
+            q, self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id], out,
+            meta.kv_indptr, meta.kv_indices, meta.attn_logits, meta.attn_lse,
+            meta.num_kv_splits, self.max_kv_splits, scale,
+        )
+
+    def forward_extend(self, q, k, v, out, layer_id, batch, scale) -> None:
+        meta = self._current_metadata(q, batch)
+        extend_attention(
+            q, self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id], out,
+            meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.max_q_len, scale,
+            custom_mask=meta.custom_mask, mask_indptr=meta.mask_indptr,
+        )

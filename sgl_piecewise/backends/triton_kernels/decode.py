@@ -1,0 +1,393 @@
+"""Split-KV ("flash-decoding") attention: one query token per request over the
+paged KV pool.
+
+Stage 1 splits each request's keys into up to ``max_kv_splits`` contiguous
+ranges; one program per (request, kv head, split) attends all query heads of
+that kv head at once (grouped-query tile), so every K/V row is read from the
+pool once per kv head rather than once per query head. It writes the split's
+normalised partial output and its log-sum-exp to caller-owned scratch.
+Stage 2 merges the splits of each (request, query head).
+
+Graph safety: the grid depends only on ``bs``, head counts and
+``max_kv_splits``; the per-request split count is read on the device, so one
+captured launch serves every replay. Nothing here synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from sgl_piecewise.errors import InvalidInputError
+
+# Launch settings: SGLang's CUDA defaults for the same loop shape, its grouped
+# decode kernel (triton_ops/decode_attention.py, `_decode_grouped_att_m_fwd`:
+# BLOCK=32, BLOCK_H=16, num_warps=4, num_stages=2; the split reducer:
+# num_warps=4, num_stages=2). Not re-tuned here: no GPU in development.
+DECODE_BLOCK_N = 32  # keys per inner-loop step
+DECODE_BLOCK_H = 16  # query heads per program; tl.dot needs >= 16 rows
+# Groups wider than 16 (MQA-like) widen the head tile up to this, as SGLang's
+# older grouped kernel did (BLOCK_H = max(16, next_pow2(group))), so K/V are
+# still read once per kv head; 64 rows compile for sm_90 without spills.
+DECODE_MAX_BLOCK_H = 64
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
+REDUCE_NUM_WARPS = 4
+REDUCE_NUM_STAGES = 2
+# Split boundaries are multiples of this (SGLang's MIN_BLOCK_KV), so every
+# split but a request's last one covers whole BLOCK_N tiles.
+SPLIT_GRANULE = DECODE_BLOCK_N
+# choose_num_kv_splits: one split per this many keys. Each program then runs
+# at least 8 inner steps, enough to amortise its q load, partial write and
+# stage-2 merge, while a 2k-token context still fills SGLang's default of 8
+# splits (`--triton-attention-num-kv-splits 8`).
+DEFAULT_TOKENS_PER_SPLIT = 256
+# A suggested scratch size for callers: at bs=1 with 8 kv heads, 16 splits
+# make 128 stage-1 programs, about one per SM of an H100 (132 SMs).
+DEFAULT_MAX_KV_SPLITS = 16
+
+_LOG2E = 1.4426950408889634
+
+
+# Device helpers below are shared with extend.py.
+
+
+@triton.jit
+def mm(a, b, F32X3: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` accumulated in float32.
+
+    F32X3 (fp32 inputs): three TF32 tensor-core products, about fp32 accurate,
+    where a plain fp32 dot would round inputs to TF32 (~1e-3 relative).
+    UPCAST (Triton's CPU interpreter only): its dot multiplies bf16 bit
+    patterns as integers, so operands go to fp32 first; values are unchanged.
+    """
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif F32X3:
+        return tl.dot(a, b, input_precision="tf32x3")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def load_rows(base, slots, row_stride, offs, mask_rows, mask_cols):
+    """``[len(slots), len(offs)]`` tile of pool rows ``slots`` (int64); 0 where masked.
+
+    Each row is one token's contiguous head vector, so a row is one
+    coalesced read however the slots are scattered.
+    """
+    return tl.load(
+        base + slots[:, None] * row_stride + offs[None, :],
+        mask=mask_rows[:, None] & mask_cols[None, :], other=0.0,
+    )
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i):
+    """One online-softmax step over logits ``s [M, N]`` (exp2 domain, -inf =
+    hidden) with running max ``m_i [M]`` and sum ``l_i [M]``.
+
+    Returns ``(p, alpha, m_new, l_new)``: the tile's weights, the factor that
+    rescales earlier accumulators, and the updated max and sum. A row that
+    has seen no visible key keeps m = -inf and is shifted by 0, so it gets
+    weights 0 rather than exp2(-inf - -inf) = NaN.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _split_range(kv_len, num_splits, split_id, GRANULE: tl.constexpr):
+    """Keys ``[start, end)`` of split ``split_id``; empty when past the end."""
+    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), GRANULE) * GRANULE
+    start = per_split * split_id
+    end = tl.minimum(start + per_split, kv_len)
+    return start, end
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, num_splits_ptr,
+    part_ptr, lse_ptr, qk_scale,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, GRANULE: tl.constexpr, F32X3: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Grid: (bs, num_kv_heads * HEAD_BLOCKS, MAX_SPLITS).
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    split_id = tl.program_id(2)
+    num_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + req), 1), MAX_SPLITS)
+    kv_start = tl.load(kv_indptr_ptr + req)
+    kv_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
+    start, end = _split_range(kv_len, num_splits, split_id, GRANULE)
+    # Splits past the request's count, or past its keys, write nothing:
+    # stage 2 recomputes the same ranges and skips them.
+    if (split_id >= num_splits) | (start >= end):
+        return
+
+    # Query heads kv_head*GROUP + in_group share this kv head.
+    in_group = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = in_group < GROUP
+    heads = kv_head * GROUP + in_group
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_d = offs_d < D
+    mask_dv = offs_dv < DV
+
+    q = tl.load(
+        q_ptr + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :], other=0.0,
+    )
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        keys = n0 + offs_n
+        mask_n = keys < end
+        # int64: slot * row stride can pass 2**31 in a large pool.
+        slots = tl.load(kv_indices_ptr + kv_start + keys, mask=mask_n, other=0).to(tl.int64)
+        k = load_rows(k_base, slots, stride_kt, offs_d, mask_n, mask_d)
+        # Logits in the exp2 domain (qk_scale = sm_scale * log2(e)).
+        s = mm(q, tl.trans(k), F32X3, UPCAST) * qk_scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+        v = load_rows(v_base, slots, stride_vt, offs_dv, mask_n, mask_dv)
+        acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, F32X3, UPCAST)
+
+    part_off = req * stride_pb + heads[:, None] * stride_ph + split_id * stride_ps
+    tl.store(part_ptr + part_off + offs_dv[None, :], acc / l_i[:, None],
+             mask=mask_h[:, None] & mask_dv[None, :])
+    # Natural-log LSE of the sm_scale-scaled logits.
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    tl.store(lse_ptr + req * stride_lb + heads * stride_lh + split_id, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_ptr, lse_ptr, kv_indptr_ptr, num_splits_ptr,
+    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, GRANULE: tl.constexpr,
+):
+    # Grid: (bs, num_q_heads).
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    num_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + req), 1), MAX_SPLITS)
+    kv_len = tl.load(kv_indptr_ptr + req + 1) - tl.load(kv_indptr_ptr + req)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < DV
+
+    m_i = tl.zeros([1], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    part_base = part_ptr + req * stride_pb + head * stride_ph
+    lse_base = lse_ptr + req * stride_lb + head * stride_lh
+    for split_id in range(0, num_splits):
+        start, end = _split_range(kv_len, num_splits, split_id, GRANULE)
+        # Empty splits left their scratch stale; only count filled ones.
+        if start < end:
+            lse = tl.load(lse_base + split_id + tl.zeros([1], dtype=tl.int32))
+            part = tl.load(part_base + split_id * stride_ps + offs_dv, mask=mask_dv, other=0.0)
+            m_new = tl.maximum(m_i, lse)
+            alpha = tl.exp(m_i - m_new)
+            w = tl.exp(lse - m_new)
+            acc = acc * alpha + w * part
+            l_i = l_i * alpha + w
+            m_i = m_new
+    # A request with no keys has l_i == 0: write zeros, not 0/0.
+    result = tl.where(l_i > 0, acc / tl.maximum(l_i, 1e-30), 0.0)
+    tl.store(out_ptr + req * stride_ob + head * stride_oh + offs_dv,
+             result.to(out_ptr.dtype.element_ty), mask=mask_dv)
+
+
+# Under TRITON_INTERPRET=1, triton.jit yields an interpreter object instead of
+# a JITFunction; its bf16 dot needs the UPCAST workaround (see mm).
+_INTERPRETED = not isinstance(_decode_split_kernel, JITFunction)
+
+
+def choose_num_kv_splits(
+    kv_lens: torch.Tensor,
+    max_kv_splits: int,
+    out: torch.Tensor,
+    tokens_per_split: int = DEFAULT_TOKENS_PER_SPLIT,
+) -> torch.Tensor:
+    """Per-request split counts for :func:`decode_attention`, on the device.
+
+    ``out[i] = clamp(ceil(kv_lens[i] / tokens_per_split), 1, max_kv_splits)``:
+    short contexts use one split (no merge work), long ones up to
+    ``max_kv_splits``. Pure tensor ops with a value-independent shape, so it
+    runs inside a CUDA graph without a host sync.
+
+    Args:
+        kv_lens: ``[bs]`` integer key count per request.
+        max_kv_splits: upper bound; the scratch's split axis.
+        out: ``[bs]`` int32, written and returned.
+        tokens_per_split: keys one split should cover before another is added.
+    """
+    if max_kv_splits < 1 or tokens_per_split < 1:
+        raise InvalidInputError(
+            f"choose_num_kv_splits: expected max_kv_splits >= 1 and tokens_per_split >= 1, "
+            f"got {max_kv_splits} and {tokens_per_split}"
+        )
+    if out.shape != kv_lens.shape:
+        raise InvalidInputError(
+            f"choose_num_kv_splits: expected out of shape {list(kv_lens.shape)}, "
+            f"got {list(out.shape)}"
+        )
+    splits = torch.div(kv_lens + (tokens_per_split - 1), tokens_per_split, rounding_mode="floor")
+    out.copy_(splits.clamp_(1, max_kv_splits))
+    return out
+
+
+def decode_block_h(group: int, dtype: torch.dtype) -> int:
+    """Query heads per stage-1 program for ``group`` query heads per kv head.
+
+    fp32 stays at 16 rows: its 3xTF32 dots need more registers, and a wider
+    tile spills on sm_90.
+    """
+    if dtype == torch.float32:
+        return DECODE_BLOCK_H
+    return min(max(DECODE_BLOCK_H, triton.next_power_of_2(group)), DECODE_MAX_BLOCK_H)
+
+
+def decode_kernel_meta(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, dv: int, dtype: torch.dtype, max_kv_splits: int
+) -> tuple[dict, dict]:
+    """Compile-time arguments (constexprs, num_warps, num_stages) of the split
+    and reduce kernels; one place, shared by the launcher and the sm_90
+    compile test."""
+    group = num_q_heads // num_kv_heads
+    block_h = decode_block_h(group, dtype)
+    split_meta = dict(
+        GROUP=group, HEAD_BLOCKS=triton.cdiv(group, block_h),
+        D=head_dim, DV=dv, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_DV=triton.next_power_of_2(dv), BLOCK_H=block_h, BLOCK_N=DECODE_BLOCK_N,
+        MAX_SPLITS=max_kv_splits, GRANULE=SPLIT_GRANULE, F32X3=dtype == torch.float32,
+        UPCAST=_INTERPRETED and dtype == torch.bfloat16,
+        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+    )
+    reduce_meta = dict(
+        DV=dv, BLOCK_DV=triton.next_power_of_2(dv), MAX_SPLITS=max_kv_splits,
+        GRANULE=SPLIT_GRANULE, num_warps=REDUCE_NUM_WARPS, num_stages=REDUCE_NUM_STAGES,
+    )
+    return split_meta, reduce_meta
+
+
+def _check_decode_args(q, k_cache, v_cache, out, attn_logits, attn_lse, max_kv_splits) -> None:
+    """Shape/dtype/layout checks that read no tensor values (no sync)."""
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
+        raise InvalidInputError(
+            f"decode_attention: expected q [bs, Hq, D] and caches [slots, Hkv, D], "
+            f"got {list(q.shape)}, {list(k_cache.shape)}, {list(v_cache.shape)}"
+        )
+    bs, num_q_heads, _ = q.shape
+    num_kv_heads, dv = k_cache.shape[1], v_cache.shape[2]
+    if num_q_heads % num_kv_heads or v_cache.shape[:2] != k_cache.shape[:2]:
+        raise InvalidInputError(
+            f"decode_attention: expected Hq a multiple of Hkv and matching K/V caches, "
+            f"got q {list(q.shape)}, k {list(k_cache.shape)}, v {list(v_cache.shape)}"
+        )
+    if out.shape != (bs, num_q_heads, dv) or not q.dtype == k_cache.dtype == v_cache.dtype == out.dtype:
+        raise InvalidInputError(
+            f"decode_attention: expected out [{bs}, {num_q_heads}, {dv}] and one dtype for "
+            f"q/k/v/out, got out {list(out.shape)}, dtypes {q.dtype}, {k_cache.dtype}, "
+            f"{v_cache.dtype}, {out.dtype}"
+        )
+    if not 1 <= max_kv_splits:
+        raise InvalidInputError(f"decode_attention: expected max_kv_splits >= 1, got {max_kv_splits}")
+    ok_logits = (
+        attn_logits.dim() == 4 and attn_logits.shape[0] >= bs and attn_logits.shape[1] == num_q_heads
+        and attn_logits.shape[2] >= max_kv_splits and attn_logits.shape[3] >= dv
+    )
+    ok_lse = (
+        attn_lse.dim() == 3 and attn_lse.shape[0] >= bs and attn_lse.shape[1] == num_q_heads
+        and attn_lse.shape[2] >= max_kv_splits
+    )
+    if not (ok_logits and ok_lse) or attn_logits.dtype != torch.float32 or attn_lse.dtype != torch.float32:
+        raise InvalidInputError(
+            f"decode_attention: expected float32 scratch attn_logits [>={bs}, {num_q_heads}, "
+            f">={max_kv_splits}, >={dv}] and attn_lse [>={bs}, {num_q_heads}, >={max_kv_splits}], "
+            f"got {attn_logits.dtype} {list(attn_logits.shape)} and {attn_lse.dtype} {list(attn_lse.shape)}"
+        )
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out),
+                    ("attn_logits", attn_logits), ("attn_lse", attn_lse)):
+        if t.stride(-1) != 1:
+            raise InvalidInputError(
+                f"decode_attention: expected {name} contiguous in its last dim, "
+                f"got strides {t.stride()}; pass a .contiguous() tensor"
+            )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    attn_logits: torch.Tensor,
+    attn_lse: torch.Tensor,
+    num_kv_splits: torch.Tensor,
+    max_kv_splits: int,
+    sm_scale: float,
+) -> None:
+    """Attention of one query token per request over its paged keys; writes ``out``.
+
+    Args:
+        q: ``[bs, Hq, D]`` one query token per request.
+        k_cache: ``[num_slots, Hkv, D]`` the layer's key pool.
+        v_cache: ``[num_slots, Hkv, Dv]`` the layer's value pool.
+        out: ``[bs, Hq, Dv]`` written, q's dtype. A request with no keys gets zeros.
+        kv_indptr: ``[bs + 1]`` int32; request r's keys are
+            ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``.
+        kv_indices: ``[>= kv_indptr[bs]]`` int32/int64 slot ids into the pool.
+        attn_logits: ``[>= bs, Hq, >= max_kv_splits, >= Dv]`` float32 scratch for
+            the splits' normalised partial outputs.
+        attn_lse: ``[>= bs, Hq, >= max_kv_splits]`` float32 scratch for the
+            splits' natural-log log-sum-exp of the scaled logits.
+        num_kv_splits: ``[bs]`` int32 splits per request, clamped on the
+            device to ``[1, max_kv_splits]`` (see :func:`choose_num_kv_splits`).
+        max_kv_splits: static grid size of the split axis.
+        sm_scale: logit scale, usually ``D ** -0.5``.
+
+    The launch grids depend only on ``bs``, the head counts and
+    ``max_kv_splits``, and nothing reads tensor values on the host, so the call
+    can be captured in a CUDA graph and replayed with new lengths.
+    """
+    _check_decode_args(q, k_cache, v_cache, out, attn_logits, attn_lse, max_kv_splits)
+    bs, num_q_heads, head_dim = q.shape
+    num_kv_heads, dv = k_cache.shape[1], v_cache.shape[2]
+    if bs == 0:
+        return
+    split_meta, reduce_meta = decode_kernel_meta(
+        num_q_heads, num_kv_heads, head_dim, dv, q.dtype, max_kv_splits
+    )
+    head_programs = num_kv_heads * split_meta["HEAD_BLOCKS"]
+    _decode_split_kernel[(bs, head_programs, max_kv_splits)](
+        q, k_cache, v_cache, kv_indptr, kv_indices, num_kv_splits,
+        attn_logits, attn_lse, sm_scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        attn_lse.stride(0), attn_lse.stride(1),
+        **split_meta,
+    )
+    _decode_reduce_kernel[(bs, num_q_heads)](
+        out, attn_logits, attn_lse, kv_indptr, num_kv_splits,
+        out.stride(0), out.stride(1),
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        attn_lse.stride(0), attn_lse.stride(1),
+        **reduce_meta,
+    )

@@ -1,0 +1,271 @@
+"""Extend (prefill) attention: new query tokens of ragged requests over each
+request's prefix + new keys in the paged KV pool.
+
+One program handles ``BLOCK_M`` rows of one (request, kv head). A row is a
+(query token, query head) pair: the ``GROUP`` query heads that share a kv head
+are packed into the row axis (token-major), so every K/V tile fetched through
+the index table serves all of them. That matters most for short queries over
+long prefixes (speculative verify, chunked prefill), where K/V reads dominate.
+
+Visibility: query token ``i`` of a request sits at absolute position
+``kv_len - q_len + i`` and sees keys ``j <= kv_len - q_len + i`` (causal with
+offset), or, with a custom mask, key ``j`` iff
+``mask[mask_indptr[r] + i * kv_len + j]``. Rows that see no key get zeros.
+
+Graph safety: the grid depends only on ``bs``, the head counts and the static
+``max_q_len``; programs past a request's rows exit, and nothing synchronises
+with the host.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from sgl_piecewise.backends.triton_kernels.decode import load_rows, mm, softmax_step
+from sgl_piecewise.errors import InvalidInputError
+
+# Launch settings for Hopper, after SGLang's extend kernel
+# (triton_ops/extend_attention.py): on sm_90 it uses BLOCK_M=128, BLOCK_N=64,
+# num_warps = 4 if head_dim <= 64 else 8, num_stages=1. The other tiles come
+# from compiling this kernel for sm_90 offline (triton.compile with
+# GPUTarget("cuda", 90, 32), as test_kernels_compile_for_sm90_... does) and
+# keeping the largest tile that neither spills registers nor overflows shared
+# memory. At head_dim 256 with a custom mask, 128 x 64 and 64 x 64 spill; 128 x 64
+# without a mask uses 249 of 255 registers, too close to trust across Triton
+# versions, so head_dim > 128 always takes 64 x 32.
+EXTEND_BLOCK_M, EXTEND_BLOCK_N = 128, 64  # 16-bit inputs, head_dim <= 128
+LARGE_HEAD_BLOCK_M, LARGE_HEAD_BLOCK_N = 64, 32  # 16-bit inputs, head_dim > 128
+# fp32 inputs run their dots as 3xTF32 (near-fp32 accuracy on tensor cores);
+# larger tiles spill or overflow shared memory (64 x 64 at head_dim 256
+# needs 256 KiB).
+FP32_BLOCK_M, FP32_BLOCK_N = 16, 32
+EXTEND_NUM_STAGES = 1
+# Smallest row tile: tl.dot needs >= 16 rows.
+MIN_BLOCK_M = 16
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mm_acc(a, b, acc, F32X3: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b``; see :func:`decode.mm`."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    elif F32X3:
+        return tl.dot(a, b, acc, input_precision="tf32x3")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+    mask_ptr, mask_indptr_ptr, qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_MASK: tl.constexpr, F32X3: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Grid: (bs, num_kv_heads, cdiv(max_q_len * GROUP, BLOCK_M)).
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row0 = tl.program_id(2) * BLOCK_M
+    q_start = tl.load(qo_indptr_ptr + req)
+    q_len = tl.load(qo_indptr_ptr + req + 1) - q_start
+    if row0 >= q_len * GROUP:
+        return
+    kv_start = tl.load(kv_indptr_ptr + req)
+    kv_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
+    prefix = kv_len - q_len
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    mask_m = rows < q_len * GROUP
+    tok = rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_d = offs_d < D
+    mask_dv = offs_dv < DV
+
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :], other=0.0,
+    )
+    if USE_MASK:
+        key_end = kv_len
+        # The request's base offset may pass 2**31 (int64 mask_indptr); offsets
+        # within one [q_len, kv_len] block stay int32 to save registers.
+        mask_base = mask_ptr + tl.load(mask_indptr_ptr + req)
+        mask_row = tok * kv_len
+    else:
+        # Causal: keys past this block's last token are never visible.
+        last_tok = (tl.minimum(row0 + BLOCK_M, q_len * GROUP) - 1) // GROUP
+        key_end = tl.minimum(kv_len, prefix + last_tok + 1)
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    for n0 in range(0, key_end, BLOCK_N):
+        keys = n0 + offs_n
+        mask_n = keys < key_end
+        # int64: slot * row stride can pass 2**31 in a large pool.
+        slots = tl.load(kv_indices_ptr + kv_start + keys, mask=mask_n, other=0).to(tl.int64)
+        k = load_rows(k_base, slots, stride_kt, offs_d, mask_n, mask_d)
+        # Logits in the exp2 domain (qk_scale = sm_scale * log2(e)).
+        if USE_MASK:
+            visible = tl.load(
+                mask_base + mask_row[:, None] + keys[None, :],
+                mask=mask_m[:, None] & mask_n[None, :], other=0,
+            ) != 0
+            # The mask enters as the dot's -inf/0 accumulator: masking after
+            # the dot made Triton keep the softmax in two register layouts
+            # and spill on sm_90 (seen in the compiled kernel).
+            bias = tl.where(visible, 0.0, float("-inf"))
+            s = _mm_acc(q, tl.trans(k), bias, F32X3, UPCAST) * qk_scale
+        else:
+            s = mm(q, tl.trans(k), F32X3, UPCAST) * qk_scale
+            visible = keys[None, :] <= (prefix + tok)[:, None]
+            s = tl.where(visible & mask_n[None, :], s, float("-inf"))
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+        v = load_rows(v_base, slots, stride_vt, offs_dv, mask_n, mask_dv)
+        acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, F32X3, UPCAST)
+
+    result = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    tl.store(
+        out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
+        result.to(out_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_dv[None, :],
+    )
+
+
+# Under TRITON_INTERPRET=1, triton.jit yields an interpreter object instead of
+# a JITFunction; its bf16 dot needs the UPCAST workaround (see decode.mm).
+_INTERPRETED = not isinstance(_extend_kernel, JITFunction)
+
+
+def extend_kernel_meta(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, dv: int, dtype: torch.dtype,
+    max_q_len: int, use_mask: bool,
+) -> dict:
+    """Compile-time arguments (constexprs, num_warps, num_stages) of the
+    kernel; one place, shared by the launcher and the sm_90 compile test.
+
+    Rows per request are ``max_q_len * GROUP``: short queries (verify-like
+    steps) get a smaller row tile rather than a mostly masked 128-row one.
+    """
+    group = num_q_heads // num_kv_heads
+    padded = triton.next_power_of_2(max(head_dim, dv))
+    if dtype == torch.float32:
+        block_m, block_n = FP32_BLOCK_M, FP32_BLOCK_N
+    elif padded <= 128:
+        block_m, block_n = EXTEND_BLOCK_M, EXTEND_BLOCK_N
+    else:
+        block_m, block_n = LARGE_HEAD_BLOCK_M, LARGE_HEAD_BLOCK_N
+    block_m = min(block_m, max(MIN_BLOCK_M, triton.next_power_of_2(max_q_len * group)))
+    return dict(
+        GROUP=group, D=head_dim, DV=dv,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_DV=triton.next_power_of_2(dv),
+        BLOCK_M=block_m, BLOCK_N=block_n, USE_MASK=use_mask,
+        F32X3=dtype == torch.float32, UPCAST=_INTERPRETED and dtype == torch.bfloat16,
+        num_warps=4 if padded <= 64 or block_m < 64 else 8, num_stages=EXTEND_NUM_STAGES,
+    )
+
+
+def _check_extend_args(q, k_cache, v_cache, out, custom_mask, mask_indptr) -> None:
+    """Shape/dtype/layout checks that read no tensor values (no sync)."""
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
+        raise InvalidInputError(
+            f"extend_attention: expected q [T, Hq, D] and caches [slots, Hkv, D], "
+            f"got {list(q.shape)}, {list(k_cache.shape)}, {list(v_cache.shape)}"
+        )
+    num_tokens, num_q_heads, _ = q.shape
+    num_kv_heads, dv = k_cache.shape[1], v_cache.shape[2]
+    if num_q_heads % num_kv_heads or v_cache.shape[:2] != k_cache.shape[:2]:
+        raise InvalidInputError(
+            f"extend_attention: expected Hq a multiple of Hkv and matching K/V caches, "
+            f"got q {list(q.shape)}, k {list(k_cache.shape)}, v {list(v_cache.shape)}"
+        )
+    if out.shape != (num_tokens, num_q_heads, dv) or not q.dtype == k_cache.dtype == v_cache.dtype == out.dtype:
+        raise InvalidInputError(
+            f"extend_attention: expected out [{num_tokens}, {num_q_heads}, {dv}] and one dtype "
+            f"for q/k/v/out, got out {list(out.shape)}, dtypes {q.dtype}, {k_cache.dtype}, "
+            f"{v_cache.dtype}, {out.dtype}"
+        )
+    if (custom_mask is None) != (mask_indptr is None):
+        raise InvalidInputError(
+            "extend_attention: expected custom_mask and mask_indptr together, got only one; "
+            "pass both or neither"
+        )
+    if custom_mask is not None and (custom_mask.dim() != 1 or custom_mask.dtype not in (torch.bool, torch.uint8)):
+        raise InvalidInputError(
+            f"extend_attention: expected a flat bool/uint8 custom_mask, "
+            f"got {custom_mask.dtype} {list(custom_mask.shape)}"
+        )
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t.stride(-1) != 1:
+            raise InvalidInputError(
+                f"extend_attention: expected {name} contiguous in its last dim, "
+                f"got strides {t.stride()}; pass a .contiguous() tensor"
+            )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    max_q_len: int,
+    sm_scale: float,
+    custom_mask: Optional[torch.Tensor] = None,
+    mask_indptr: Optional[torch.Tensor] = None,
+) -> None:
+    """Attention of each request's new tokens over its prefix + new keys; writes ``out``.
+
+    Args:
+        q: ``[T, Hq, D]`` new tokens of all requests, concatenated.
+        k_cache: ``[num_slots, Hkv, D]`` key pool; the new tokens' keys are
+            already written.
+        v_cache: ``[num_slots, Hkv, Dv]`` value pool, likewise.
+        out: ``[T, Hq, Dv]`` written, q's dtype; rows that see no key get zeros.
+        qo_indptr: ``[bs + 1]`` int32; request r's queries are rows
+            ``qo_indptr[r]:qo_indptr[r + 1]``.
+        kv_indptr: ``[bs + 1]`` int32; request r's keys (prefix, then new) are
+            ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``.
+        kv_indices: ``[>= kv_indptr[bs]]`` int32/int64 slot ids.
+        max_q_len: static bound on any request's query count; sets the grid.
+            Rows of a request beyond it are not computed.
+        sm_scale: logit scale, usually ``D ** -0.5``.
+        custom_mask: optional flat bool/uint8; request r's row-major
+            ``[q_len, kv_len]`` block starts at ``mask_indptr[r]``, prefix
+            columns included. Replaces the causal rule.
+        mask_indptr: ``[bs + 1]`` int32/int64, with ``custom_mask``.
+    """
+    _check_extend_args(q, k_cache, v_cache, out, custom_mask, mask_indptr)
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, dv = k_cache.shape[1], v_cache.shape[2]
+    bs = qo_indptr.shape[0] - 1
+    if bs <= 0 or max_q_len <= 0 or q.shape[0] == 0:
+        return
+    meta = extend_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, max_q_len, custom_mask is not None)
+    grid = (bs, num_kv_heads, triton.cdiv(max_q_len * meta["GROUP"], meta["BLOCK_M"]))
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices,
+        # Unused pointers when there is no mask: any tensor will do.
+        kv_indptr if custom_mask is None else custom_mask,
+        kv_indptr if mask_indptr is None else mask_indptr,
+        sm_scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        **meta,
+    )

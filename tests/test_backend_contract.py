@@ -1,0 +1,292 @@
+"""The capture/replay contract every graph-capable backend keeps (DESIGN.md,
+"Attention backend contract"), the registry, and the composite backend."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sgl_piecewise import ForwardMode, InvalidInputError, SpecInfo, UnsupportedModeError
+from sgl_piecewise.backends import (
+    BackendUnavailableError,
+    CompositeBackend,
+    ReferenceBackend,
+    TorchGraphBackend,
+    backend_names,
+    create_backend,
+    get_backend_class,
+)
+from sgl_piecewise.backends.base import ALL_MODES
+from test_backends_differential import (
+    CASES,
+    GRAPH_CASES,
+    HQ,
+    MAX_BS,
+    VERIFY_WIDTH,
+    assert_close,
+    attend,
+    capture,
+    draw_batch,
+    eager,
+    graph_width,
+    make_backend,
+    make_pools,
+    pad_for_graph,
+    random_qkv,
+    replay,
+)
+
+GRAPH_BACKENDS = ["torch", "triton"]
+CASE = {c.id: c for c in CASES}
+
+
+def _graph_ready(name, case, pools=None):
+    pools = pools or make_pools()
+    backend = make_backend(name, pools)
+    backend.init_cuda_graph_state(MAX_BS, MAX_BS * graph_width(case.mode))
+    return backend, pools
+
+
+# ---- registry -------------------------------------------------------------
+def test_registry_names_every_backend_and_builds_it_by_name():
+    assert backend_names() == ("reference", "torch", "triton", "flashinfer")
+    pools = make_pools()
+    for name in ("reference", "torch", "triton"):
+        backend = make_backend(name, pools)
+        assert type(backend) is get_backend_class(name) and backend.name == name
+
+
+def test_registry_rejects_an_unknown_name_listing_the_known_ones():
+    with pytest.raises(InvalidInputError, match=r"expected one of \['reference', 'torch'.*got 'cudnn'"):
+        get_backend_class("cudnn")
+
+
+def test_importing_the_backends_loads_neither_triton_kernels_nor_flashinfer():
+    # torch itself may import triton; what must stay optional is our kernel
+    # modules (they need triton to import) and flashinfer.
+    code = (
+        "import sys, sgl_piecewise.backends, sgl_piecewise.backends.flashinfer_backend; "
+        "bad = [m for m in ('flashinfer', 'sgl_piecewise.backends.triton_backend', "
+        "'sgl_piecewise.backends.triton_kernels') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_flashinfer_without_its_package_names_the_gpu_extra():
+    if importlib.util.find_spec("flashinfer") is not None:
+        pytest.skip("flashinfer is installed")
+    pools = make_pools()
+    with pytest.raises(BackendUnavailableError, match=r"pip install sgl_piecewise\[gpu\]") as info:
+        create_backend("flashinfer", pools.req, pools.kv, num_q_heads=HQ)
+    assert isinstance(info.value, ImportError)
+
+
+def test_triton_backend_requires_query_heads_that_group_the_kv_heads():
+    pytest.importorskip("triton")
+    pools = make_pools()
+    for bad in (None, 0, 3):  # 3 is not a multiple of the pool's 2 kv heads
+        with pytest.raises(InvalidInputError, match="num_q_heads"):
+            create_backend("triton", pools.req, pools.kv, num_q_heads=bad)
+
+
+# ---- capabilities ---------------------------------------------------------
+@pytest.mark.parametrize("name", GRAPH_BACKENDS)
+def test_graph_backends_serve_every_mode_and_pad_with_seq_len_one(name):
+    backend = make_backend(name, make_pools())
+    assert backend.supports_cuda_graph and backend.supported_modes == ALL_MODES
+    assert backend.get_cuda_graph_seq_len_fill_value() == 1
+
+
+def test_reference_backend_refuses_graph_hooks():
+    pools = make_pools()
+    ref = ReferenceBackend(pools.req, pools.kv)
+    with pytest.raises(UnsupportedModeError, match="supports_cuda_graph=True"):
+        ref.init_cuda_graph_state(MAX_BS, MAX_BS)
+
+
+# ---- Pattern A --------------------------------------------------------------
+def _storage_ranges(buffers):
+    return [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers.values()]
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("name", GRAPH_BACKENDS)
+def test_capture_binds_static_views_and_replay_refills_them_in_place(name, case):
+    rng = random.Random(f"views-{name}-{case.id}")
+    backend, pools = _graph_ready(name, case)
+    buffers = backend.cuda_graph_buffers()
+    addresses = {k: t.data_ptr() for k, t in buffers.items()}
+    fill = backend.get_cuda_graph_seq_len_fill_value()
+    bs = 0 if case.mode.is_idle() else 3
+    captured = pad_for_graph(draw_batch(pools, case, bs, rng), 4, fill)
+    capture(backend, captured)
+    meta = backend.forward_metadata
+    inside = _storage_ranges(buffers)
+    for field, value in vars(meta).items():
+        if isinstance(value, torch.Tensor):
+            assert any(lo <= value.data_ptr() < hi for lo, hi in inside), f"{field} is not a static view"
+    # Capture already filled the runtime values (it delegated to replay).
+    expected_kv = captured.seq_lens + (captured.extend_seq_lens if case.mode.seq_lens_exclude_new_tokens() else 0)
+    assert torch.equal(meta.kv_lens, expected_kv.to(torch.int32))
+
+    for _ in range(2):
+        replay(backend, pad_for_graph(draw_batch(pools, case, bs, rng), 4, fill))
+        assert backend.forward_metadata is meta
+    assert {k: t.data_ptr() for k, t in backend.cuda_graph_buffers().items()} == addresses
+
+
+@pytest.mark.parametrize("case", [c for c in GRAPH_CASES if not c.mode.is_idle()], ids=lambda c: c.id)
+@pytest.mark.parametrize("name", GRAPH_BACKENDS)
+def test_eager_and_replay_compute_the_same_metadata_for_one_batch(name, case):
+    """Same fill helpers on both paths: an unpadded uniform batch gives equal
+    lengths, indptrs and key slots eagerly and through replay."""
+    rng = random.Random(f"same-{name}-{case.id}")
+    pools = make_pools()
+    batch = draw_batch(pools, case, 4, rng)
+    eager_backend = make_backend(name, pools)
+    eager_backend.init_forward_metadata(batch)
+    e = eager_backend.forward_metadata
+    graph_backend, _ = _graph_ready(name, case, pools)
+    capture(graph_backend, batch)
+    g = graph_backend.forward_metadata
+    for field in ("q_lens", "kv_lens", "qo_indptr", "kv_indptr"):
+        assert torch.equal(getattr(e, field), getattr(g, field)), field
+    assert (e.max_q_len, e.num_tokens, e.masked) == (g.max_q_len, g.num_tokens, g.masked)
+    if name == "triton":
+        total = int(e.kv_indptr[-1])
+        assert torch.equal(e.kv_indices, g.kv_indices[:total])
+    else:
+        width = e.page_table.shape[1]
+        assert torch.equal(e.page_table, g.page_table[:, :width])
+        assert torch.equal(e.allowed, g.allowed[:, :, :width])
+        assert not g.allowed[:, :, width:].any()
+
+
+class NoHostReads(TorchDispatchMode):
+    """Fails on ops that read a tensor's value back to the host: ``.item()``,
+    ``int(t)``, ``bool(t)``, ``nonzero`` and boolean-mask indexing. (``tolist``
+    does not dispatch; the GPU test's sync debug mode covers it.)"""
+
+    FORBIDDEN = {
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.nonzero.default,
+        torch.ops.aten.masked_select.default,
+    }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        bool_index = func is torch.ops.aten.index.Tensor and any(
+            i is not None and i.dtype == torch.bool for i in args[1]
+        )
+        if func in self.FORBIDDEN or bool_index:
+            raise AssertionError(f"host read on the replay path: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("name", GRAPH_BACKENDS)
+def test_replay_hook_reads_no_tensor_value_on_the_host(name, case):
+    rng = random.Random(f"nosync-{name}-{case.id}")
+    backend, pools = _graph_ready(name, case)
+    fill = backend.get_cuda_graph_seq_len_fill_value()
+    bs = 0 if case.mode.is_idle() else 3
+    capture(backend, pad_for_graph(draw_batch(pools, case, bs, rng), 4, fill))
+    batch = pad_for_graph(draw_batch(pools, case, bs, rng), 4, fill)
+    qkv = random_qkv(batch.num_tokens, pools, torch.Generator().manual_seed(1))
+    seq_lens_sum = batch.seq_lens_sum
+    with NoHostReads():
+        backend.init_forward_metadata_replay_cuda_graph(
+            4, batch.req_pool_indices, batch.seq_lens, seq_lens_sum, None, case.mode, batch.spec_info, None
+        )
+        if name == "torch":  # Triton's interpreter itself copies to numpy: only torch's forward is checked
+            attend(backend, batch, qkv)
+
+
+# ---- misuse -----------------------------------------------------------------
+def test_graph_hooks_reject_misuse_with_actionable_errors():
+    rng = random.Random("misuse")
+    pools = make_pools()
+    backend = make_backend("torch", pools)
+    batch = draw_batch(pools, CASE["decode"], 2, rng)
+    with pytest.raises(InvalidInputError, match="init_cuda_graph_state"):
+        capture(backend, batch)
+    backend.init_cuda_graph_state(MAX_BS, MAX_BS * VERIFY_WIDTH)
+    with pytest.raises(InvalidInputError, match="call init_forward_metadata_capture_cuda_graph first"):
+        replay(backend, batch)
+    with pytest.raises(UnsupportedModeError, match="got EXTEND"):
+        capture(backend, draw_batch(pools, CASE["extend_prefix"], 2, rng))
+    with pytest.raises(InvalidInputError, match="0 < bs <= 6"):
+        capture(backend, pad_for_graph(batch, MAX_BS + 1, 1))
+    with pytest.raises(InvalidInputError, match="num_tokens"):
+        backend.init_forward_metadata_capture_cuda_graph(
+            2, 5, batch.req_pool_indices, batch.seq_lens, None, ForwardMode.DECODE, None
+        )
+
+
+def test_replay_rejects_a_tree_mask_the_capture_did_not_have():
+    rng = random.Random("mask-kind")
+    pools = make_pools()
+    backend = make_backend("triton", pools)
+    backend.init_cuda_graph_state(MAX_BS, MAX_BS * VERIFY_WIDTH)
+    capture(backend, draw_batch(pools, CASE["verify"], 2, rng))
+    with pytest.raises(InvalidInputError, match="expected no spec_info.custom_mask"):
+        replay(backend, draw_batch(pools, CASE["verify_tree_mask"], 2, rng))
+    with pytest.raises(InvalidInputError, match="expected 3 tokens per request"):
+        backend.init_forward_metadata_replay_cuda_graph(
+            2, torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int32), 2, None,
+            ForwardMode.TARGET_VERIFY, SpecInfo(num_tokens_per_req=2), None,
+        )
+
+
+def test_attention_without_metadata_for_the_mode_says_what_is_missing():
+    rng = random.Random("no-meta")
+    pools = make_pools()
+    backend = make_backend("torch", pools)
+    decode = draw_batch(pools, CASE["decode"], 2, rng)
+    qkv = random_qkv(decode.num_tokens, pools, torch.Generator().manual_seed(0))
+    with pytest.raises(InvalidInputError, match="before attention, got none"):
+        attend(backend, decode, qkv)
+    backend.init_forward_metadata(draw_batch(pools, CASE["verify"], 2, rng))
+    with pytest.raises(InvalidInputError, match="got metadata for TARGET_VERIFY"):
+        attend(backend, decode, qkv)
+
+
+# ---- composite --------------------------------------------------------------
+def test_composite_routes_layers_and_keeps_every_member_in_step():
+    rng = random.Random("composite-route")
+    pools = make_pools()
+    primary, child = make_backend("torch", pools), make_backend("triton", pools)
+    composite = CompositeBackend(primary, [child], layer_routes={1: 0})
+    ref = ReferenceBackend(pools.req, pools.kv)
+    assert composite.member_for_layer(0) is primary and composite.member_for_layer(1) is child
+    batch = draw_batch(pools, CASE["extend_prefix"], 3, rng)
+    qkv = random_qkv(batch.num_tokens, pools, torch.Generator().manual_seed(2))
+    assert_close(eager(composite, batch, qkv), eager(ref, batch, qkv), 1e-4)
+    assert primary.forward_metadata.bs == child.forward_metadata.bs == 3
+
+    composite.init_cuda_graph_state(MAX_BS, MAX_BS)
+    assert set(composite.cuda_graph_buffers()) == {
+        *(f"primary.{k}" for k in primary.cuda_graph_buffers()),
+        *(f"children[0].{k}" for k in child.cuda_graph_buffers()),
+    }
+
+
+def test_composite_rejects_children_on_other_pools_and_bad_routes():
+    pools, other = make_pools(), make_pools()
+    primary = TorchGraphBackend(pools.req, pools.kv)
+    with pytest.raises(InvalidInputError, match="primary's KV and request pools"):
+        CompositeBackend(primary, [TorchGraphBackend(other.req, other.kv)])
+    with pytest.raises(InvalidInputError, match="layer_routes"):
+        CompositeBackend(primary, [TorchGraphBackend(pools.req, pools.kv)], layer_routes={0: 1})
+
+
+def test_composite_serves_only_what_every_member_serves():
+    pools = make_pools()
+    composite = CompositeBackend(TorchGraphBackend(pools.req, pools.kv), [ReferenceBackend(pools.req, pools.kv)])
+    assert composite.supported_modes == ALL_MODES and not composite.supports_cuda_graph

@@ -1,0 +1,473 @@
+"""Our Triton decode/extend attention kernels against a float64 torch oracle.
+
+Every case draws a fresh ragged batch over a shuffled paged layout (slot ids
+are a random permutation, slot 0 stays the dummy), poisons ``out`` with NaN
+and checks that every row is written and matches. On a CPU the kernels run
+under TRITON_INTERPRET=1 (set by conftest.py); tests marked ``gpu`` repeat
+the checks at model-like sizes in bf16 on CUDA, including graph replay.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import List
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
+
+from sgl_piecewise.backends.triton_kernels import (  # noqa: E402
+    choose_num_kv_splits,
+    decode_attention,
+    extend_attention,
+)
+from sgl_piecewise.errors import InvalidInputError  # noqa: E402
+
+CPU = torch.device("cpu")
+# Relative/absolute tolerances per input dtype. bf16 outputs carry 8 mantissa
+# bits, so a rounding error of 2**-8 of the largest |value| is expected.
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+@dataclass
+class PagedBatch:
+    """A ragged batch over a shuffled paged pool.
+
+    q: ``[T, Hq, D]``; k_cache/v_cache: ``[num_slots + 1, Hkv, D|Dv]``;
+    qo_indptr/kv_indptr: ``[bs + 1]`` int32; kv_indices: ``[sum kv_lens + slack]``.
+    """
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    q_lens: List[int]
+    kv_lens: List[int]
+
+
+def _indptr(lens: List[int], device) -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
+    return out.to(device)
+
+
+def make_batch(q_lens, kv_lens, num_q_heads, num_kv_heads, head_dim, dtype,
+               device=CPU, dv=None, index_dtype=torch.int32, q_padded_heads=0) -> PagedBatch:
+    """Random batch; ``q_padded_heads`` > 0 makes q a strided view (as from a fused qkv)."""
+    dv = dv or head_dim
+    total_kv = sum(kv_lens)
+    num_slots = total_kv + 7  # spare slots: indices need not cover the pool
+    k_cache = torch.randn(num_slots + 1, num_kv_heads, head_dim, device=device).to(dtype)
+    v_cache = torch.randn(num_slots + 1, num_kv_heads, dv, device=device).to(dtype)
+    slots = torch.randperm(num_slots, device=device)[:total_kv] + 1
+    # Trailing junk past kv_indptr[bs]: callers pass oversized static buffers.
+    kv_indices = torch.cat([slots, torch.zeros(5, dtype=slots.dtype, device=device)]).to(index_dtype)
+    t = sum(q_lens)
+    q_full = torch.randn(t, num_q_heads + q_padded_heads, head_dim, device=device).to(dtype)
+    return PagedBatch(
+        q=q_full[:, :num_q_heads], k_cache=k_cache, v_cache=v_cache,
+        qo_indptr=_indptr(q_lens, device), kv_indptr=_indptr(kv_lens, device),
+        kv_indices=kv_indices, q_lens=list(q_lens), kv_lens=list(kv_lens),
+    )
+
+
+def causal_visible(q_len: int, kv_len: int, device=CPU) -> torch.Tensor:
+    """``[q_len, kv_len]``: row i sees keys j <= kv_len - q_len + i."""
+    rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    return torch.arange(kv_len, device=device)[None, :] <= rows
+
+
+def tree_visible(q_len: int, kv_len: int, rng: random.Random) -> torch.Tensor:
+    """Speculative-decoding tree mask: all prefix keys, plus each draft token's
+    ancestors and itself among the new ones."""
+    prefix = kv_len - q_len
+    vis = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    vis[:, :prefix] = True
+    for i in range(q_len):
+        vis[i, prefix + i] = True
+        if i > 0:
+            parent = rng.randrange(i)
+            vis[i, prefix:prefix + i] = vis[parent, prefix:prefix + i]
+    return vis
+
+
+def reference(b: PagedBatch, scale: float, visible: List[torch.Tensor]) -> torch.Tensor:
+    """float64 attention per request; rows with no visible key are zeros."""
+    group = b.q.shape[1] // b.k_cache.shape[1]
+    outs = []
+    for r, (ql, kl) in enumerate(zip(b.q_lens, b.kv_lens)):
+        q0, k0 = int(b.qo_indptr[r]), int(b.kv_indptr[r])
+        slots = b.kv_indices[k0:k0 + kl].long()
+        k = b.k_cache[slots].double().repeat_interleave(group, dim=1)
+        v = b.v_cache[slots].double().repeat_interleave(group, dim=1)
+        s = torch.einsum("ihd,jhd->hij", b.q[q0:q0 + ql].double(), k) * scale
+        s = s.masked_fill(~visible[r].to(s.device)[None], float("-inf"))
+        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+        outs.append(torch.einsum("hij,jhd->ihd", p, v))
+    return torch.cat(outs)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not torch.isnan(out).any(), "some output rows were never written"
+    tol = TOL[dtype]
+    err = (out.double() - ref).abs().max().item()
+    bound = tol * max(1.0, ref.abs().max().item())
+    assert err <= bound, f"max abs error {err:.3e} > {bound:.3e}"
+
+
+# ---------------------------------------------------------------- decode
+
+
+def run_decode(b: PagedBatch, max_kv_splits: int, num_splits: torch.Tensor) -> torch.Tensor:
+    bs, num_q_heads = b.q.shape[0], b.q.shape[1]
+    dv = b.v_cache.shape[2]
+    out = torch.full((bs, num_q_heads, dv), float("nan"), dtype=b.q.dtype, device=b.q.device)
+    # Scratch with stale NaNs: unused splits must never be read.
+    logits = torch.full((bs + 2, num_q_heads, max_kv_splits + 1, dv), float("nan"), device=b.q.device)
+    lse = torch.full((bs + 2, num_q_heads, max_kv_splits + 1), float("nan"), device=b.q.device)
+    decode_attention(b.q, b.k_cache, b.v_cache, out, b.kv_indptr, b.kv_indices, logits, lse,
+                     num_splits, max_kv_splits, b.q.shape[2] ** -0.5)
+    return out
+
+
+def decode_reference(b: PagedBatch) -> torch.Tensor:
+    return reference(b, b.q.shape[2] ** -0.5, [torch.ones(1, n, dtype=torch.bool) for n in b.kv_lens])
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2), (14, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_matches_reference_across_gqa_and_lengths(num_q_heads, num_kv_heads, dtype):
+    # Lengths 0 (zeros out), 1, short, and long enough for several splits.
+    kv_lens = [0, 1, 33, random.Random(num_q_heads).randint(200, 300)]
+    b = make_batch([1] * 4, kv_lens, num_q_heads, num_kv_heads, 64, dtype)
+    splits = torch.empty(4, dtype=torch.int32)
+    choose_num_kv_splits(torch.tensor(kv_lens), 4, splits, tokens_per_split=64)
+    assert splits.tolist() == [1, 1, 1, 4]
+    assert_close(run_decode(b, 4, splits), decode_reference(b), dtype)
+
+
+def test_decode_zero_length_request_outputs_zeros_not_nan():
+    b = make_batch([1, 1], [0, 5], 4, 2, 32, torch.float32)
+    out = run_decode(b, 2, torch.tensor([2, 2], dtype=torch.int32))
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("head_dim,dv", [(80, 80), (128, 64), (16, 16)])
+def test_decode_handles_non_power_of_two_and_distinct_value_dims(head_dim, dv):
+    kv_lens = [7, 70, 130]
+    b = make_batch([1] * 3, kv_lens, 4, 1, head_dim, torch.float32, dv=dv)
+    splits = torch.tensor([3, 2, 3], dtype=torch.int32)
+    assert_close(run_decode(b, 3, splits), decode_reference(b), torch.float32)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(48, 2), (80, 1)])
+def test_decode_wide_groups_split_heads_across_programs(num_q_heads, num_kv_heads):
+    # 16-bit inputs widen the head tile: group 24 fits one 32-row tile, group
+    # 80 needs two 64-row tiles, the second only partly filled.
+    kv_lens = [3, 45]
+    b = make_batch([1, 1], kv_lens, num_q_heads, num_kv_heads, 16, torch.bfloat16)
+    splits = torch.tensor([1, 2], dtype=torch.int32)
+    assert_close(run_decode(b, 2, splits), decode_reference(b), torch.bfloat16)
+
+
+def test_decode_any_split_count_gives_the_same_answer():
+    # Arbitrary per-request splits, including more splits than 32-key granules
+    # (empty splits) and out-of-range counts (clamped to [1, max]).
+    kv_lens = [1, 40, 95, 160]
+    b = make_batch([1] * 4, kv_lens, 8, 2, 64, torch.float32, index_dtype=torch.int64, q_padded_heads=4)
+    ref = decode_reference(b)
+    for splits in ([1, 1, 1, 1], [5, 5, 5, 5], [0, 2, 4, 9], [3, 1, 5, 2]):
+        out = run_decode(b, 5, torch.tensor(splits, dtype=torch.int32))
+        assert_close(out, ref, torch.float32)
+
+
+def test_choose_num_kv_splits_scales_with_length_and_caps():
+    kv_lens = torch.tensor([0, 1, 256, 257, 1000, 100000])
+    out = torch.empty(6, dtype=torch.int32)
+    # ceil(len / 256) clamped to [1, 8]
+    assert choose_num_kv_splits(kv_lens, 8, out).tolist() == [1, 1, 1, 2, 4, 8]
+    with pytest.raises(ValueError):
+        choose_num_kv_splits(kv_lens, 0, out)
+
+
+def test_decode_rejects_mismatched_shapes():
+    b = make_batch([1, 1], [3, 4], 4, 2, 32, torch.float32)
+    bad_out = torch.empty(2, 4, 16)
+    with pytest.raises(InvalidInputError, match="out"):
+        decode_attention(b.q, b.k_cache, b.v_cache, bad_out, b.kv_indptr, b.kv_indices,
+                         torch.empty(2, 4, 2, 32), torch.empty(2, 4, 2),
+                         torch.ones(2, dtype=torch.int32), 2, 0.1)
+    with pytest.raises(InvalidInputError, match="scratch"):
+        decode_attention(b.q, b.k_cache, b.v_cache, torch.empty(2, 4, 32), b.kv_indptr, b.kv_indices,
+                         torch.empty(2, 4, 1, 32), torch.empty(2, 4, 1),
+                         torch.ones(2, dtype=torch.int32), 2, 0.1)
+
+
+# ---------------------------------------------------------------- extend
+
+
+def run_extend(b: PagedBatch, max_q_len: int, mask=None, mask_indptr=None) -> torch.Tensor:
+    t, num_q_heads = b.q.shape[0], b.q.shape[1]
+    out = torch.full((t, num_q_heads, b.v_cache.shape[2]), float("nan"), dtype=b.q.dtype, device=b.q.device)
+    extend_attention(b.q, b.k_cache, b.v_cache, out, b.qo_indptr, b.kv_indptr, b.kv_indices,
+                     max_q_len, b.q.shape[2] ** -0.5, custom_mask=mask, mask_indptr=mask_indptr)
+    return out
+
+
+def flat_mask(visible: List[torch.Tensor], dtype=torch.bool, indptr_dtype=torch.int32):
+    mask = torch.cat([v.flatten() for v in visible]).to(dtype)
+    indptr = _indptr([v.numel() for v in visible], CPU).to(indptr_dtype)
+    return mask, indptr
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2), (7, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_causal_matches_reference(num_q_heads, num_kv_heads, dtype):
+    # (q_len, prefix): a fresh prefill, a decode-like row, chunked prefills.
+    shapes = [(37, 0), (1, 20), (9, 50), (70, 33)]
+    q_lens = [q for q, _ in shapes]
+    kv_lens = [q + p for q, p in shapes]
+    b = make_batch(q_lens, kv_lens, num_q_heads, num_kv_heads, 64, dtype)
+    ref = reference(b, 64 ** -0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
+    assert_close(run_extend(b, max(q_lens)), ref, dtype)
+
+
+@pytest.mark.parametrize("head_dim,dv", [(80, 80), (128, 64), (256, 256)])
+def test_extend_handles_head_dims(head_dim, dv):
+    q_lens, kv_lens = [5, 20], [5, 44]
+    b = make_batch(q_lens, kv_lens, 4, 2, head_dim, torch.float32, dv=dv)
+    ref = reference(b, head_dim ** -0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
+    assert_close(run_extend(b, max(q_lens)), ref, torch.float32)
+
+
+def test_extend_static_grid_larger_than_batch_and_strided_q():
+    # max_q_len is a static bound (a captured size): spare programs must exit.
+    q_lens, kv_lens = [3, 1, 6], [3, 11, 30]
+    b = make_batch(q_lens, kv_lens, 8, 4, 32, torch.float32, index_dtype=torch.int64, q_padded_heads=3)
+    ref = reference(b, 32 ** -0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
+    assert_close(run_extend(b, 64), ref, torch.float32)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_tree_mask_matches_reference(num_q_heads, num_kv_heads, dtype):
+    rng = random.Random(num_q_heads * 10 + num_kv_heads)
+    q_lens = [4, 8, 1, 6]
+    kv_lens = [q + p for q, p in zip(q_lens, [0, 45, 12, 70])]
+    visible = [tree_visible(q, k, rng) for q, k in zip(q_lens, kv_lens)]
+    b = make_batch(q_lens, kv_lens, num_q_heads, num_kv_heads, 64, dtype)
+    mask, indptr = flat_mask(visible)
+    assert_close(run_extend(b, 8, mask, indptr), reference(b, 64 ** -0.5, visible), dtype)
+
+
+def test_extend_random_mask_uint8_int64_indptr_and_blind_rows():
+    # Arbitrary masks, prefix columns included; a row that sees nothing is zeros.
+    q_lens, kv_lens = [3, 17], [10, 80]
+    visible = [torch.rand(q, k) < 0.3 for q, k in zip(q_lens, kv_lens)]
+    visible[1][5] = False
+    b = make_batch(q_lens, kv_lens, 6, 2, 32, torch.float32)
+    mask, indptr = flat_mask(visible, torch.uint8, torch.int64)
+    out = run_extend(b, 17, mask, indptr)
+    assert_close(out, reference(b, 32 ** -0.5, visible), torch.float32)
+    assert torch.equal(out[3 + 5], torch.zeros_like(out[3 + 5]))
+
+
+def test_extend_rejects_mask_without_indptr():
+    b = make_batch([2], [2], 2, 2, 16, torch.float32)
+    with pytest.raises(InvalidInputError, match="mask_indptr"):
+        extend_attention(b.q, b.k_cache, b.v_cache, torch.empty(2, 2, 16), b.qo_indptr,
+                         b.kv_indptr, b.kv_indices, 2, 0.25, custom_mask=torch.ones(4, dtype=torch.bool))
+
+
+# ------------------------------------------------- offline sm_90 compile
+
+# Compiles the kernels for Hopper with Triton's bundled ptxas (no GPU needed)
+# and prints one JSON line per config: registers, spill bytes (STACK) and
+# dynamic shared memory. It must run without TRITON_INTERPRET, hence a child
+# process. The interpreter cannot catch compile-only errors; this can.
+_SM90_SCRIPT = r"""
+import inspect, json, os, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sgl_piecewise.backends.triton_kernels import decode as dec, extend as ext
+if "constexprs" not in inspect.signature(ASTSource.__init__).parameters:
+    print("SKIP this Triton's ASTSource takes no constexprs"); sys.exit(0)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+
+def build(fn, meta, types):
+    meta = dict(meta)
+    opts = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
+    sig = {n: types.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
+    sig.update({n: "constexpr" for n in meta})
+    # Pointers and strides are 16-aligned in real launches; say so, as the JIT does.
+    aligned = [i for i, n in enumerate(fn.arg_names) if n.endswith("_ptr") and n != "mask_ptr"
+               or n.startswith("stride_") and not n.endswith(("lh", "_lb"))]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    c = triton.compile(ASTSource(fn, sig, constexprs=meta, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=opts)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(c.asm["cubin"])
+    usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", f.name],
+                           capture_output=True, text=True, check=True).stdout
+    fields = dict(kv.split(":") for kv in usage[usage.index("REG:"):].split()[:3])
+    return {"regs": int(fields["REG"]), "spill": int(fields["STACK"]), "smem": c.metadata.shared}
+
+for dtype, hq, hkv, d in [(torch.bfloat16, 32, 8, 128), (torch.bfloat16, 8, 1, 256),
+                          (torch.float16, 14, 2, 80), (torch.bfloat16, 64, 1, 128),
+                          (torch.float32, 8, 2, 128)]:
+    split, red = dec.decode_kernel_meta(hq, hkv, d, d, dtype, 16)
+    t = {"q_ptr": PTR[dtype], "k_ptr": PTR[dtype], "v_ptr": PTR[dtype], "part_ptr": "*fp32",
+         "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    print(json.dumps({"kernel": f"decode {dtype} {hq}/{hkv} d{d}", **build(dec._decode_split_kernel, split, t)}))
+    t = {"out_ptr": PTR[dtype], "part_ptr": "*fp32", "lse_ptr": "*fp32"}
+    print(json.dumps({"kernel": f"reduce {dtype} d{d}", **build(dec._decode_reduce_kernel, red, t)}))
+    for max_q, use_mask in [(4096, False), (4096, True), (7, True)]:
+        meta = ext.extend_kernel_meta(hq, hkv, d, d, dtype, max_q, use_mask)
+        t = {n: PTR[dtype] for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+        t.update({"mask_ptr": "*i1", "qk_scale": "fp32"})
+        name = f"extend {dtype} {hq}/{hkv} d{d} q{max_q} mask={use_mask}"
+        print(json.dumps({"kernel": name, **build(ext._extend_kernel, meta, t)}))
+"""
+
+
+def _have_nvidia_ptxas() -> bool:
+    import os
+    import triton
+
+    root = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return all(os.path.exists(os.path.join(root, tool)) for tool in ("ptxas", "cuobjdump"))
+
+
+@pytest.mark.skipif(not _have_nvidia_ptxas(), reason="Triton's bundled ptxas/cuobjdump not found")
+def test_kernels_compile_for_sm90_without_spills_or_smem_overflow():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    if proc.stdout.startswith("SKIP"):
+        pytest.skip(proc.stdout[5:].strip())
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(rows) == 5 * 5  # 5 shapes x (split, reduce, 3 extend variants)
+    # H100: 227 KiB of shared memory per block at most; any spill is a tile
+    # choice to revisit.
+    bad = [r for r in rows if r["spill"] > 0 or r["smem"] > 227 * 1024]
+    assert not bad, bad
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _random_lengths(rng: random.Random, n: int, lo: int, hi: int) -> List[int]:
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (28, 4, 128), (16, 16, 64), (8, 1, 256)])
+def test_gpu_decode_bf16_model_sizes(num_q_heads, num_kv_heads, head_dim):
+    rng = random.Random(head_dim + num_q_heads)
+    kv_lens = [0, 1] + _random_lengths(rng, 30, 2, 5000)
+    cuda = torch.device("cuda")
+    b = make_batch([1] * 32, kv_lens, num_q_heads, num_kv_heads, head_dim, torch.bfloat16, device=cuda)
+    splits = torch.empty(32, dtype=torch.int32, device=cuda)
+    choose_num_kv_splits(torch.tensor(kv_lens, device=cuda), 16, splits)
+    assert_close(run_decode(b, 16, splits), decode_reference(b), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (16, 16, 64), (8, 2, 256), (12, 2, 80)])
+def test_gpu_extend_bf16_model_sizes(num_q_heads, num_kv_heads, head_dim):
+    rng = random.Random(head_dim)
+    q_lens = [1, 700] + _random_lengths(rng, 6, 2, 300)
+    kv_lens = [q + p for q, p in zip(q_lens, [0, 0] + _random_lengths(rng, 6, 0, 2000))]
+    cuda = torch.device("cuda")
+    b = make_batch(q_lens, kv_lens, num_q_heads, num_kv_heads, head_dim, torch.bfloat16, device=cuda)
+    ref = reference(b, head_dim ** -0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
+    assert_close(run_extend(b, max(q_lens)), ref, torch.bfloat16)
+    visible = [tree_visible(q, k, rng) for q, k in zip(q_lens, kv_lens)]
+    mask, indptr = flat_mask(visible)
+    out = run_extend(b, max(q_lens), mask.to(cuda), indptr.to(cuda))
+    assert_close(out, reference(b, head_dim ** -0.5, visible), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_uses_accurate_dots():
+    # fp32 runs 3xTF32 dots; plain TF32 would miss this tolerance.
+    cuda = torch.device("cuda")
+    q_lens, kv_lens = [1, 64, 200], [900, 64, 1200]
+    b = make_batch(q_lens, kv_lens, 8, 2, 128, torch.float32, device=cuda)
+    ref = reference(b, 128 ** -0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
+    assert_close(run_extend(b, 200), ref, torch.float32)
+    d = make_batch([1] * 3, kv_lens, 8, 2, 128, torch.float32, device=cuda)
+    assert_close(run_decode(d, 8, torch.full((3,), 8, dtype=torch.int32, device=cuda)),
+                 decode_reference(d), torch.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_and_extend_replay_in_a_cuda_graph_with_new_lengths():
+    """Capture once on static buffers, refill them with another batch, replay."""
+    cuda = torch.device("cuda")
+    bs, hq, hkv, d, max_splits, cap = 8, 16, 4, 128, 8, 4096
+    rng = random.Random(1)
+    first = make_batch([2] * bs, _random_lengths(rng, bs, 2, 1500), hq, hkv, d, torch.bfloat16, device=cuda)
+    # Static buffers sized for the largest batch; the graph sees only these.
+    kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=cuda)
+    kv_indices = torch.zeros(cap * bs, dtype=torch.int32, device=cuda)
+    qo_indptr = torch.arange(0, 2 * bs + 1, 2, dtype=torch.int32, device=cuda)
+    kv_lens_buf = torch.zeros(bs, dtype=torch.int32, device=cuda)
+    splits = torch.zeros(bs, dtype=torch.int32, device=cuda)
+    q_dec = torch.zeros(bs, hq, d, dtype=torch.bfloat16, device=cuda)
+    q_ext = torch.zeros(2 * bs, hq, d, dtype=torch.bfloat16, device=cuda)
+    out_dec = torch.zeros_like(q_dec)
+    out_ext = torch.zeros_like(q_ext)
+    logits = torch.empty(bs, hq, max_splits, d, device=cuda)
+    lse = torch.empty(bs, hq, max_splits, device=cuda)
+    k_cache, v_cache = first.k_cache, first.v_cache
+
+    def step():
+        choose_num_kv_splits(kv_lens_buf, max_splits, splits)
+        decode_attention(q_dec, k_cache, v_cache, out_dec, kv_indptr, kv_indices, logits, lse,
+                         splits, max_splits, d ** -0.5)
+        extend_attention(q_ext, k_cache, v_cache, out_ext, qo_indptr, kv_indptr, kv_indices, 2, d ** -0.5)
+
+    def load(b: PagedBatch):
+        n = int(b.kv_indptr[-1])
+        kv_indptr.copy_(b.kv_indptr)
+        kv_indices[:n].copy_(b.kv_indices[:n])
+        kv_lens_buf.copy_(b.kv_indptr[1:] - b.kv_indptr[:-1])
+        q_ext.copy_(b.q)
+        q_dec.copy_(b.q[1::2])
+
+    load(first)
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # A second batch over the same pool, with different lengths.
+    # Fewer keys in all than the first batch, so the first batch's pool holds them.
+    second_lens = [max(2, n - rng.randint(0, 300)) for n in reversed(first.kv_lens)]
+    second = PagedBatch(
+        q=torch.randn(2 * bs, hq, d, device=cuda).to(torch.bfloat16), k_cache=k_cache, v_cache=v_cache,
+        qo_indptr=qo_indptr.clone(), kv_indptr=_indptr(second_lens, cuda),
+        kv_indices=(torch.randperm(k_cache.shape[0] - 1, device=cuda)[: sum(second_lens)] + 1).to(torch.int32),
+        q_lens=[2] * bs, kv_lens=second_lens,
+    )
+    load(second)
+    graph.replay()
+    torch.cuda.synchronize()
+    ext_ref = reference(second, d ** -0.5, [causal_visible(2, k) for k in second_lens])
+    assert_close(out_ext, ext_ref, torch.bfloat16)
+    # Decode row r is the second query token of request r: it sees every key.
+    assert_close(out_dec, ext_ref[1::2], torch.bfloat16)
