@@ -15,12 +15,17 @@ if not torch.cuda.is_available():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+    config.addinivalue_line(
+        "markers", "triton_cpu: runs Triton on CPU tensors; needs TRITON_INTERPRET=1"
+    )
 
 
 def _runs_triton_on_cpu_tensors(item) -> bool:
     """CPU-tensor Triton tests (kernels, and the triton backend's CPU cases)."""
     return "gpu" not in item.keywords and (
-        "test_triton_kernels.py" in item.nodeid or "[triton-" in item.nodeid
+        "triton_cpu" in item.keywords
+        or "test_triton_kernels.py" in item.nodeid
+        or "[triton" in item.nodeid  # parametrised over backends: [triton-...] / [triton]
     )
 
 

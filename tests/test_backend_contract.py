@@ -169,15 +169,18 @@ def test_eager_and_replay_compute_the_same_metadata_for_one_batch(name, case):
         assert not g.allowed[:, :, width:].any()
 
 
-class NoHostReads(TorchDispatchMode):
-    """Fails on ops that read a tensor's value back to the host: ``.item()``,
-    ``int(t)``, ``bool(t)``, ``nonzero`` and boolean-mask indexing. (``tolist``
-    does not dispatch; the GPU test's sync debug mode covers it.)"""
+class NoHostSync(TorchDispatchMode):
+    """Fails on ops that move values between host and device, each a sync on
+    CUDA: reads back (``.item()``, ``int(t)``, ``bool(t)``, ``nonzero``,
+    boolean-mask indexing) and fresh host data written in (``x[0] = 0``,
+    ``torch.tensor(...)``: ``lift_fresh``). ``tolist`` does not dispatch; the
+    GPU test's sync debug mode covers it."""
 
     FORBIDDEN = {
         torch.ops.aten._local_scalar_dense.default,
         torch.ops.aten.nonzero.default,
         torch.ops.aten.masked_select.default,
+        torch.ops.aten.lift_fresh.default,
     }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -185,13 +188,13 @@ class NoHostReads(TorchDispatchMode):
             i is not None and i.dtype == torch.bool for i in args[1]
         )
         if func in self.FORBIDDEN or bool_index:
-            raise AssertionError(f"host read on the replay path: {func}")
+            raise AssertionError(f"host sync on the replay path: {func}")
         return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("case", GRAPH_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("name", GRAPH_BACKENDS)
-def test_replay_hook_reads_no_tensor_value_on_the_host(name, case):
+def test_replay_hook_moves_no_value_between_host_and_device(name, case):
     rng = random.Random(f"nosync-{name}-{case.id}")
     backend, pools = _graph_ready(name, case)
     fill = backend.get_cuda_graph_seq_len_fill_value()
@@ -200,7 +203,7 @@ def test_replay_hook_reads_no_tensor_value_on_the_host(name, case):
     batch = pad_for_graph(draw_batch(pools, case, bs, rng), 4, fill)
     qkv = random_qkv(batch.num_tokens, pools, torch.Generator().manual_seed(1))
     seq_lens_sum = batch.seq_lens_sum
-    with NoHostReads():
+    with NoHostSync():
         backend.init_forward_metadata_replay_cuda_graph(
             4, batch.req_pool_indices, batch.seq_lens, seq_lens_sum, None, case.mode, batch.spec_info, None
         )
@@ -258,6 +261,7 @@ def test_attention_without_metadata_for_the_mode_says_what_is_missing():
 
 
 # ---- composite --------------------------------------------------------------
+@pytest.mark.triton_cpu
 def test_composite_routes_layers_and_keeps_every_member_in_step():
     rng = random.Random("composite-route")
     pools = make_pools()
