@@ -153,10 +153,9 @@ class FlashInferBackend(StaticGraphBackend):
 
     def _alloc_graph_buffers(self, buffers: StaticBuffers, max_bs: int, max_num_tokens: int) -> None:
         context = self.req_to_token_pool.max_context_len
-        for name in ("q_lens", "kv_lens", "last_page_len"):
-            buffers.alloc(name, (max_bs,), torch.int32)
-        for name in ("qo_indptr", "kv_indptr", "packed_mask_indptr"):
-            buffers.alloc(name, (max_bs + 1,), torch.int32)
+        buffers.alloc_lengths(max_bs)
+        buffers.alloc("last_page_len", (max_bs,), torch.int32)
+        buffers.alloc("packed_mask_indptr", (max_bs + 1,), torch.int32)
         buffers.alloc("kv_indices", (max_bs * context,), torch.int32)
         buffers.alloc("custom_mask", (max_num_tokens * context,), torch.bool)
         # Bit-packed per request: ceil(q_len * kv_len / 8) bytes each.
@@ -164,14 +163,12 @@ class FlashInferBackend(StaticGraphBackend):
 
     def _bind_metadata(self, bs: int, width: int, mode: ForwardMode, spec_info) -> FlashInferMetadata:
         b = self._buffers
+        masked = has_custom_mask(spec_info)
         views = FlashInferMetadata(
-            forward_mode=mode, bs=bs, max_q_len=width, num_tokens=bs * width,
-            q_lens=b["q_lens"][:bs], kv_lens=b["kv_lens"][:bs],
-            qo_indptr=b["qo_indptr"][: bs + 1], kv_indptr=b["kv_indptr"][: bs + 1],
-            masked=has_custom_mask(spec_info),
+            **b.length_views(bs, width, mode, masked),
             kv_indices=b["kv_indices"],
             last_page_len=b["last_page_len"][:bs],
-            custom_mask=b["custom_mask"] if has_custom_mask(spec_info) else None,
+            custom_mask=b["custom_mask"] if masked else None,
             wrapper=None,
         )
         views.wrapper = self._create_wrappers(_is_decode_step(mode), views)

@@ -168,6 +168,23 @@ class StaticBuffers:
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._buffers[name]
 
+    def alloc_lengths(self, max_bs: int) -> None:
+        """The buffers behind every ``LengthMetadata`` field, for any backend."""
+        for name in ("q_lens", "kv_lens"):
+            self.alloc(name, (max_bs,), torch.int32)
+        for name in ("qo_indptr", "kv_indptr"):
+            self.alloc(name, (max_bs + 1,), torch.int32)
+
+    def length_views(self, bs: int, width: int, mode: ForwardMode, masked: bool) -> Dict[str, object]:
+        """``LengthMetadata`` fields for ``bs`` requests of ``width`` query rows,
+        as views of the buffers ``alloc_lengths`` made."""
+        return dict(
+            forward_mode=mode, bs=bs, max_q_len=width, num_tokens=bs * width,
+            q_lens=self["q_lens"][:bs], kv_lens=self["kv_lens"][:bs],
+            qo_indptr=self["qo_indptr"][: bs + 1], kv_indptr=self["kv_indptr"][: bs + 1],
+            masked=masked,
+        )  # fmt: skip
+
     def as_dict(self) -> Dict[str, torch.Tensor]:
         return dict(self._buffers)
 

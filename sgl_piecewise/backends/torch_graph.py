@@ -84,10 +84,7 @@ class TorchGraphBackend(StaticGraphBackend):
 
     def _alloc_graph_buffers(self, buffers: StaticBuffers, max_bs: int, max_num_tokens: int) -> None:
         context = self.req_to_token_pool.max_context_len
-        for name in ("q_lens", "kv_lens"):
-            buffers.alloc(name, (max_bs,), torch.int32)
-        for name in ("qo_indptr", "kv_indptr"):
-            buffers.alloc(name, (max_bs + 1,), torch.int32)
+        buffers.alloc_lengths(max_bs)
         buffers.alloc("mask_indptr", (max_bs + 1,), torch.int64)
         buffers.alloc("page_table", (max_bs, context), torch.int64)
         # One row of keys per graph query row: [max_num_tokens, context] bool.
@@ -98,10 +95,8 @@ class TorchGraphBackend(StaticGraphBackend):
         context = self.req_to_token_pool.max_context_len
         masked = has_custom_mask(spec_info)
         return TorchGraphMetadata(
-            forward_mode=mode, bs=bs, max_q_len=width, num_tokens=bs * width,
-            q_lens=b["q_lens"][:bs], kv_lens=b["kv_lens"][:bs],
-            qo_indptr=b["qo_indptr"][: bs + 1], kv_indptr=b["kv_indptr"][: bs + 1],
-            masked=masked, mask_indptr=b["mask_indptr"][: bs + 1] if masked else None,
+            **b.length_views(bs, width, mode, masked),
+            mask_indptr=b["mask_indptr"][: bs + 1] if masked else None,
             page_table=b["page_table"][:bs],
             allowed=b["allowed"][: bs * width].view(bs, width, context),
             q_rows=None,

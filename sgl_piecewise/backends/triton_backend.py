@@ -106,10 +106,8 @@ class TritonBackend(StaticGraphBackend):
     def _alloc_graph_buffers(self, buffers: StaticBuffers, max_bs: int, max_num_tokens: int) -> None:
         context = self.req_to_token_pool.max_context_len
         hq, dv, splits = self.num_q_heads, self.kv_pool.head_dim, self.max_kv_splits
-        for name in ("q_lens", "kv_lens", "num_kv_splits"):
-            buffers.alloc(name, (max_bs,), torch.int32)
-        for name in ("qo_indptr", "kv_indptr"):
-            buffers.alloc(name, (max_bs + 1,), torch.int32)
+        buffers.alloc_lengths(max_bs)
+        buffers.alloc("num_kv_splits", (max_bs,), torch.int32)
         buffers.alloc("mask_indptr", (max_bs + 1,), torch.int64)
         # Every request's keys fit in its req_to_token row: <= context each.
         buffers.alloc("kv_indices", (max_bs * context,), torch.int32)
@@ -123,10 +121,8 @@ class TritonBackend(StaticGraphBackend):
         decode = _is_decode_step(mode)
         masked = has_custom_mask(spec_info)
         return TritonMetadata(
-            forward_mode=mode, bs=bs, max_q_len=width, num_tokens=bs * width,
-            q_lens=b["q_lens"][:bs], kv_lens=b["kv_lens"][:bs],
-            qo_indptr=b["qo_indptr"][: bs + 1], kv_indptr=b["kv_indptr"][: bs + 1],
-            masked=masked, mask_indptr=b["mask_indptr"][: bs + 1] if masked else None,
+            **b.length_views(bs, width, mode, masked),
+            mask_indptr=b["mask_indptr"][: bs + 1] if masked else None,
             kv_indices=b["kv_indices"],
             num_kv_splits=b["num_kv_splits"][:bs] if decode else None,
             attn_logits=b["attn_logits"][:bs] if decode else None,
