@@ -285,26 +285,43 @@ def decode_kernel_meta(
     return split_meta, reduce_meta
 
 
-def _check_decode_args(q, k_cache, v_cache, out, attn_logits, attn_lse, max_kv_splits) -> None:
-    """Shape/dtype/layout checks that read no tensor values (no sync)."""
+def check_attention_args(kernel: str, rows: str, q, k_cache, v_cache, out) -> tuple:
+    """Checks both kernels share, reading no tensor values (no sync): q
+    ``[rows, Hq, D]``, caches ``[slots, Hkv, D|Dv]``, out ``[rows, Hq, Dv]``, one
+    dtype. Returns ``(rows, Hq, Dv)``."""
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
         raise InvalidInputError(
-            f"decode_attention: expected q [bs, Hq, D] and caches [slots, Hkv, D], "
+            f"{kernel}: expected q [{rows}, Hq, D] and caches [slots, Hkv, D], "
             f"got {list(q.shape)}, {list(k_cache.shape)}, {list(v_cache.shape)}"
         )
-    bs, num_q_heads, _ = q.shape
+    num_rows, num_q_heads, _ = q.shape
     num_kv_heads, dv = k_cache.shape[1], v_cache.shape[2]
     if num_q_heads % num_kv_heads or v_cache.shape[:2] != k_cache.shape[:2]:
         raise InvalidInputError(
-            f"decode_attention: expected Hq a multiple of Hkv and matching K/V caches, "
+            f"{kernel}: expected Hq a multiple of Hkv and matching K/V caches, "
             f"got q {list(q.shape)}, k {list(k_cache.shape)}, v {list(v_cache.shape)}"
         )
-    if out.shape != (bs, num_q_heads, dv) or not q.dtype == k_cache.dtype == v_cache.dtype == out.dtype:
+    if out.shape != (num_rows, num_q_heads, dv) or not q.dtype == k_cache.dtype == v_cache.dtype == out.dtype:
         raise InvalidInputError(
-            f"decode_attention: expected out [{bs}, {num_q_heads}, {dv}] and one dtype for "
+            f"{kernel}: expected out [{num_rows}, {num_q_heads}, {dv}] and one dtype for "
             f"q/k/v/out, got out {list(out.shape)}, dtypes {q.dtype}, {k_cache.dtype}, "
             f"{v_cache.dtype}, {out.dtype}"
         )
+    return num_rows, num_q_heads, dv
+
+
+def check_last_dim_contiguous(kernel: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise InvalidInputError(
+                f"{kernel}: expected {name} contiguous in its last dim, "
+                f"got strides {t.stride()}; pass a .contiguous() tensor"
+            )
+
+
+def _check_decode_args(q, k_cache, v_cache, out, attn_logits, attn_lse, max_kv_splits) -> None:
+    """Shape/dtype/layout checks that read no tensor values (no sync)."""
+    bs, num_q_heads, dv = check_attention_args("decode_attention", "bs", q, k_cache, v_cache, out)
     if not 1 <= max_kv_splits:
         raise InvalidInputError(f"decode_attention: expected max_kv_splits >= 1, got {max_kv_splits}")
     ok_logits = (
@@ -321,13 +338,10 @@ def _check_decode_args(q, k_cache, v_cache, out, attn_logits, attn_lse, max_kv_s
             f">={max_kv_splits}, >={dv}] and attn_lse [>={bs}, {num_q_heads}, >={max_kv_splits}], "
             f"got {attn_logits.dtype} {list(attn_logits.shape)} and {attn_lse.dtype} {list(attn_lse.shape)}"
         )
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out),
-                    ("attn_logits", attn_logits), ("attn_lse", attn_lse)):
-        if t.stride(-1) != 1:
-            raise InvalidInputError(
-                f"decode_attention: expected {name} contiguous in its last dim, "
-                f"got strides {t.stride()}; pass a .contiguous() tensor"
-            )
+    check_last_dim_contiguous(
+        "decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, out=out,
+        attn_logits=attn_logits, attn_lse=attn_lse,
+    )  # fmt: skip
 
 
 def decode_attention(

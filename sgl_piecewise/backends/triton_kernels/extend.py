@@ -26,7 +26,13 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from sgl_piecewise.backends.triton_kernels.decode import load_rows, mm, softmax_step
+from sgl_piecewise.backends.triton_kernels.decode import (
+    check_attention_args,
+    check_last_dim_contiguous,
+    load_rows,
+    mm,
+    softmax_step,
+)
 from sgl_piecewise.errors import InvalidInputError
 
 # Launch settings for Hopper, after SGLang's extend kernel
@@ -181,24 +187,7 @@ def extend_kernel_meta(
 
 def _check_extend_args(q, k_cache, v_cache, out, custom_mask, mask_indptr) -> None:
     """Shape/dtype/layout checks that read no tensor values (no sync)."""
-    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
-        raise InvalidInputError(
-            f"extend_attention: expected q [T, Hq, D] and caches [slots, Hkv, D], "
-            f"got {list(q.shape)}, {list(k_cache.shape)}, {list(v_cache.shape)}"
-        )
-    num_tokens, num_q_heads, _ = q.shape
-    num_kv_heads, dv = k_cache.shape[1], v_cache.shape[2]
-    if num_q_heads % num_kv_heads or v_cache.shape[:2] != k_cache.shape[:2]:
-        raise InvalidInputError(
-            f"extend_attention: expected Hq a multiple of Hkv and matching K/V caches, "
-            f"got q {list(q.shape)}, k {list(k_cache.shape)}, v {list(v_cache.shape)}"
-        )
-    if out.shape != (num_tokens, num_q_heads, dv) or not q.dtype == k_cache.dtype == v_cache.dtype == out.dtype:
-        raise InvalidInputError(
-            f"extend_attention: expected out [{num_tokens}, {num_q_heads}, {dv}] and one dtype "
-            f"for q/k/v/out, got out {list(out.shape)}, dtypes {q.dtype}, {k_cache.dtype}, "
-            f"{v_cache.dtype}, {out.dtype}"
-        )
+    check_attention_args("extend_attention", "T", q, k_cache, v_cache, out)
     if (custom_mask is None) != (mask_indptr is None):
         raise InvalidInputError(
             "extend_attention: expected custom_mask and mask_indptr together, got only one; "
@@ -209,12 +198,7 @@ def _check_extend_args(q, k_cache, v_cache, out, custom_mask, mask_indptr) -> No
             f"extend_attention: expected a flat bool/uint8 custom_mask, "
             f"got {custom_mask.dtype} {list(custom_mask.shape)}"
         )
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if t.stride(-1) != 1:
-            raise InvalidInputError(
-                f"extend_attention: expected {name} contiguous in its last dim, "
-                f"got strides {t.stride()}; pass a .contiguous() tensor"
-            )
+    check_last_dim_contiguous("extend_attention", q=q, k_cache=k_cache, v_cache=v_cache, out=out)
 
 
 def extend_attention(
