@@ -66,6 +66,46 @@ class ReqToTokenPool:
             )
         self.req_to_token[row, start:end] = slots.to(self.req_to_token)
 
+    def write_next(self, rows: torch.Tensor, positions: Sequence[int], slots: torch.Tensor) -> None:
+        """Record one slot per row at that row's ``positions[i]`` (a decode step),
+        in one indexed write rather than a loop over requests."""
+        if positions and max(positions) >= self.max_context_len:
+            raise InvalidInputError(
+                f"request too long: expected at most {self.max_context_len} tokens "
+                f"of context, got {max(positions) + 1}"
+            )
+        cols = torch.tensor(list(positions), dtype=torch.int64, device=self.device)
+        self.req_to_token[rows.to(self.device), cols] = slots.to(self.req_to_token)
+
+
+def allocate_requests(
+    req_pool: ReqToTokenPool,
+    kv_pool: "KVPool",
+    prefix_lens: Sequence[int],
+    extend_lens: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows and KV slots for new requests, all or nothing.
+
+    Each request ``r`` gets a row whose first ``prefix_lens[r] + extend_lens[r]``
+    positions map to fresh slots. Returns ``(req_pool_indices [bs] int64,
+    out_cache_loc [sum(extend_lens)] int64)``: the slots of the new tokens.
+    """
+    need = sum(p + e for p, e in zip(prefix_lens, extend_lens))
+    if need > kv_pool.available:  # checked first: a failure must not leak rows
+        raise KVPoolExhaustedError(
+            f"KV pool exhausted: expected {need} free slots, got {kv_pool.available} "
+            f"of {kv_pool.num_slots}; free finished requests or build a larger pool"
+        )
+    rows = req_pool.alloc(len(prefix_lens))
+    new_slots: List[torch.Tensor] = []
+    for row, p, e in zip(rows, prefix_lens, extend_lens):
+        slots = kv_pool.alloc(p + e)
+        req_pool.write(row, 0, slots)
+        new_slots.append(slots[p:])
+    device = kv_pool.device
+    loc = torch.cat(new_slots) if new_slots else torch.empty(0, dtype=torch.int64, device=device)
+    return torch.tensor(rows, dtype=torch.int64, device=device), loc
+
 
 class KVPool:
     """Per-layer K and V buffers over ``num_slots`` usable slots (+ the dummy)."""

@@ -21,8 +21,7 @@ from sgl_piecewise.backends.reference import ReferenceBackend
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, KVPoolExhaustedError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
-from sgl_piecewise.memory import KVPool, ReqToTokenPool
-from sgl_piecewise.testing import place_requests
+from sgl_piecewise.memory import KVPool, ReqToTokenPool, allocate_requests
 
 BackendFactory = Callable[[ReqToTokenPool, KVPool], AttentionBackend]
 
@@ -132,9 +131,7 @@ class ModelRunner:
         rows: Optional[torch.Tensor] = None
         held: List[torch.Tensor] = []
         try:
-            rows, loc = place_requests(
-                self.req_to_token_pool, self.kv_pool, [0] * bs, lens, fill_prefix=False
-            )
+            rows, loc = allocate_requests(self.req_to_token_pool, self.kv_pool, [0] * bs, lens)
             held.append(loc)
             flat = [t for p in prompts for t in p]
             ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
@@ -162,8 +159,7 @@ class ModelRunner:
     def _alloc_decode_slots(self, rows: torch.Tensor, positions: List[int]) -> torch.Tensor:
         """One fresh slot per request, recorded at its new token's position."""
         loc = self.kv_pool.alloc(len(positions))  # [bs]
-        for i, (row, pos) in enumerate(zip(rows.tolist(), positions)):
-            self.req_to_token_pool.write(row, pos, loc[i : i + 1])
+        self.req_to_token_pool.write_next(rows, positions, loc)
         return loc
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> List[List[int]]:

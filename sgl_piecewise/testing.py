@@ -4,12 +4,12 @@ exactly as ``ModelRunner`` lays out a real one."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
-from sgl_piecewise.memory import KVPool, ReqToTokenPool
+from sgl_piecewise.memory import KVPool, ReqToTokenPool, allocate_requests
 
 
 def place_requests(
@@ -21,26 +21,21 @@ def place_requests(
     fill_prefix: bool = True,
     generator: Optional[torch.Generator] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate rows and slots for requests; return ``(req_pool_indices, out_cache_loc)``.
-
-    With ``fill_prefix`` the prefix slots of every layer get random K/V, as if
-    earlier steps had written them.
-    """
-    rows = req_pool.alloc(len(prefix_lens))
-    new_slots: List[torch.Tensor] = []
-    for row, p, e in zip(rows, prefix_lens, extend_lens):
-        slots = kv_pool.alloc(p + e)
-        req_pool.write(row, 0, slots)
-        if fill_prefix and p:
+    """``memory.allocate_requests``, then (with ``fill_prefix``) random K/V in
+    every layer's prefix slots, as if earlier steps had written them."""
+    rows, loc = allocate_requests(req_pool, kv_pool, prefix_lens, extend_lens)
+    if fill_prefix:
+        table = req_pool.req_to_token
+        for row, p in zip(rows.tolist(), prefix_lens):
+            if not p:
+                continue
+            slots = table[row, :p].to(torch.int64)
             for layer in range(kv_pool.num_layers):
                 shape = (p, kv_pool.num_kv_heads, kv_pool.head_dim)
                 k = torch.randn(shape, generator=generator).to(kv_pool.device, kv_pool.dtype)
                 v = torch.randn(shape, generator=generator).to(kv_pool.device, kv_pool.dtype)
-                kv_pool.set_kv(layer, slots[:p], k, v)
-        new_slots.append(slots[p:])
-    device = kv_pool.device
-    loc = torch.cat(new_slots) if new_slots else torch.empty(0, dtype=torch.int64, device=device)
-    return torch.tensor(rows, dtype=torch.int64, device=device), loc
+                kv_pool.set_kv(layer, slots, k, v)
+    return rows, loc
 
 
 def random_batch(

@@ -5,7 +5,7 @@ import torch
 
 from sgl_piecewise import KVPool, KVPoolExhaustedError, ReqToTokenPool
 from sgl_piecewise.errors import InvalidInputError
-from sgl_piecewise.memory import DUMMY_SLOT
+from sgl_piecewise.memory import DUMMY_SLOT, allocate_requests
 
 
 def test_alloc_never_hands_out_the_dummy_slot():
@@ -72,3 +72,23 @@ def test_request_table_rejects_double_free():
 def test_pool_sizes_must_be_positive_ints(bad):
     with pytest.raises(InvalidInputError, match="expected a positive int"):
         KVPool(num_slots=bad, num_layers=1, num_kv_heads=1, head_dim=4)
+
+
+def test_allocate_requests_is_all_or_nothing():
+    table = ReqToTokenPool(max_reqs=4, max_context_len=32)
+    pool = KVPool(num_slots=20, num_layers=1, num_kv_heads=1, head_dim=4)
+    with pytest.raises(KVPoolExhaustedError, match="expected 21 free slots, got 20"):
+        allocate_requests(table, pool, [5, 0], [6, 10])
+    assert pool.available == 20 and table.available == 4
+    rows, loc = allocate_requests(table, pool, [5, 0], [6, 9])
+    assert loc.tolist() == table.req_to_token[rows[0], 5:11].tolist() + table.req_to_token[rows[1], :9].tolist()
+    assert pool.available == 0
+
+
+def test_write_next_records_one_slot_per_row_and_rejects_positions_past_the_context():
+    table = ReqToTokenPool(max_reqs=3, max_context_len=8)
+    rows = torch.tensor(table.alloc(3))
+    table.write_next(rows, [0, 5, 7], torch.tensor([11, 12, 13]))
+    assert [table.req_to_token[r, p].item() for r, p in zip(rows.tolist(), [0, 5, 7])] == [11, 12, 13]
+    with pytest.raises(InvalidInputError, match="expected at most 8 tokens of context, got 9"):
+        table.write_next(rows[:1], [8], torch.tensor([14]))
