@@ -221,3 +221,16 @@ def test_functional_attention_becomes_the_out_variant():
     assert seen["rewritten"] == LAYERS
     assert "sgl_piecewise.unified_attention_with_output.default" in seen["targets"]
     assert "sgl_piecewise.unified_attention" not in seen["targets"]
+
+
+def test_nested_gc_freeze_keeps_the_outer_freeze():
+    import gc
+
+    from sgl_piecewise.compile.piece_graphs import frozen_gc
+
+    with frozen_gc(collect_first=True):
+        frozen = gc.get_freeze_count()
+        with frozen_gc():
+            pass
+        assert gc.get_freeze_count() == frozen > 0
+    assert gc.get_freeze_count() == 0

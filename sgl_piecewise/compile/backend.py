@@ -18,7 +18,6 @@ graphs (counted in ``counters.eager_fallbacks``).
 
 from __future__ import annotations
 
-import gc
 import logging
 from typing import Any, Mapping, Optional, Sequence
 
@@ -28,7 +27,7 @@ import torch.fx
 from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
-from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StepState
+from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StepState, frozen_gc
 from sgl_piecewise.compile.registry import CudaGraphBufferRegistry, FillContext, PaddingPolicy
 from sgl_piecewise.compile.split import split_graph, to_out_variant
 from sgl_piecewise.compile.token_axis import TokenAxis, find_token_axis
@@ -193,13 +192,8 @@ class PiecewiseModule:
 
     def _warmup_and_capture(self, padded_args, padded: int) -> Any:
         self._run(Phase.WARMUP, padded_args)
-        # Frozen gc: a collection during capture would walk every live object
-        # (SGLang measured capture 2.3-3.7x faster with gc frozen).
-        gc.freeze()
-        try:
+        with frozen_gc():
             out = self._run(Phase.CAPTURE, padded_args)
-        finally:
-            gc.unfreeze()
         self.captured_sizes.add(padded)
         return out
 

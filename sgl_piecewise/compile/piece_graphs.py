@@ -23,7 +23,9 @@ pass-through: the entry is recorded and "replay" runs the compiled piece.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import gc
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -51,6 +53,24 @@ class StepState:
     debug_checks: bool = False
     pool: Any = None  # CUDA graph memory pool shared by all pieces and sizes
     capture_stream: Optional[torch.cuda.Stream] = None
+
+
+@contextlib.contextmanager
+def frozen_gc(collect_first: bool = False):
+    """Python's gc frozen while capturing: a collection during capture would
+    walk every live object (SGLang measured capture 2.3-3.7x faster frozen).
+    Nests: an inner use inside an outer one leaves the outer freeze alone
+    (``gc.unfreeze`` would thaw everything, the outer's objects too)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    if collect_first:
+        gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _non_owning_alias(t: torch.Tensor) -> torch.Tensor:

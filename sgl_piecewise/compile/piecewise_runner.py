@@ -10,7 +10,6 @@ reserved — with Python's gc frozen and a progress bar.
 
 from __future__ import annotations
 
-import gc
 import time
 from typing import Any, Optional
 
@@ -19,6 +18,7 @@ from tqdm import tqdm
 
 from sgl_piecewise.compile.backend import SglPiecewiseBackend
 from sgl_piecewise.compile.options import CompileOptions
+from sgl_piecewise.compile.piece_graphs import frozen_gc
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
 from sgl_piecewise.memory import DUMMY_SLOT
 
@@ -57,13 +57,9 @@ class PiecewiseCudaGraphRunner:
         """Compile and capture every size, largest first; return the seconds it took."""
         start = time.perf_counter()
         sizes = sorted(self.options.capture_sizes, reverse=True)
-        gc.collect()
-        gc.freeze()
-        try:
+        with frozen_gc(collect_first=True):
             for size in tqdm(sizes, desc="capturing piecewise graphs", disable=not progress, unit="size"):
                 self._dummy_forward(size)
-        finally:
-            gc.unfreeze()
         if self.model_runner.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start
