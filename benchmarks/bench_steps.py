@@ -128,6 +128,7 @@ def cold_start(runner, max_size):
     seconds = time.perf_counter() - start
     return graphs.compiled, {
         "cold_start_s": seconds,
+        "first_size_s (trace + compile + capture)": graphs.first_size_seconds,
         "sizes": len(graphs.options.capture_sizes),
         "reserved_delta_gib": (torch.cuda.memory_reserved() - mem0) / 2**30,
         "allocated_delta_gib": (torch.cuda.memory_allocated() - alloc0) / 2**30,

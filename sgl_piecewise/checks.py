@@ -49,6 +49,8 @@ def check_tensor(
 
 def same_device(a: torch.device, b: torch.device) -> bool:
     """``cuda`` and ``cuda:0`` name the same device when 0 is current."""
+    if a == b:  # the common case, answered without asking CUDA for the current device
+        return True
     a, b = torch.device(a), torch.device(b)
     if a.type != b.type:
         return False

@@ -234,3 +234,19 @@ def test_nested_gc_freeze_keeps_the_outer_freeze():
             pass
         assert gc.get_freeze_count() == frozen > 0
     assert gc.get_freeze_count() == 0
+
+
+def test_attention_between_pieces_skips_the_dispatcher():
+    from sgl_piecewise.compile import SglPiecewiseBackend
+    from sgl_piecewise.ops.attention import attention_with_output_direct
+
+    model, backend = model_and_pools()
+    sgl_backend = SglPiecewiseBackend(piece_compiler="eager")
+    batch, got = step(torch.compile(model, backend=sgl_backend), backend, [1], [5])
+    with torch.no_grad(), sp.forward_context(batch, backend):
+        want = model(batch.input_ids, batch.positions)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    (module,) = sgl_backend.modules
+    attention = [p for p in module.pieces if p.is_splitting_op]
+    targets = [n.target for p in attention for n in p.graph.graph.nodes if n.op == "call_function"]
+    assert targets == [attention_with_output_direct] * LAYERS

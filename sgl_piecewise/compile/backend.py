@@ -29,7 +29,7 @@ from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
 from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StepState, frozen_gc
 from sgl_piecewise.compile.registry import CudaGraphBufferRegistry, FillContext, PaddingPolicy
-from sgl_piecewise.compile.split import split_graph, to_out_variant
+from sgl_piecewise.compile.split import bypass_dispatcher, split_graph, to_out_variant
 from sgl_piecewise.compile.token_axis import TokenAxis, find_token_axis
 from sgl_piecewise.errors import InvalidInputError
 
@@ -95,7 +95,11 @@ class _CompilePieces(torch.fx.Interpreter):
     def call_module(self, target, args, kwargs):
         result = super().call_module(target, args, kwargs)
         piece = self.pieces[target]
-        if not piece.is_splitting_op:
+        if piece.is_splitting_op:
+            # Fake run done (it needed the dispatcher); from now on it runs on
+            # real tensors only.
+            bypass_dispatcher(piece.graph)
+        else:
             compiled = self.compiler(piece.graph, args)
             wrapper = PieceGraphs(target, compiled, self.state, _piece_static_args(self.module, target))
             # Bypass nn.Module.__setattr__: the split module's code calls

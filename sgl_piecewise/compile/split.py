@@ -19,7 +19,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from sgl_piecewise.ops import attention as _attention_ops  # noqa: F401  (registers the ops)
+from sgl_piecewise.ops import attention as _attention_ops  # registers the ops
 
 _FUNCTIONAL_ATTENTION = (
     torch.ops.sgl_piecewise.unified_attention,
@@ -74,6 +74,20 @@ def to_out_variant(gm: torch.fx.GraphModule) -> int:
         gm.graph.erase_node(node)
         count += 1
     gm.recompile()
+    return count
+
+
+def bypass_dispatcher(piece: torch.fx.GraphModule) -> int:
+    """In a splitting piece that runs eagerly, call the attention out variant's
+    implementation directly (``attention_with_output_direct``); return how
+    many calls were redirected. Only for pieces that are never traced again."""
+    count = 0
+    for node in piece.graph.nodes:
+        if node.op == "call_function" and node.target is _OUT_ATTENTION:
+            node.target = _attention_ops.attention_with_output_direct
+            count += 1
+    if count:
+        piece.recompile()
     return count
 
 

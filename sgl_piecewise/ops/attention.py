@@ -103,6 +103,19 @@ def _unified_attention_with_output_fake(q, k, v, output, layer_id, scale=None):
     _check_output(q, v, output)
 
 
+def attention_with_output_direct(q, k, v, output, layer_id: int, scale: Optional[float] = None) -> None:
+    """The out variant's implementation, called without the dispatcher.
+
+    For callers that run attention on real tensors outside any tracing, such
+    as the pieces between CUDA graphs: the dispatcher's autograd and
+    ADInplaceOrView layers do nothing for inference but cost tens of
+    microseconds per call, i.e. per layer per step. Same checks, same work.
+    """
+    _check_shapes(q, k, v)
+    _check_output(q, v, output)
+    _attention_into(q, k, v, output, layer_id, scale)
+
+
 def _check_output(q: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> None:
     check_tensor(
         "output", output, shape=tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device=q.device
