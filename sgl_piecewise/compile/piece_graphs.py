@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import gc
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -55,22 +56,38 @@ class StepState:
     capture_stream: Optional[torch.cuda.Stream] = None
 
 
-@contextlib.contextmanager
-def frozen_gc(collect_first: bool = False):
+class _GcFreeze:
     """Python's gc frozen while capturing: a collection during capture would
     walk every live object (SGLang measured capture 2.3-3.7x faster frozen).
-    Nests: an inner use inside an outer one leaves the outer freeze alone
-    (``gc.unfreeze`` would thaw everything, the outer's objects too)."""
-    if gc.get_freeze_count():
-        yield
-        return
-    if collect_first:
-        gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+
+    Nests by its own depth count, not ``gc.get_freeze_count()``: other code
+    (Inductor's compile-worker pool) freezes objects too, and that must not
+    make a capture skip its freeze. Like SGLang, the outermost exit unfreezes
+    everything.
+    """
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def __call__(self, collect_first: bool = False):
+        with self.lock:
+            self.depth += 1
+            if self.depth == 1:
+                if collect_first:
+                    gc.collect()
+                gc.freeze()
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.depth -= 1
+                if self.depth == 0:
+                    gc.unfreeze()
+
+
+frozen_gc = _GcFreeze()
 
 
 def _non_owning_alias(t: torch.Tensor) -> torch.Tensor:
