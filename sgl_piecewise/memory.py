@@ -160,9 +160,12 @@ class KVPool:
             )
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k, v [n, num_kv_heads, head_dim]`` at slots ``loc [n]``."""
-        self.k_buffers[layer_id][loc] = k
-        self.v_buffers[layer_id][loc] = v
+        """Write ``k, v [n, num_kv_heads, head_dim]`` at slots ``loc [n]`` (int64).
+
+        ``index_copy_`` rather than ``buf[loc] = k``: the same write, without
+        Python's advanced-indexing path, once per layer per step."""
+        self.k_buffers[layer_id].index_copy_(0, loc, k)
+        self.v_buffers[layer_id].index_copy_(0, loc, v)
 
     def check_kv_rows(self, name: str, t: torch.Tensor, num_tokens: int | None = None) -> None:
         check_tensor(

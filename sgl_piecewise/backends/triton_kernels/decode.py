@@ -15,6 +15,8 @@ captured launch serves every replay. Nothing here synchronises with the host.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -262,12 +264,14 @@ def decode_block_h(group: int, dtype: torch.dtype) -> int:
     return min(max(DECODE_BLOCK_H, triton.next_power_of_2(group)), DECODE_MAX_BLOCK_H)
 
 
+@functools.lru_cache(maxsize=256)
 def decode_kernel_meta(
     num_q_heads: int, num_kv_heads: int, head_dim: int, dv: int, dtype: torch.dtype, max_kv_splits: int
 ) -> tuple[dict, dict]:
     """Compile-time arguments (constexprs, num_warps, num_stages) of the split
     and reduce kernels; one place, shared by the launcher and the sm_90
-    compile test."""
+    compile test. Cached: it runs once per layer per step otherwise. The
+    dicts are shared; callers only unpack them."""
     group = num_q_heads // num_kv_heads
     block_h = decode_block_h(group, dtype)
     split_meta = dict(

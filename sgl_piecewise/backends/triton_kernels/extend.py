@@ -19,6 +19,8 @@ with the host.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Optional
 
 import torch
@@ -157,6 +159,7 @@ def _extend_kernel(
 _INTERPRETED = not isinstance(_extend_kernel, JITFunction)
 
 
+@functools.lru_cache(maxsize=256)
 def extend_kernel_meta(
     num_q_heads: int, num_kv_heads: int, head_dim: int, dv: int, dtype: torch.dtype,
     max_q_len: int, use_mask: bool,
@@ -166,6 +169,8 @@ def extend_kernel_meta(
 
     Rows per request are ``max_q_len * GROUP``: short queries (verify-like
     steps) get a smaller row tile rather than a mostly masked 128-row one.
+    Cached (it runs once per layer per step otherwise); callers only unpack
+    the shared dict.
     """
     group = num_q_heads // num_kv_heads
     padded = triton.next_power_of_2(max(head_dim, dv))
