@@ -91,8 +91,8 @@ def _run_mode(mode: str, model, args, prompts) -> ModeResult:
             cudagraphs=True, max_capture_size=args.max_capture_size, piece_compiler=args.piece_compiler
         )
         PiecewiseCudaGraphRunner(runner, options).capture(progress=True)
-    if mode != "eager":  # compile (and warm up) outside the timed run
-        runner.generate(prompts, 2)
+    # Compile, capture and warm up (kernel JIT, allocator) outside the timed run.
+    runner.generate(prompts, 2)
     setup = time.perf_counter() - start
     runner.step_stats.clear()
     tokens = runner.generate(prompts, args.new_tokens, progress=args.new_tokens >= 64)
