@@ -68,8 +68,8 @@ def make_pools(device="cpu", dtype=torch.float32, head_dim=D, max_reqs=4 * MAX_B
 
 
 def make_backend(name: str, pools: Pools):
-    if name == "triton":  # the gpu extra; CPU CI may lack it
-        pytest.importorskip("triton")
+    if name in ("triton", "flashinfer"):  # the gpu extra; CPU CI may lack it
+        pytest.importorskip(name)
     return create_backend(name, pools.req, pools.kv, num_q_heads=HQ)
 
 
@@ -300,19 +300,13 @@ GPU_BACKENDS = ["torch", "triton", "flashinfer"]
 GPU_HEAD_DIM = 128  # a head size every FlashInfer build ships kernels for
 
 
-def _gpu_backend(name: str, pools: Pools):
-    if name == "flashinfer":
-        pytest.importorskip("flashinfer")
-    return make_backend(name, pools)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("name", GPU_BACKENDS)
 def test_gpu_eager_matches_reference(name, case):
     rng = random.Random(f"gpu-eager-{name}-{case.id}")
     pools = make_pools("cuda", torch.bfloat16, GPU_HEAD_DIM)
-    backend, ref = _gpu_backend(name, pools), ReferenceBackend(pools.req, pools.kv)
+    backend, ref = make_backend(name, pools), ReferenceBackend(pools.req, pools.kv)
     bs = 0 if case.mode.is_idle() else rng.randint(1, MAX_BS)
     batch = draw_batch(pools, case, bs, rng)
     qkv = random_qkv(batch.num_tokens, pools, torch.Generator().manual_seed(rng.randrange(2**31)))
@@ -327,7 +321,7 @@ def test_cuda_graph_replays_fresh_batches_like_reference(name, case):
     batches through static inputs; the replay hook must not sync (torch, triton)."""
     rng = random.Random(f"cuda-graph-{name}-{case.id}")
     pools = make_pools("cuda", torch.bfloat16, GPU_HEAD_DIM)
-    backend, ref = _gpu_backend(name, pools), ReferenceBackend(pools.req, pools.kv)
+    backend, ref = make_backend(name, pools), ReferenceBackend(pools.req, pools.kv)
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     padded_bs, fill = 4, backend.get_cuda_graph_seq_len_fill_value()
     backend.init_cuda_graph_state(MAX_BS, MAX_BS * graph_width(case.mode))

@@ -19,10 +19,13 @@ import torch
 pytest.importorskip("triton", reason="the Triton kernels need the `triton` package")
 
 from sgl_piecewise.backends.triton_kernels import (  # noqa: E402
+    DecodeLaunch,
     choose_num_kv_splits,
     decode_attention,
     extend_attention,
+    grid_kv_splits,
 )
+from sgl_piecewise.backends.triton_kernels import decode as dec  # noqa: E402
 from sgl_piecewise.errors import InvalidInputError  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -122,7 +125,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
 # ---------------------------------------------------------------- decode
 
 
-def run_decode(b: PagedBatch, max_kv_splits: int, num_splits: torch.Tensor) -> torch.Tensor:
+def run_decode(b: PagedBatch, max_kv_splits: int, num_splits: torch.Tensor, launch=None) -> torch.Tensor:
     bs, num_q_heads = b.q.shape[0], b.q.shape[1]
     dv = b.v_cache.shape[2]
     out = torch.full((bs, num_q_heads, dv), float("nan"), dtype=b.q.dtype, device=b.q.device)
@@ -130,7 +133,7 @@ def run_decode(b: PagedBatch, max_kv_splits: int, num_splits: torch.Tensor) -> t
     logits = torch.full((bs + 2, num_q_heads, max_kv_splits + 1, dv), float("nan"), device=b.q.device)
     lse = torch.full((bs + 2, num_q_heads, max_kv_splits + 1), float("nan"), device=b.q.device)
     decode_attention(b.q, b.k_cache, b.v_cache, out, b.kv_indptr, b.kv_indices, logits, lse,
-                     num_splits, max_kv_splits, b.q.shape[2] ** -0.5)
+                     num_splits, max_kv_splits, b.q.shape[2] ** -0.5, launch)
     return out
 
 
@@ -185,11 +188,43 @@ def test_decode_any_split_count_gives_the_same_answer():
         assert_close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("block_n,num_warps,num_stages", [(32, 4, 2), (64, 4, 3), (128, 8, 2)])
+def test_decode_launch_settings_change_speed_not_answers(block_n, num_warps, num_stages):
+    # Key tiles wider than some splits and than some requests' keys.
+    b = make_batch([1] * 4, [1, 70, 129, 300], 8, 2, 64, torch.bfloat16)
+    launch = DecodeLaunch(block_n, num_warps, num_stages, programs_per_sm=None)
+    out = run_decode(b, 3, torch.tensor([1, 2, 3, 3], dtype=torch.int32), launch)
+    assert_close(out, decode_reference(b), torch.bfloat16)
+
+
+def test_grid_splits_fill_the_card_then_stop(monkeypatch):
+    monkeypatch.setattr(dec, "_num_sms", lambda device: 132)
+    dec.grid_kv_splits.cache_clear()
+    try:
+        cuda = torch.device("cuda")
+
+        def grid(bs, max_splits=64, dtype=torch.bfloat16, hq=32, hkv=8):
+            return grid_kv_splits(bs, hq, hkv, dtype, max_splits, cuda)
+
+        # 2 programs per SM = 264: 8 programs per split at bs 1, 256 at bs 32.
+        assert [grid(1), grid(32), grid(128), grid(512)] == [33, 2, 1, 1]
+        assert grid(1, max_splits=16) == 16
+        # Wide groups take several programs per kv head (up to 64 heads each).
+        assert grid(1, max_splits=512, hq=64, hkv=1) == 264
+        assert grid(1, max_splits=512, hq=128, hkv=1) == 132
+        # No SM count off CUDA (the interpreter): the caller's maximum.
+        assert grid_kv_splits(1, 32, 8, torch.bfloat16, 64, CPU) == 64
+    finally:
+        dec.grid_kv_splits.cache_clear()
+
+
 def test_choose_num_kv_splits_scales_with_length_and_caps():
     kv_lens = torch.tensor([0, 1, 256, 257, 1000, 100000])
     out = torch.empty(6, dtype=torch.int32)
     # ceil(len / 256) clamped to [1, 8]
-    assert choose_num_kv_splits(kv_lens, 8, out).tolist() == [1, 1, 1, 2, 4, 8]
+    assert choose_num_kv_splits(kv_lens, 8, out, tokens_per_split=256).tolist() == [1, 1, 1, 2, 4, 8]
+    # The default: one split per 128 keys.
+    assert choose_num_kv_splits(kv_lens, 8, out).tolist() == [1, 1, 2, 3, 8, 8]
     with pytest.raises(ValueError):
         choose_num_kv_splits(kv_lens, 0, out)
 
@@ -321,7 +356,7 @@ def build(fn, meta, types):
 for dtype, hq, hkv, d in [(torch.bfloat16, 32, 8, 128), (torch.bfloat16, 8, 1, 256),
                           (torch.float16, 14, 2, 80), (torch.bfloat16, 64, 1, 128),
                           (torch.float32, 8, 2, 128)]:
-    split, red = dec.decode_kernel_meta(hq, hkv, d, d, dtype, 16)
+    split, red = dec.decode_kernel_meta(hq, hkv, d, d, dtype)
     t = {"q_ptr": PTR[dtype], "k_ptr": PTR[dtype], "v_ptr": PTR[dtype], "part_ptr": "*fp32",
          "lse_ptr": "*fp32", "qk_scale": "fp32"}
     print(json.dumps({"kernel": f"decode {dtype} {hq}/{hkv} d{d}", **build(dec._decode_split_kernel, split, t)}))

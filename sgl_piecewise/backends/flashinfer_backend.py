@@ -43,6 +43,11 @@ from sgl_piecewise.forward import ForwardBatch, ForwardMode
 
 # FlashInfer's documented recommendation for the float workspace.
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
+# Prefill-kernel family for every mode. FA2 serves custom masks (verify
+# trees), which FA3 does not, so one family covers EXTEND, MIXED and the
+# speculative modes alike, and its JIT build takes about a minute where
+# FlashInfer's "auto" would also build FA3 on Hopper (several minutes).
+PREFILL_KERNELS = "fa2"
 PAGE_SIZE = 1  # req_to_token maps one token to one slot
 
 
@@ -116,8 +121,9 @@ class FlashInferBackend(StaticGraphBackend):
                 paged_kv_indices_buffer=views.kv_indices,
                 paged_kv_last_page_len_buffer=views.last_page_len,
             )
+            kernels = PREFILL_KERNELS if self._decode_tensor_cores else "auto"
             return fi.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_tensor_cores=self._decode_tensor_cores, **graph
+                self._workspace, "NHD", use_tensor_cores=self._decode_tensor_cores, backend=kernels, **graph
             )
         graph = {} if views is None else dict(
             use_cuda_graph=True,
@@ -129,7 +135,7 @@ class FlashInferBackend(StaticGraphBackend):
             custom_mask_buf=self._buffers["packed_mask"] if views.masked else None,
             mask_indptr_buf=self._buffers["packed_mask_indptr"][: views.bs + 1] if views.masked else None,
         )
-        return fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", **graph)
+        return fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend=PREFILL_KERNELS, **graph)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         # plan() needs >= 1 page per request (last_page_len is 1, not 0).

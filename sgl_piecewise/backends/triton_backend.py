@@ -29,16 +29,15 @@ from sgl_piecewise.backends.metadata import (
     host_lengths,
 )
 from sgl_piecewise.backends.triton_kernels import (
+    DEFAULT_MAX_KV_SPLITS,
     choose_num_kv_splits,
     decode_attention,
     extend_attention,
+    grid_kv_splits,
 )
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode
-
-# SGLang's default `--triton-attention-num-kv-splits`.
-DEFAULT_MAX_KV_SPLITS = 8
 
 
 @dataclass
@@ -47,8 +46,8 @@ class TritonMetadata(LengthMetadata):
     kv_indices: torch.Tensor  # [N >= kv_indptr[bs]] int32 slots, request-major
     # Decode steps (DECODE, IDLE) only:
     num_kv_splits: Optional[torch.Tensor]  # [bs] int32
-    attn_logits: Optional[torch.Tensor]  # [bs, Hq, max_kv_splits, Dv] f32 scratch
-    attn_lse: Optional[torch.Tensor]  # [bs, Hq, max_kv_splits] f32 scratch
+    attn_logits: Optional[torch.Tensor]  # [bs, Hq, S, Dv] f32 scratch, S = grid splits of bs
+    attn_lse: Optional[torch.Tensor]  # [bs, Hq, S] f32 scratch
     # Steps with a tree mask only: the flat [q_len, kv_len] blocks, request-major.
     custom_mask: Optional[torch.Tensor]  # [M] bool
 
@@ -64,8 +63,9 @@ class TritonBackend(StaticGraphBackend):
     Args:
         req_to_token_pool, kv_pool: the pools the kernels read.
         num_q_heads: query heads per layer; sizes the decode scratch.
-        max_kv_splits: most key splits per decode request (the scratch's
-            split axis; more splits = more parallelism on long contexts).
+        max_kv_splits: most key splits per decode request. Only small batches
+            reach it: the kernel's grid adds splits until the card is busy
+            (``grid_kv_splits``), and the scratch is sized per batch to match.
     """
 
     name = "triton"
@@ -90,7 +90,7 @@ class TritonBackend(StaticGraphBackend):
         q_cpu, kv_cpu = host_lengths(batch)
         decode = _is_decode_step(mode)
         masked = has_custom_mask(batch.spec_info)
-        hq, dv = self.num_q_heads, self.kv_pool.head_dim
+        hq, dv, splits = self.num_q_heads, self.kv_pool.head_dim, self._grid_splits(bs)
         return TritonMetadata(
             forward_mode=mode, bs=bs, max_q_len=int(q_cpu.max()) if bs else 0,
             num_tokens=batch.num_tokens,
@@ -98,21 +98,28 @@ class TritonBackend(StaticGraphBackend):
             masked=masked, mask_indptr=new(bs + 1, dtype=torch.int64) if masked else None,
             kv_indices=new(int(kv_cpu.sum())),
             num_kv_splits=new(bs) if decode else None,
-            attn_logits=new(bs, hq, self.max_kv_splits, dv, dtype=torch.float32) if decode else None,
-            attn_lse=new(bs, hq, self.max_kv_splits, dtype=torch.float32) if decode else None,
+            attn_logits=new(bs, hq, splits, dv, dtype=torch.float32) if decode else None,
+            attn_lse=new(bs, hq, splits, dtype=torch.float32) if decode else None,
             custom_mask=new(int((q_cpu * kv_cpu).sum()), dtype=torch.bool) if masked else None,
         )
 
+    def _grid_splits(self, bs: int) -> int:
+        pool = self.kv_pool
+        return grid_kv_splits(bs, self.num_q_heads, pool.num_kv_heads, pool.dtype, self.max_kv_splits, pool.device)
+
     def _alloc_graph_buffers(self, buffers: StaticBuffers, max_bs: int, max_num_tokens: int) -> None:
         context = self.req_to_token_pool.max_context_len
-        hq, dv, splits = self.num_q_heads, self.kv_pool.head_dim, self.max_kv_splits
+        hq, dv = self.num_q_heads, self.kv_pool.head_dim
+        # Flat: each batch size views [bs, Hq, S(bs)(, Dv)] of the front, so
+        # the scratch is the largest bs * S(bs), not max_bs * max_kv_splits.
+        split_rows = max(bs * self._grid_splits(bs) for bs in range(1, max_bs + 1))
         buffers.alloc_lengths(max_bs)
         buffers.alloc("num_kv_splits", (max_bs,), torch.int32)
         buffers.alloc("mask_indptr", (max_bs + 1,), torch.int64)
         # Every request's keys fit in its req_to_token row: <= context each.
         buffers.alloc("kv_indices", (max_bs * context,), torch.int32)
-        buffers.alloc("attn_logits", (max_bs, hq, splits, dv), torch.float32)
-        buffers.alloc("attn_lse", (max_bs, hq, splits), torch.float32)
+        buffers.alloc("attn_logits", (split_rows * hq * dv,), torch.float32)
+        buffers.alloc("attn_lse", (split_rows * hq,), torch.float32)
         # One [context] row of mask per graph query row.
         buffers.alloc("custom_mask", (max_num_tokens * context,), torch.bool)
 
@@ -120,13 +127,14 @@ class TritonBackend(StaticGraphBackend):
         b = self._buffers
         decode = _is_decode_step(mode)
         masked = has_custom_mask(spec_info)
+        hq, dv, splits = self.num_q_heads, self.kv_pool.head_dim, self._grid_splits(bs)
         return TritonMetadata(
             **b.length_views(bs, width, mode, masked),
             mask_indptr=b["mask_indptr"][: bs + 1] if masked else None,
             kv_indices=b["kv_indices"],
             num_kv_splits=b["num_kv_splits"][:bs] if decode else None,
-            attn_logits=b["attn_logits"][:bs] if decode else None,
-            attn_lse=b["attn_lse"][:bs] if decode else None,
+            attn_logits=b["attn_logits"][: bs * hq * splits * dv].view(bs, hq, splits, dv) if decode else None,
+            attn_lse=b["attn_lse"][: bs * hq * splits].view(bs, hq, splits) if decode else None,
             custom_mask=b["custom_mask"] if masked else None,
         )
 

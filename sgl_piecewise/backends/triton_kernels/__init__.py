@@ -6,21 +6,31 @@ caller-provided outputs, never synchronise with the host and launch grids that
 depend only on Python ints, so both can be captured in a CUDA graph.
 Without a GPU, run them under ``TRITON_INTERPRET=1`` (set before import).
 
-Decode, with scratch allocated once for the largest batch::
+Decode: the scratch's split axis is the grid's, which depends on the batch
+size (small batches split keys more to fill the card)::
 
-    logits = torch.empty(max_bs, Hq, DEFAULT_MAX_KV_SPLITS, Dv, dtype=torch.float32, device=dev)
-    lse = torch.empty(max_bs, Hq, DEFAULT_MAX_KV_SPLITS, dtype=torch.float32, device=dev)
-    splits = torch.empty(max_bs, dtype=torch.int32, device=dev)
-    choose_num_kv_splits(kv_lens, DEFAULT_MAX_KV_SPLITS, splits[:bs])
+    S = grid_kv_splits(bs, Hq, Hkv, q.dtype, DEFAULT_MAX_KV_SPLITS, q.device)
+    logits = torch.empty(bs, Hq, S, Dv, dtype=torch.float32, device=dev)
+    lse = torch.empty(bs, Hq, S, dtype=torch.float32, device=dev)
+    splits = choose_num_kv_splits(kv_lens, DEFAULT_MAX_KV_SPLITS, torch.empty_like(kv_lens))
     decode_attention(q, k_cache, v_cache, out, kv_indptr, kv_indices, logits, lse,
-                     splits[:bs], DEFAULT_MAX_KV_SPLITS, head_dim ** -0.5)
+                     splits, DEFAULT_MAX_KV_SPLITS, head_dim ** -0.5)
 """
 
 from sgl_piecewise.backends.triton_kernels.decode import (
     DEFAULT_MAX_KV_SPLITS,
+    DecodeLaunch,
     choose_num_kv_splits,
     decode_attention,
+    grid_kv_splits,
 )
 from sgl_piecewise.backends.triton_kernels.extend import extend_attention
 
-__all__ = ["DEFAULT_MAX_KV_SPLITS", "choose_num_kv_splits", "decode_attention", "extend_attention"]
+__all__ = [
+    "DEFAULT_MAX_KV_SPLITS",
+    "DecodeLaunch",
+    "choose_num_kv_splits",
+    "decode_attention",
+    "extend_attention",
+    "grid_kv_splits",
+]

@@ -16,6 +16,8 @@ captured launch serves every replay. Nothing here synchronises with the host.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -24,31 +26,56 @@ from triton.runtime.jit import JITFunction
 
 from sgl_piecewise.errors import InvalidInputError
 
-# Launch settings: SGLang's CUDA defaults for the same loop shape, its grouped
-# decode kernel (triton_ops/decode_attention.py, `_decode_grouped_att_m_fwd`:
-# BLOCK=32, BLOCK_H=16, num_warps=4, num_stages=2; the split reducer:
-# num_warps=4, num_stages=2). Not re-tuned here: no GPU in development.
-DECODE_BLOCK_N = 32  # keys per inner-loop step
 DECODE_BLOCK_H = 16  # query heads per program; tl.dot needs >= 16 rows
 # Groups wider than 16 (MQA-like) widen the head tile up to this, as SGLang's
 # older grouped kernel did (BLOCK_H = max(16, next_pow2(group))), so K/V are
 # still read once per kv head; 64 rows compile for sm_90 without spills.
 DECODE_MAX_BLOCK_H = 64
-DECODE_NUM_WARPS = 4
-DECODE_NUM_STAGES = 2
+# The split reducer: SGLang's settings for the same loop.
 REDUCE_NUM_WARPS = 4
 REDUCE_NUM_STAGES = 2
-# Split boundaries are multiples of this (SGLang's MIN_BLOCK_KV), so every
-# split but a request's last one covers whole BLOCK_N tiles.
-SPLIT_GRANULE = DECODE_BLOCK_N
-# choose_num_kv_splits: one split per this many keys. Each program then runs
-# at least 8 inner steps, enough to amortise its q load, partial write and
-# stage-2 merge, while a 2k-token context still fills SGLang's default of 8
-# splits (`--triton-attention-num-kv-splits 8`).
-DEFAULT_TOKENS_PER_SPLIT = 256
-# A suggested scratch size for callers: at bs=1 with 8 kv heads, 16 splits
-# make 128 stage-1 programs, about one per SM of an H100 (132 SMs).
-DEFAULT_MAX_KV_SPLITS = 16
+# Split boundaries are multiples of this (SGLang's MIN_BLOCK_KV), so splits
+# start on whole 32-key tiles.
+SPLIT_GRANULE = 32
+# The split-count rule and launch settings below come from
+# `benchmarks/bench_decode_kernel.py --sweep` on an H200 (docs/BENCHMARKS.md):
+# splits 1-128 x six launch settings at batch 1/32/128, context 1k/4k/16k.
+#
+# choose_num_kv_splits: one split per this many keys. At batch 1 the best
+# counts were 8, 16-32 and 32 splits for 1k, 4k and 16k keys; fewer keys a
+# split leave too little loop to amortise the q load and the merge.
+DEFAULT_TOKENS_PER_SPLIT = 128
+# A suggested scratch size for callers; the grid rarely uses it all
+# (grid_kv_splits caps it by the batch size).
+DEFAULT_MAX_KV_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How the split kernel is launched: its key tile, Triton's
+    ``num_warps``/``num_stages``, and how many programs the split axis may add.
+    Results do not depend on it (tests run several); speed does."""
+
+    # 64-key tiles with 3 pipeline stages were fastest or within 3% of the
+    # fastest at every swept point (SGLang's 32/4/2 was up to 30% slower).
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    # Batch-aware split axis (grid_kv_splits): splits stop being added once
+    # the grid has this many stage-1 programs per SM. 2 was best from batch 1
+    # (8 kv heads: up to 33 splits) to 128 (1 split); 4 lost 15% at bs 1 /
+    # 16k keys. None: always max_kv_splits.
+    programs_per_sm: Optional[int] = 2
+
+
+DEFAULT_DECODE_LAUNCH = DecodeLaunch()
+# fp32 (tests, CPU parity) keeps SGLang's 32-key tile and two stages: its
+# 3xTF32 dots hold more registers, and the 64-key tile spills on sm_90.
+FP32_DECODE_LAUNCH = DecodeLaunch(block_n=32, num_warps=4, num_stages=2)
+
+
+def default_decode_launch(dtype: torch.dtype) -> DecodeLaunch:
+    return FP32_DECODE_LAUNCH if dtype == torch.float32 else DEFAULT_DECODE_LAUNCH
 
 _LOG2E = 1.4426950408889634
 
@@ -117,17 +144,17 @@ def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, num_splits_ptr,
     part_ptr, lse_ptr, qk_scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, max_splits,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, GRANULE: tl.constexpr, F32X3: tl.constexpr, UPCAST: tl.constexpr,
+    GRANULE: tl.constexpr, F32X3: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # Grid: (bs, num_kv_heads * HEAD_BLOCKS, MAX_SPLITS).
+    # Grid: (bs, num_kv_heads * HEAD_BLOCKS, max_splits).
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     split_id = tl.program_id(2)
-    num_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + req), 1), MAX_SPLITS)
+    num_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + req), 1), max_splits)
     kv_start = tl.load(kv_indptr_ptr + req)
     kv_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
     start, end = _split_range(kv_len, num_splits, split_id, GRANULE)
@@ -179,14 +206,13 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr, part_ptr, lse_ptr, kv_indptr_ptr, num_splits_ptr,
-    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, GRANULE: tl.constexpr,
+    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, max_splits,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, GRANULE: tl.constexpr,
 ):
     # Grid: (bs, num_q_heads).
     req = tl.program_id(0)
     head = tl.program_id(1)
-    num_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + req), 1), MAX_SPLITS)
+    num_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + req), 1), max_splits)
     kv_len = tl.load(kv_indptr_ptr + req + 1) - tl.load(kv_indptr_ptr + req)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < DV
@@ -264,27 +290,61 @@ def decode_block_h(group: int, dtype: torch.dtype) -> int:
     return min(max(DECODE_BLOCK_H, triton.next_power_of_2(group)), DECODE_MAX_BLOCK_H)
 
 
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=1024)
+def grid_kv_splits(
+    bs: int, num_q_heads: int, num_kv_heads: int, dtype: torch.dtype, max_kv_splits: int,
+    device: torch.device, launch: Optional[DecodeLaunch] = None,
+) -> int:
+    """Split axis of the stage-1 grid (and of the scratch it writes) for a
+    batch of ``bs``: the fewest splits that give ``launch.programs_per_sm``
+    programs per SM, at most ``max_kv_splits``.
+
+    A small batch needs many splits to occupy the card (bs 1 with 8 kv heads
+    has 8 programs per split); a large one fills it without, and every extra
+    split costs a partial write and a merge. ``bs`` is fixed per captured
+    graph, so this host-side choice is graph-safe; requests' own counts
+    (``num_kv_splits``) are clamped to it on the device. Off CUDA (Triton's
+    interpreter) there is no SM count to fill: ``max_kv_splits``.
+    ``launch=None``: :func:`default_decode_launch`.
+    """
+    launch = launch or default_decode_launch(dtype)
+    if launch.programs_per_sm is None or device.type != "cuda":
+        return max_kv_splits
+    group = num_q_heads // num_kv_heads
+    head_programs = num_kv_heads * triton.cdiv(group, decode_block_h(group, dtype))
+    wanted = triton.cdiv(_num_sms(device) * launch.programs_per_sm, max(bs, 1) * head_programs)
+    return max(1, min(max_kv_splits, wanted))
+
+
 @functools.lru_cache(maxsize=256)
 def decode_kernel_meta(
-    num_q_heads: int, num_kv_heads: int, head_dim: int, dv: int, dtype: torch.dtype, max_kv_splits: int
+    num_q_heads: int, num_kv_heads: int, head_dim: int, dv: int, dtype: torch.dtype,
+    launch: Optional[DecodeLaunch] = None,
 ) -> tuple[dict, dict]:
     """Compile-time arguments (constexprs, num_warps, num_stages) of the split
     and reduce kernels; one place, shared by the launcher and the sm_90
-    compile test. Cached: it runs once per layer per step otherwise. The
-    dicts are shared; callers only unpack them."""
+    compile test. ``launch=None``: :func:`default_decode_launch`. Cached: it
+    runs once per layer per step otherwise. The dicts are shared; callers
+    only unpack them."""
+    launch = launch or default_decode_launch(dtype)
     group = num_q_heads // num_kv_heads
     block_h = decode_block_h(group, dtype)
     split_meta = dict(
         GROUP=group, HEAD_BLOCKS=triton.cdiv(group, block_h),
         D=head_dim, DV=dv, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_DV=triton.next_power_of_2(dv), BLOCK_H=block_h, BLOCK_N=DECODE_BLOCK_N,
-        MAX_SPLITS=max_kv_splits, GRANULE=SPLIT_GRANULE, F32X3=dtype == torch.float32,
+        BLOCK_DV=triton.next_power_of_2(dv), BLOCK_H=block_h, BLOCK_N=launch.block_n,
+        GRANULE=SPLIT_GRANULE, F32X3=dtype == torch.float32,
         UPCAST=_INTERPRETED and dtype == torch.bfloat16,
-        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     reduce_meta = dict(
-        DV=dv, BLOCK_DV=triton.next_power_of_2(dv), MAX_SPLITS=max_kv_splits,
-        GRANULE=SPLIT_GRANULE, num_warps=REDUCE_NUM_WARPS, num_stages=REDUCE_NUM_STAGES,
+        DV=dv, BLOCK_DV=triton.next_power_of_2(dv), GRANULE=SPLIT_GRANULE,
+        num_warps=REDUCE_NUM_WARPS, num_stages=REDUCE_NUM_STAGES,
     )
     return split_meta, reduce_meta
 
@@ -323,29 +383,33 @@ def check_last_dim_contiguous(kernel: str, **tensors) -> None:
             )
 
 
-def _check_decode_args(q, k_cache, v_cache, out, attn_logits, attn_lse, max_kv_splits) -> None:
-    """Shape/dtype/layout checks that read no tensor values (no sync)."""
+def _check_decode_args(q, k_cache, v_cache, out, attn_logits, attn_lse, max_kv_splits, launch) -> int:
+    """Shape/dtype/layout checks that read no tensor values (no sync).
+    Returns the grid's split count, which the scratch must hold."""
     bs, num_q_heads, dv = check_attention_args("decode_attention", "bs", q, k_cache, v_cache, out)
-    if not 1 <= max_kv_splits:
-        raise InvalidInputError(f"decode_attention: expected max_kv_splits >= 1, got {max_kv_splits}")
+    if not isinstance(max_kv_splits, int) or max_kv_splits < 1:
+        raise InvalidInputError(f"decode_attention: expected max_kv_splits >= 1, got {max_kv_splits!r}")
+    splits = grid_kv_splits(bs, num_q_heads, k_cache.shape[1], q.dtype, max_kv_splits, q.device, launch)
     ok_logits = (
         attn_logits.dim() == 4 and attn_logits.shape[0] >= bs and attn_logits.shape[1] == num_q_heads
-        and attn_logits.shape[2] >= max_kv_splits and attn_logits.shape[3] >= dv
+        and attn_logits.shape[2] >= splits and attn_logits.shape[3] >= dv
     )
     ok_lse = (
         attn_lse.dim() == 3 and attn_lse.shape[0] >= bs and attn_lse.shape[1] == num_q_heads
-        and attn_lse.shape[2] >= max_kv_splits
+        and attn_lse.shape[2] >= splits
     )
     if not (ok_logits and ok_lse) or attn_logits.dtype != torch.float32 or attn_lse.dtype != torch.float32:
         raise InvalidInputError(
             f"decode_attention: expected float32 scratch attn_logits [>={bs}, {num_q_heads}, "
-            f">={max_kv_splits}, >={dv}] and attn_lse [>={bs}, {num_q_heads}, >={max_kv_splits}], "
+            f">={splits}, >={dv}] and attn_lse [>={bs}, {num_q_heads}, >={splits}] "
+            f"(grid_kv_splits of max_kv_splits={max_kv_splits}), "
             f"got {attn_logits.dtype} {list(attn_logits.shape)} and {attn_lse.dtype} {list(attn_lse.shape)}"
         )
     check_last_dim_contiguous(
         "decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, out=out,
         attn_logits=attn_logits, attn_lse=attn_lse,
     )  # fmt: skip
+    return splits
 
 
 def decode_attention(
@@ -360,6 +424,7 @@ def decode_attention(
     num_kv_splits: torch.Tensor,
     max_kv_splits: int,
     sm_scale: float,
+    launch: Optional[DecodeLaunch] = None,
 ) -> None:
     """Attention of one query token per request over its paged keys; writes ``out``.
 
@@ -371,41 +436,43 @@ def decode_attention(
         kv_indptr: ``[bs + 1]`` int32; request r's keys are
             ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``.
         kv_indices: ``[>= kv_indptr[bs]]`` int32/int64 slot ids into the pool.
-        attn_logits: ``[>= bs, Hq, >= max_kv_splits, >= Dv]`` float32 scratch for
-            the splits' normalised partial outputs.
-        attn_lse: ``[>= bs, Hq, >= max_kv_splits]`` float32 scratch for the
-            splits' natural-log log-sum-exp of the scaled logits.
+        attn_logits: ``[>= bs, Hq, >= S, >= Dv]`` float32 scratch for the
+            splits' normalised partial outputs, ``S`` = :func:`grid_kv_splits`
+            (at most ``max_kv_splits``).
+        attn_lse: ``[>= bs, Hq, >= S]`` float32 scratch for the splits'
+            natural-log log-sum-exp of the scaled logits.
         num_kv_splits: ``[bs]`` int32 splits per request, clamped on the
-            device to ``[1, max_kv_splits]`` (see :func:`choose_num_kv_splits`).
-        max_kv_splits: static grid size of the split axis.
+            device to ``[1, grid splits]`` (see :func:`choose_num_kv_splits`).
+        max_kv_splits: the scratch's split axis; the grid's is
+            :func:`grid_kv_splits` of it (``bs`` and the card decide).
         sm_scale: logit scale, usually ``D ** -0.5``.
+        launch: tile, warp and split-axis settings of the split kernel
+            (speed only); None: :func:`default_decode_launch` of q's dtype.
 
     The launch grids depend only on ``bs``, the head counts and
     ``max_kv_splits``, and nothing reads tensor values on the host, so the call
     can be captured in a CUDA graph and replayed with new lengths.
     """
-    _check_decode_args(q, k_cache, v_cache, out, attn_logits, attn_lse, max_kv_splits)
+    grid_splits = _check_decode_args(q, k_cache, v_cache, out, attn_logits, attn_lse, max_kv_splits, launch)
     bs, num_q_heads, head_dim = q.shape
     num_kv_heads, dv = k_cache.shape[1], v_cache.shape[2]
     if bs == 0:
         return
-    split_meta, reduce_meta = decode_kernel_meta(
-        num_q_heads, num_kv_heads, head_dim, dv, q.dtype, max_kv_splits
-    )
+    split_meta, reduce_meta = decode_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, launch)
     head_programs = num_kv_heads * split_meta["HEAD_BLOCKS"]
-    _decode_split_kernel[(bs, head_programs, max_kv_splits)](
+    _decode_split_kernel[(bs, head_programs, grid_splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, num_kv_splits,
         attn_logits, attn_lse, sm_scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
-        attn_lse.stride(0), attn_lse.stride(1),
+        attn_lse.stride(0), attn_lse.stride(1), grid_splits,
         **split_meta,
     )
     _decode_reduce_kernel[(bs, num_q_heads)](
         out, attn_logits, attn_lse, kv_indptr, num_kv_splits,
         out.stride(0), out.stride(1),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
-        attn_lse.stride(0), attn_lse.stride(1),
+        attn_lse.stride(0), attn_lse.stride(1), grid_splits,
         **reduce_meta,
     )
