@@ -88,6 +88,17 @@ def test_flashinfer_without_its_package_names_the_gpu_extra():
     assert isinstance(info.value, ImportError)
 
 
+@pytest.mark.gpu
+def test_flashinfer_refuses_head_sizes_its_kernels_do_not_serve():
+    pytest.importorskip("flashinfer")
+    pools = make_pools("cuda", torch.bfloat16, head_dim=32)
+    with pytest.raises(InvalidInputError, match=r"head_dim in \(64, 128, 256\), got 32"):
+        create_backend("flashinfer", pools.req, pools.kv, num_q_heads=HQ)
+    cpu = make_pools(head_dim=64)
+    with pytest.raises(InvalidInputError, match="CUDA device"):
+        create_backend("flashinfer", cpu.req, cpu.kv, num_q_heads=HQ)
+
+
 def test_triton_backend_requires_query_heads_that_group_the_kv_heads():
     pytest.importorskip("triton")
     pools = make_pools()

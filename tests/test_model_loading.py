@@ -187,8 +187,10 @@ def test_directory_without_config_or_weights_gets_a_clear_error(tmp_path, llama_
 def test_default_config_is_the_small_llama3_shaped_model():
     config = default_config()
     assert config.architecture == "LlamaForCausalLM"
-    assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (256, 4, 32)
-    assert (config.num_attention_heads, config.num_key_value_heads) == (8, 2)
+    # head_dim 64: a size every attention backend serves (FlashInfer's FA2
+    # kernels have no valid tile for 32).
+    assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (256, 4, 64)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
     assert config.intermediate_size == 768 and config.vocab_size == 4096
     assert config.max_position_embeddings == 2048
     assert config.rope_theta == 500000.0 and config.rope_scaling is not None

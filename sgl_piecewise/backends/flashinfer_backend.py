@@ -49,6 +49,10 @@ DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
 # FlashInfer's "auto" would also build FA3 on Hopper (several minutes).
 PREFILL_KERNELS = "fa2"
 PAGE_SIZE = 1  # req_to_token maps one token to one slot
+# Head sizes FlashInfer's paged decode and FA2 prefill kernels serve (the
+# sizes it ships prebuilt). Others fail inside the kernel dispatch (head_dim
+# 32: "Invalid configuration", seen on an H200), so they are refused here.
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
 def import_flashinfer() -> Any:
@@ -67,6 +71,8 @@ class FlashInferMetadata(LengthMetadata):
     kv_indices: torch.Tensor  # [N >= kv_indptr[bs]] int32 slots (= pages)
     last_page_len: torch.Tensor  # [bs] int32, all 1: every page holds one token
     custom_mask: Optional[torch.Tensor]  # [M] bool flat [q_len, kv_len] blocks
+    # Graph mode with a mask only: the static buffer plan() packs the mask into.
+    packed_mask: Optional[torch.Tensor]
     wrapper: Any  # the decode or prefill wrapper that plans and runs this step
 
 
@@ -100,6 +106,11 @@ class FlashInferBackend(StaticGraphBackend):
                 f"num_q_heads: expected a positive multiple of the pool's {kv_pool.num_kv_heads} "
                 f"kv heads (plan() needs it), got {num_q_heads!r}"
             )
+        if kv_pool.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise InvalidInputError(
+                f"flashinfer backend: expected head_dim in {SUPPORTED_HEAD_DIMS}, got "
+                f"{kv_pool.head_dim}; use the triton or torch backend for this model"
+            )
         check_positive_int("workspace_bytes", workspace_bytes)
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=kv_pool.device)
         # Grouped heads: the tensor-core (prefill-kernel) decode path is the
@@ -132,7 +143,7 @@ class FlashInferBackend(StaticGraphBackend):
             paged_kv_indices_buf=views.kv_indices,
             paged_kv_last_page_len_buf=views.last_page_len,
             # FlashInfer packs our bool mask into these at plan() time.
-            custom_mask_buf=self._buffers["packed_mask"] if views.masked else None,
+            custom_mask_buf=views.packed_mask,
             mask_indptr_buf=self._buffers["packed_mask_indptr"][: views.bs + 1] if views.masked else None,
         )
         return fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend=PREFILL_KERNELS, **graph)
@@ -154,6 +165,7 @@ class FlashInferBackend(StaticGraphBackend):
             kv_indices=new(int(kv_cpu.sum())),
             last_page_len=new(bs),
             custom_mask=new(int((q_cpu * kv_cpu).sum()), dtype=torch.bool) if masked else None,
+            packed_mask=None,  # eager: plan() packs into FlashInfer's own buffer
             wrapper=self._eager_decode if _is_decode_step(mode) else self._eager_prefill,
         )
 
@@ -175,6 +187,7 @@ class FlashInferBackend(StaticGraphBackend):
             kv_indices=b["kv_indices"],
             last_page_len=b["last_page_len"][:bs],
             custom_mask=b["custom_mask"] if masked else None,
+            packed_mask=b["packed_mask"] if masked else None,
             wrapper=None,
         )
         views.wrapper = self._create_wrappers(_is_decode_step(mode), views)
@@ -186,6 +199,10 @@ class FlashInferBackend(StaticGraphBackend):
         meta.last_page_len.fill_(PAGE_SIZE)
         if meta.masked:
             copy_custom_mask(meta.custom_mask, spec_info.custom_mask)
+        if meta.packed_mask is not None:
+            # plan() writes only this step's packed bytes; clear the rest so
+            # the buffer depends on this step alone (capture == replay).
+            meta.packed_mask.zero_()
         if bs:
             self._plan(meta)
 
