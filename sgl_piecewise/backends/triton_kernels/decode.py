@@ -57,7 +57,8 @@ class DecodeLaunch:
     Results do not depend on it (tests run several); speed does."""
 
     # 64-key tiles with 3 pipeline stages were fastest or within 3% of the
-    # fastest at every swept point (SGLang's 32/4/2 was up to 30% slower).
+    # fastest at every swept point (SGLang's 32/4/2, at its own best split
+    # count, was up to 20% slower).
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
