@@ -1,5 +1,6 @@
 """Step-time benchmark (a script, not a test): eager vs ``sgl_piecewise``
-without graphs vs with piecewise graphs vs ``torch.compile(mode=
+without graphs vs with piecewise graphs vs whole-model decode graphs
+(``CudaGraphRunner``, decode only) vs ``torch.compile(mode=
 "reduce-overhead")`` vs Hugging Face eager, as multiples of the floor (PERF.md).
 
     python benchmarks/bench_steps.py --out results/          # full run
@@ -25,6 +26,7 @@ import torch._dynamo
 import sgl_piecewise as sp
 from sgl_piecewise.backends.registry import create_backend
 from sgl_piecewise.compile import CompileOptions, counters
+from sgl_piecewise.compile.cuda_graph_runner import CudaGraphRunner
 from sgl_piecewise.compile.piecewise_runner import CompiledModel, PiecewiseCudaGraphRunner
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.runner import ModelRunner
@@ -136,6 +138,17 @@ def cold_start(runner, max_size):
     }
 
 
+def decode_graphs_start(runner):
+    """Capture the whole-model decode graphs (SGLang's schedule up to the
+    request table); return (capture time and memory, the runner)."""
+    torch.cuda.synchronize()
+    mem0 = torch.cuda.memory_reserved()
+    graphs = CudaGraphRunner(runner)
+    seconds = graphs.capture(progress=True)
+    return {"capture_s": seconds, "sizes": len(graphs.capture_bs), "max_bs": graphs.max_bs,
+            "reserved_delta_gib": (torch.cuda.memory_reserved() - mem0) / 2**30}, graphs  # fmt: skip
+
+
 def hf_decode_ms(args, bs):
     import transformers
 
@@ -158,11 +171,27 @@ def hf_decode_ms(args, bs):
     return ms
 
 
-def time_modes(runner, modes, batch):
+def graph_step_fn(runner, decode_graphs, batch):
+    """A step through the whole-model decode graphs (metadata replay included)."""
+
+    def run():
+        h = decode_graphs.try_replay(batch)
+        last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), 0) - 1
+        return runner.model.compute_logits(h[last])
+
+    return run
+
+
+def time_modes(runner, modes, batch, decode_graphs=None):
+    """``modes``: name -> model callable, each timed as a whole step; with
+    ``decode_graphs``, also the step replayed by ``CudaGraphRunner``."""
+    steps = {name: (lambda fn=fn: step_fn(runner, fn, batch)) for name, fn in modes.items()}
+    if decode_graphs is not None:
+        steps["decode_graphs"] = lambda: graph_step_fn(runner, decode_graphs, batch)
     result, ref = {}, None
-    for name, fn in modes.items():
+    for name, make in steps.items():
         try:
-            run = step_fn(runner, fn, batch)
+            run = make()
             with torch.no_grad():
                 logits = run()
                 result[name] = cuda_median_ms(run)
@@ -201,6 +230,8 @@ def main():
     if args.startup_only:
         json.dump(info, open(os.path.join(args.out, "startup.json"), "w"), indent=1)
         return
+    info["decode_graphs"], decode_graphs = decode_graphs_start(runner)
+    print(json.dumps(info["decode_graphs"]), flush=True)
     info["copy_rate_Bps"], info["matmul_flops"] = copy_rate(), matmul_rate()
     read_bytes, nonemb_params = weight_bytes(model)
     compiled = CompiledModel(model, CompileOptions())
@@ -212,7 +243,7 @@ def main():
             batch = make_batch(runner, sp.ForwardMode.DECODE, [args.context - 1] * bs, [1] * bs)
             modes = {"eager": model, "sgl_piecewise": compiled, "piecewise_graphs": graphs,
                      "reduce_overhead": torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)}  # fmt: skip
-            r = time_modes(runner, modes, batch)
+            r = time_modes(runner, modes, batch, decode_graphs)
             r["floor_ms"] = 1e3 * (read_bytes + bs * args.context * kv_per_token) / info["copy_rate_Bps"]
             if not args.skip_hf:
                 r["hf_eager"] = hf_decode_ms(args, bs)

@@ -5,13 +5,16 @@ The runner calls ``self.model_forward(input_ids, positions)`` for the hidden
 states. It starts as the model itself; a caller may replace it with any
 callable of the same signature (a ``torch.compile``d model, a graph runner)
 and every step goes through it, with the batch's forward context entered.
+A whole-step graph runner (``compile.cuda_graph_runner.CudaGraphRunner``)
+installs itself as ``step_graphs`` instead: it prepares the attention
+metadata and replays the step when a captured graph fits the batch.
 """
 
 from __future__ import annotations
 
 import numbers
 import time
-from typing import Callable, List, NamedTuple, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -28,6 +31,11 @@ BackendFactory = Callable[[ReqToTokenPool, KVPool], AttentionBackend]
 # Below this many decode steps a run finishes in moments, and a progress bar
 # would only clutter the output (``progress=None`` means "decide from this").
 AUTO_PROGRESS_MIN_STEPS = 128
+
+
+class StepGraphs(Protocol):
+    def try_replay(self, batch: ForwardBatch) -> Optional[torch.Tensor]:
+        """Hidden states ``[num_tokens, H]`` from a graph, or None to run eagerly."""
 
 
 class StepStat(NamedTuple):
@@ -86,6 +94,7 @@ class ModelRunner:
         )
         self.backend = backend(self.req_to_token_pool, self.kv_pool)
         self.model_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = model
+        self.step_graphs: Optional[StepGraphs] = None
         self.step_stats: List[StepStat] = []
 
     @property
@@ -96,9 +105,11 @@ class ModelRunner:
     def forward_step(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step; return ``[bs, vocab]`` float32 logits of each request's last new token."""
         start = time.perf_counter()
-        self.backend.init_forward_metadata(batch)
-        with forward_context(batch, self.backend):
-            hidden = self.model_forward(batch.input_ids, batch.positions)  # [T, H]
+        hidden = self.step_graphs.try_replay(batch) if self.step_graphs is not None else None
+        if hidden is None:
+            self.backend.init_forward_metadata(batch)
+            with forward_context(batch, self.backend):
+                hidden = self.model_forward(batch.input_ids, batch.positions)  # [T, H]
         # Row of each request's last new token; requests are laid out back to back.
         last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), dim=0) - 1  # [bs]
         logits = self.model.compute_logits(hidden[last])  # [bs, vocab]

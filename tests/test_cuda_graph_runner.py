@@ -1,0 +1,176 @@
+"""``CudaGraphRunner``: whole-model decode graphs fed by the registry, with
+attention metadata through the backend's capture/replay hooks.
+
+On a CPU the graph itself is a pass-through, so these tests check everything
+around it — the registry fill (padding included), the hooks, the static batch,
+fallbacks — against the eager step on fresh random ragged batches. The GPU
+tests repeat them with real CUDA graphs in bf16, for every graph backend.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import partial
+
+import pytest
+import torch
+
+from sgl_piecewise import ForwardMode
+from sgl_piecewise.backends import ReferenceBackend, create_backend
+from sgl_piecewise.compile import counters
+from sgl_piecewise.compile.cuda_graph_runner import CudaGraphRunner
+from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
+from sgl_piecewise.models import ModelConfig, build_random_model
+from sgl_piecewise.runner import ModelRunner
+from sgl_piecewise.testing import random_batch
+
+VOCAB = 101
+CONFIG = ModelConfig(
+    architecture="LlamaForCausalLM",
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+)
+CAPTURE_BS = (1, 2, 4)
+CPU_BACKENDS = ["torch", "triton"]
+
+
+def _backend(name: str):
+    if name == "triton":
+        pytest.importorskip("triton")
+    return partial(create_backend, name, num_q_heads=CONFIG.num_attention_heads)
+
+
+def _runners(name: str, device="cpu", dtype=torch.float32, config=CONFIG, max_reqs=12):
+    """An eager runner and a graph runner over the same model (separate pools)."""
+    model = build_random_model(config, dtype, device, seed=5, std=0.2)
+    kwargs = dict(max_reqs=max_reqs, max_context_len=96, backend=_backend(name))
+    eager, graphs = ModelRunner(model, **kwargs), ModelRunner(model, **kwargs)
+    return eager, graphs, CudaGraphRunner(graphs, CAPTURE_BS)
+
+
+def _decode_batch(runner: ModelRunner, prefix_lens, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return random_batch(ForwardMode.DECODE, runner.req_to_token_pool, runner.kv_pool, prefix_lens,
+                        [1] * len(prefix_lens), vocab_size=VOCAB, generator=gen)  # fmt: skip
+
+
+def _same_step(eager: ModelRunner, graphs: ModelRunner, prefix_lens, seed: int):
+    """Logits of one random decode step, eagerly and through the graph runner;
+    both pools hold the same random prefixes (same generator seed)."""
+    a = _decode_batch(eager, prefix_lens, seed)
+    b = _decode_batch(graphs, prefix_lens, seed)
+    return eager.forward_step(a), graphs.forward_step(b), (a, b)
+
+
+def _free(runner: ModelRunner, batch) -> None:
+    rows = batch.req_pool_indices.tolist()
+    table = runner.req_to_token_pool.req_to_token
+    slots = torch.cat([table[r, : int(n)] for r, n in zip(rows, batch.seq_lens_cpu.tolist())])
+    runner.kv_pool.free(slots.to(torch.int64))
+    runner.req_to_token_pool.free(rows)
+
+
+def _check_fresh_batches(eager, graphs, rng: random.Random, sizes, tol: float) -> None:
+    """One fresh random decode step per size (skewed prefixes: empty, one
+    token, long), through both runners; every step must replay."""
+    counters.reset()
+    for bs in sizes:
+        prefix = [rng.choice([0, 1, rng.randint(2, 90)]) for _ in range(bs)]
+        want, got, batches = _same_step(eager, graphs, prefix, seed=rng.randrange(2**31))
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        for r, b in zip((eager, graphs), batches):
+            _free(r, b)
+    assert counters.replays == len(sizes) and not counters.eager_fallbacks
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_replay_equals_eager_on_fresh_ragged_batches_of_every_size(name):
+    eager, graphs, runner = _runners(name)
+    runner.capture(progress=False)
+    # 3 pads to 4; sizes go up and down.
+    _check_fresh_batches(eager, graphs, random.Random(f"decode-graphs-{name}"), (1, 2, 3, 4, 3, 1), 1e-4)
+
+
+def test_generate_with_decode_graphs_gives_the_eager_tokens():
+    eager, graphs, runner = _runners("torch")
+    runner.capture(progress=False)
+    prompts = [[3, 14, 15, 92], [6], [53, 58, 9]]  # 3 requests: padded to 4
+    counters.reset()
+    free = graphs.kv_pool.available
+    assert graphs.generate(prompts, 8) == eager.generate(prompts, 8)
+    assert counters.replays == 7  # every decode step; the prefill ran eagerly
+    assert graphs.kv_pool.available == free  # every slot freed
+
+
+def test_batches_above_the_largest_size_run_eagerly_and_are_counted():
+    eager, graphs, runner = _runners("torch")
+    runner.capture(progress=False)
+    counters.reset()
+    want, got, _ = _same_step(eager, graphs, [5, 9, 1, 30, 2], seed=3)  # 5 > 4
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert counters.replays == 0
+    assert counters.eager_fallbacks == {"decode graphs: batch of 5 above the largest captured 4": 1}
+
+
+def test_other_modes_run_eagerly_without_counting_a_fallback():
+    _, graphs, runner = _runners("torch")
+    runner.capture(progress=False)
+    counters.reset()
+    gen = torch.Generator().manual_seed(0)
+    batch = random_batch(ForwardMode.EXTEND, graphs.req_to_token_pool, graphs.kv_pool, [4, 0], [3, 5],
+                         vocab_size=VOCAB, generator=gen)  # fmt: skip
+    assert graphs.forward_step(batch).shape == (2, VOCAB)
+    assert counters.replays == 0 and not counters.eager_fallbacks
+
+
+def test_replay_before_capture_runs_eagerly():
+    eager, graphs, _ = _runners("torch")
+    counters.reset()
+    want, got, _ = _same_step(eager, graphs, [4, 7], seed=1)
+    torch.testing.assert_close(got, want)
+    assert counters.replays == 0 and not counters.eager_fallbacks
+
+
+def test_capture_fills_its_dummies_through_the_registry():
+    """A capture's batch is all padding: fill-value lengths, row 0, the dummy slot."""
+    _, graphs, runner = _runners("torch")
+    runner.capture(progress=False)
+    static = runner._static[4]
+    assert static.seq_lens.tolist() == [1] * 4 and static.req_pool_indices.tolist() == [0] * 4
+    assert static.out_cache_loc.tolist() == [0] * 4 and static.positions.tolist() == [0] * 4
+    assert int(static.num_token_non_padded) == 0
+
+
+def test_bad_configurations_are_refused_with_the_reason():
+    model = build_random_model(CONFIG, seed=0)
+    with pytest.raises(UnsupportedModeError, match="supports_cuda_graph=True"):
+        CudaGraphRunner(ModelRunner(model, max_reqs=4, backend=ReferenceBackend))
+    runner = ModelRunner(model, max_reqs=4, backend=_backend("torch"))
+    with pytest.raises(InvalidInputError, match=r"capture_bs: expected sizes in \[1, 4\]"):
+        CudaGraphRunner(runner, (1, 8))
+    with pytest.raises(InvalidInputError, match="capture_bs"):
+        CudaGraphRunner(runner, (0, 2))
+    assert CudaGraphRunner(runner).capture_bs == [1, 2, 4]  # the default schedule, capped
+
+
+# ---- GPU: real CUDA graphs, bf16 -------------------------------------------
+GPU_CONFIG = ModelConfig(**{**CONFIG.__dict__, "head_dim": 64, "hidden_size": 256})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["torch", "triton", "flashinfer"])
+def test_gpu_decode_graphs_equal_eager_on_fresh_ragged_batches(name):
+    if name == "flashinfer":
+        pytest.importorskip("flashinfer")
+    eager, graphs, runner = _runners(name, "cuda", torch.bfloat16, GPU_CONFIG, max_reqs=24)
+    runner.capture(progress=False)
+    assert len(runner._graphs) == len(CAPTURE_BS)
+    # Same kernels, same inputs; batch-size-dependent launch choices (split
+    # counts of the padded batch) may reorder sums: bf16 tolerance on logits.
+    _check_fresh_batches(eager, graphs, random.Random(f"gpu-decode-graphs-{name}"), (4, 1, 3, 2, 4, 1), 5e-2)
