@@ -174,3 +174,26 @@ def test_gpu_decode_graphs_equal_eager_on_fresh_ragged_batches(name):
     # Same kernels, same inputs; batch-size-dependent launch choices (split
     # counts of the padded batch) may reorder sums: bf16 tolerance on logits.
     _check_fresh_batches(eager, graphs, random.Random(f"gpu-decode-graphs-{name}"), (4, 1, 3, 2, 4, 1), 5e-2)
+
+
+def _clear_cublas_workspaces_and_take_the_memory() -> list:
+    """What torch.compile's reduce-overhead does before it records (it frees
+    every cuBLAS workspace), then allocations that would take the freed
+    memory back. A graph that kept using a freed workspace as scratch would
+    overwrite these sentinels at its next replay."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch._C._cuda_clearCublasWorkspaces()
+    freed = before - torch.cuda.memory_allocated()
+    sizes = [n for n in (freed, 1 << 20, 4 << 20, 8 << 20, 32 << 20) if n > 0]
+    return [torch.full((n,), 7, dtype=torch.uint8, device="cuda") for n in sizes]
+
+
+@pytest.mark.gpu
+def test_gpu_decode_graphs_survive_cublas_workspaces_being_freed():
+    eager, graphs, runner = _runners("torch", "cuda", torch.bfloat16, GPU_CONFIG, max_reqs=24)
+    runner.capture(progress=False)
+    sentinels = _clear_cublas_workspaces_and_take_the_memory()
+    _check_fresh_batches(eager, graphs, random.Random("gpu-cublas"), (4, 2, 1), 5e-2)
+    torch.cuda.synchronize()
+    assert all(bool((s == 7).all()) for s in sentinels)

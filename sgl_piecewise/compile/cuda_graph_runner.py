@@ -36,7 +36,7 @@ from tqdm import tqdm
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.options import default_capture_sizes
-from sgl_piecewise.compile.piece_graphs import frozen_gc
+from sgl_piecewise.compile.piece_graphs import cublas_workspaces_into_pool, frozen_gc
 from sgl_piecewise.compile.registry import FillContext
 from sgl_piecewise.compile.registry_factories import build_decode_registry
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
@@ -117,6 +117,7 @@ class CudaGraphRunner:
             self._run(static)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        cublas_workspaces_into_pool()
         with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             self._outputs[bs] = self._run(static)
         self._graphs[bs] = graph

@@ -90,6 +90,21 @@ class _GcFreeze:
 frozen_gc = _GcFreeze()
 
 
+def cublas_workspaces_into_pool() -> None:
+    """Call right before a capture: frees cuBLAS's workspaces, so the capture
+    allocates them again, inside its private pool.
+
+    A workspace allocated outside the pool (by the warm-up run) would be
+    baked into the graph while someone else may free it: torch.compile's
+    reduce-overhead (cudagraph trees) clears every cuBLAS workspace before it
+    records. The graph's matmuls then write their scratch into memory other
+    tensors own (on an H200: an illegal address, after a reduce-overhead
+    compile in the same process). Inside the pool the memory stays reserved
+    for as long as the graphs live.
+    """
+    torch._C._cuda_clearCublasWorkspaces()
+
+
 def _non_owning_alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor over ``t``'s memory that does not keep the allocation alive."""
     storage = torch._C._construct_storage_from_data_pointer(
@@ -159,6 +174,7 @@ class PieceGraphs:
         # The capture stream must see the eager work (attention) issued so far.
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
+            cublas_workspaces_into_pool()
             graph.capture_begin(pool=state.pool)
             try:
                 out = self.compiled(*args)
