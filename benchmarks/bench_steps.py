@@ -150,10 +150,11 @@ def cold_start(runner, max_size):
 
 def decode_graphs_start(runner):
     """Capture the whole-model decode graphs (SGLang's schedule up to the
-    request table); return (capture time and memory, the runner)."""
+    request table) of the sgl_piecewise-compiled model (Inductor pieces,
+    attention inside the graph); return (capture time and memory, the runner)."""
     torch.cuda.synchronize()
     mem0 = torch.cuda.memory_reserved()
-    graphs = CudaGraphRunner(runner)
+    graphs = CudaGraphRunner(runner, forward=CompiledModel(runner.model, CompileOptions()))
     seconds = graphs.capture(progress=True)
     return {"capture_s": seconds, "sizes": len(graphs.capture_bs), "max_bs": graphs.max_bs,
             "reserved_delta_gib": (torch.cuda.memory_reserved() - mem0) / 2**30}, graphs  # fmt: skip

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -56,11 +56,16 @@ class CudaGraphRunner:
             graphs use. Its backend must support CUDA graphs.
         capture_bs: batch sizes to capture (default: SGLang's schedule up to
             ``DEFAULT_MAX_DECODE_BS``, capped by the request table's size).
+        forward: what the graphs record, ``forward(input_ids, positions)``
+            (default: the runner's model, eager kernels). A compiled model,
+            e.g. ``CompiledModel(model, CompileOptions())``, records
+            Inductor's fused kernels instead: fewer launches per step.
     """
 
     mode = ForwardMode.DECODE
 
-    def __init__(self, model_runner, capture_bs: Optional[Sequence[int]] = None):
+    def __init__(self, model_runner, capture_bs: Optional[Sequence[int]] = None,
+                 forward: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None):
         backend = model_runner.backend
         if not backend.supports_cuda_graph:
             raise UnsupportedModeError(
@@ -68,6 +73,7 @@ class CudaGraphRunner:
                 f"{backend.name}; use the torch, triton or flashinfer backend"
             )
         self.model_runner = model_runner
+        self.forward = forward if forward is not None else model_runner.model
         self.capture_bs = _check_sizes(capture_bs, model_runner.req_to_token_pool.max_reqs)
         self.max_bs = self.capture_bs[-1]
         self.use_cuda = model_runner.device.type == "cuda"
@@ -152,7 +158,7 @@ class CudaGraphRunner:
         """One forward over the static batch: what the graph records."""
         torch.sub(static.seq_lens, static.extend_seq_lens, out=static.extend_prefix_lens)
         with forward_context(static, self.model_runner.backend):
-            return self.model_runner.model(static.input_ids, static.positions)
+            return self.forward(static.input_ids, static.positions)
 
     # ---- replay -----------------------------------------------------------
     def padded_bs(self, batch: ForwardBatch) -> Optional[int]:
