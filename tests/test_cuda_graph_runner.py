@@ -112,6 +112,7 @@ def test_generate_with_decode_graphs_gives_the_eager_tokens():
 def test_a_compiled_forward_replays_like_eager():
     """The graphs may record the sgl_piecewise-compiled model (Inductor
     pieces, attention between them): one trace serves every batch size."""
+    torch._dynamo.reset()  # other tests' cache entries for the same code must not count here
     eager, graphs, _ = _runners("torch")
     compiled = CompiledModel(graphs.model, CompileOptions())
     CudaGraphRunner(graphs, CAPTURE_BS, forward=compiled).capture(progress=False)
