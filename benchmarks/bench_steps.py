@@ -96,10 +96,10 @@ def free_batch(runner, batch):
 def step_fn(runner, fn, batch, keep_metadata=False):
     """One whole step through ``fn``. ``keep_metadata``: hold every step's
     attention metadata until the end. reduce-overhead records attention with
-    the metadata tensors of its first call inside its graph and replays those
-    addresses; freed, their memory is reused and the replayed kernels read
-    garbage page tables (an illegal address once, on an H200). Kept alive,
-    they hold the same batch's values, so the timing stays honest."""
+    the metadata tensors of its recording call inside its graph and replays
+    those addresses; freed, their memory could be reused and the replayed
+    kernels would read other tensors as page tables. Kept alive, they hold
+    the same batch's values, so the timing stays honest."""
     kept = []
 
     def run():
