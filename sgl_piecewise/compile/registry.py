@@ -23,208 +23,45 @@ One ``fill_from(batch, ctx)``:
    (device, dst dtype, src dtype) group, per tensor if that call raises;
 4. runs the ``post_fill(slot, batch, ctx)`` hooks in registration order.
 
-``registry_factories`` declares the registries of the runners
-(``build_decode_registry``, ``build_prefill_registry``) and the pool they share.
+``graph_slot`` defines the slot, its policies and ``FillContext``
+(re-exported here); ``registry_factories`` declares the registries of the
+runners (``build_decode_registry``, ``build_prefill_registry``) and the pool
+they share.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 from typing import Union
 
 import torch
 
 from sgl_piecewise.checks import check_positive_int, check_tensor, same_device
+from sgl_piecewise.compile.graph_slot import (  # noqa: F401 (AXES, check_count: re-exported)
+    AXES,
+    FillContext,
+    GraphSlot,
+    MissingSource,
+    PaddingPolicy,
+    PadValue,
+    PostFill,
+    ShapeFn,
+    SliceFn,
+    SourceFn,
+    canonical_device,
+    check_count,
+)
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 
 if TYPE_CHECKING:  # pragma: no cover
     from sgl_piecewise.compile.registry_factories import SharedBufferPool
 
 logger = logging.getLogger(__name__)
-
-AXES = ("bs", "tokens", "none")
-
-ShapeFn = Callable[[int, int], Tuple[int, ...]]
-SliceFn = Callable[[torch.Tensor, int, int], torch.Tensor]
-SourceFn = Callable[[Any], Optional[torch.Tensor]]
-PostFill = Callable[["GraphSlot", Any, "FillContext"], None]
-PadValue = Union[bool, int, float]
-
-
-class PaddingPolicy(enum.Enum):
-    """What a fill writes into the padded tail ``[raw, padded)`` of a slot."""
-
-    KEEP_PAD = "keep_pad"  # the graph never reads the tail: left as is (poisoned in debug)
-    FILL_SENTINEL = "fill_sentinel"  # tail := pad_value (seq_lens fill, dummy KV slot)
-    ZERO = "zero"  # tail := 0
-    # Head only; the graph may read the tail, whose earlier contents are valid
-    # values (token ids of an earlier step), so it is never poisoned.
-    FOREACH_COPY = "foreach_copy"
-    FILL_ONCE = "fill_once"  # a constant: pad_value at registration, never written again
-
-
-class MissingSource(enum.Enum):
-    """What a fill does with a slot whose source is None (an optional field)."""
-
-    ERROR = "error"  # raise: the field is required
-    SKIP = "skip"  # leave the slot exactly as it is
-    PAD = "pad"  # treat every row as padding: the whole padded view := pad_value
-
-
-def check_count(name: str, value: object) -> int:
-    """An int >= 0 (a size or a count; bools are not counts)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidInputError(f"{name}: expected an int >= 0, got {value!r}")
-    return value
-
-
-def canonical_device(device: Union[torch.device, str]) -> torch.device:
-    """``cuda`` and ``cuda:<current>`` are one device; give both the same key."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        return torch.device("cuda", index)
-    return device
-
-
-@dataclass(frozen=True)
-class FillContext:
-    """Sizes of one fill: the batch's real counts and the graph's padded sizes.
-
-    Rows ``[:raw]`` come from the batch; rows ``[raw, padded)`` are padding.
-    ``pp_proxy_tensors`` (a later pipeline stage's inputs) is passed to hooks
-    untouched.
-    """
-
-    raw_bs: int
-    padded_bs: int
-    raw_num_tokens: int
-    padded_num_tokens: int
-    pp_proxy_tensors: Optional[Any] = None
-
-    def __post_init__(self) -> None:
-        for name in ("raw_bs", "padded_bs", "raw_num_tokens", "padded_num_tokens"):
-            check_count(f"FillContext.{name}", getattr(self, name))
-        if self.raw_bs > self.padded_bs:
-            raise InvalidInputError(
-                f"FillContext: expected raw_bs <= padded_bs, got {self.raw_bs} > {self.padded_bs}"
-            )
-        if self.raw_num_tokens > self.padded_num_tokens:
-            raise InvalidInputError(
-                f"FillContext: expected raw_num_tokens <= padded_num_tokens, "
-                f"got {self.raw_num_tokens} > {self.padded_num_tokens}"
-            )
-
-    @classmethod
-    def uniform(
-        cls, raw_bs: int, padded_bs: int, tokens_per_req: int = 1, pp_proxy_tensors: Any = None
-    ) -> "FillContext":
-        """Every request (padded ones too) has ``tokens_per_req`` new tokens:
-        DECODE (1), TARGET_VERIFY (draft tokens), DRAFT_EXTEND_V2."""
-        n = check_positive_int("tokens_per_req", tokens_per_req)
-        raw, padded = check_count("raw_bs", raw_bs), check_count("padded_bs", padded_bs)
-        return cls(raw, padded, raw * n, padded * n, pp_proxy_tensors)
-
-    def counts(self, axis: str) -> Tuple[int, int]:
-        """``(raw, padded)`` along ``axis`` (``bs`` or ``tokens``)."""
-        if axis == "bs":
-            return self.raw_bs, self.padded_bs
-        if axis == "tokens":
-            return self.raw_num_tokens, self.padded_num_tokens
-        raise InvalidInputError(f"axis: expected 'bs' or 'tokens', got {axis!r}")
-
-
-@dataclass(frozen=True, eq=False)  # eq=False: tensors have no truth value to compare by
-class GraphSlot:
-    """One static graph input: a buffer, the axis it is padded along, and how.
-
-    ``shape_fn(max_bs, max_num_tokens)`` gives the buffer's shape; the padded
-    axis (``bs`` or ``tokens``) is dim 0. ``source_fn(batch)`` overrides the
-    default source ``getattr(batch, name)`` (or ``batch[name]`` for a
-    mapping). ``slice_fn(buffer, padded_bs, padded_num_tokens)`` overrides the
-    view a graph is captured on. ``post_fill(slot, batch, ctx)`` runs after
-    every copy of the fill. ``copy_from_fb=False``: fill_from writes the slot
-    only through its hook. ``buffer`` is set by the registry.
-    """
-
-    name: str
-    shape_fn: Optional[ShapeFn]
-    dtype: torch.dtype
-    axis: str
-    device: Optional[torch.device] = None
-    padding_policy: PaddingPolicy = PaddingPolicy.KEEP_PAD
-    pad_value: PadValue = 0
-    post_fill: Optional[PostFill] = None
-    slice_fn: Optional[SliceFn] = None
-    source_fn: Optional[SourceFn] = None
-    copy_from_fb: bool = True
-    buffer: Optional[torch.Tensor] = None
-    when_missing: MissingSource = MissingSource.ERROR
-
-    def __post_init__(self) -> None:
-        where = f"slot {self.name!r}"
-        if not isinstance(self.name, str) or not self.name:
-            raise InvalidInputError(f"slot name: expected a non-empty str, got {self.name!r}")
-        if self.axis not in AXES:
-            raise InvalidInputError(f"{where}: axis: expected one of {AXES}, got {self.axis!r}")
-        for field, kind in (
-            ("dtype", torch.dtype),
-            ("padding_policy", PaddingPolicy),
-            ("when_missing", MissingSource),
-            ("pad_value", (bool, int, float)),
-        ):
-            value = getattr(self, field)
-            if not isinstance(value, kind):
-                want = "a number" if field == "pad_value" else f"a {kind.__name__}"
-                raise InvalidTypeError(f"{where}: {field}: expected {want}, got {value!r}")
-        if self.shape_fn is None and self.buffer is None:
-            raise InvalidInputError(f"{where}: expected a shape_fn or a buffer to bind, got none")
-        if self.device is not None:
-            object.__setattr__(self, "device", torch.device(self.device))
-        self._check_policy(where)
-
-    def _check_policy(self, where: str) -> None:
-        policy = self.padding_policy
-        if self.axis == "none" and policy is not PaddingPolicy.KEEP_PAD:
-            raise InvalidInputError(
-                f"{where}: an axis='none' slot has no padded tail: expected "
-                f"padding_policy KEEP_PAD, got {policy.name}"
-            )
-        if policy is PaddingPolicy.FILL_ONCE and (self.copy_from_fb or self.post_fill is not None):
-            raise InvalidInputError(
-                f"{where}: a FILL_ONCE slot is a constant: expected copy_from_fb=False and "
-                f"no post_fill, got copy_from_fb={self.copy_from_fb}, "
-                f"post_fill={self.post_fill!r}"
-            )
-
-    def slice_for(self, padded_bs: int, padded_num_tokens: int) -> torch.Tensor:
-        """The view a graph of these sizes is captured on; it shares the buffer's storage."""
-        buf = self._require_buffer()
-        if self.slice_fn is not None:
-            return self.slice_fn(buf, padded_bs, padded_num_tokens)
-        if self.axis == "none":
-            return buf
-        rows = padded_bs if self.axis == "bs" else padded_num_tokens
-        if not 0 <= rows <= buf.shape[0]:
-            raise InvalidInputError(
-                f"slot {self.name!r}: expected at most {buf.shape[0]} rows along "
-                f"{self.axis}, got {rows}"
-            )
-        return buf[:rows]
-
-    def _require_buffer(self) -> torch.Tensor:
-        if self.buffer is None:
-            raise InvalidInputError(
-                f"slot {self.name!r}: expected a registered slot with a buffer, got none; "
-                f"use the slot returned by CudaGraphBufferRegistry.register_slot"
-            )
-        return self.buffer
 
 
 @dataclass
