@@ -7,6 +7,9 @@ decode graphs (``CudaGraphRunner``) for every decode step — checks that they
 produce the same tokens, and prints a table of set-up time, prefill time and
 decode step time. On a CPU the graph capture is a pass-through (everything
 else runs as on a GPU).
+
+``sgl-piecewise verify`` replays the graphs against eager on fresh random
+ragged batches (``sgl_piecewise.verify``) and exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
@@ -52,6 +55,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--piece-compiler", default="inductor", choices=["inductor", "eager", "tensorrt"])
     b.add_argument("--max-capture-size", type=int, default=64, help="largest token count captured as graphs")
     b.add_argument("--seed", type=int, default=0)
+    v = sub.add_parser("verify", help="graph replay vs eager on random ragged batches")
+    v.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: embedded config, random weights)")
+    v.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda if available)")
+    v.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on cuda, float32 on cpu")
+    v.add_argument("--backend", default="torch", help="attention backend with graph hooks: torch, triton, flashinfer")
+    v.add_argument("--steps", type=int, default=24)
+    v.add_argument("--max-bs", type=int, default=8, help="largest decode graph; prefill graphs up to 16x it tokens")
+    v.add_argument("--seed", type=int, default=0)
     return p
 
 
@@ -121,6 +132,10 @@ def _agreement(results: Sequence[ModeResult]) -> List[str]:
 def bench(args: argparse.Namespace, console: Console) -> int:
     from sgl_piecewise.models.loader import load_model_or_default
 
+    from sgl_piecewise.checks import check_positive_int
+
+    for name in ("batch_size", "prompt_len", "new_tokens", "max_capture_size"):
+        check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -155,12 +170,44 @@ def bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def verify_command(args: argparse.Namespace, console: Console) -> int:
+    from sgl_piecewise.backends.registry import create_backend
+    from sgl_piecewise.models.loader import load_model_or_default
+    from sgl_piecewise.verify import TOLERANCE, verify
+
+    device, dtype = _resolve_device_dtype(args.device, args.dtype)
+    model = load_model_or_default(args.model, dtype, device, seed=args.seed)
+    heads = model.config.num_attention_heads
+    reports = verify(
+        model,
+        lambda table, pool: create_backend(args.backend, table, pool, num_q_heads=heads),
+        steps=args.steps, max_bs=args.max_bs, seed=args.seed,
+        max_context_len=min(256, model.config.max_position_embeddings),
+    )  # fmt: skip
+    atol, rtol = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+    table = Table(title=f"sgl-piecewise verify ({device}, {dtype}, backend {args.backend}, "
+                        f"tolerance {atol:g} + {rtol:g}·|eager|)")  # fmt: skip
+    for col in ("mode", "steps", "batch sizes", "eager fallbacks", "max |graph - eager|", "verdict"):
+        table.add_column(col, justify="left" if col in ("mode", "batch sizes") else "right")
+    for r in reports.values():
+        sizes = ",".join(map(str, sorted(set(r.sizes)))) or "-"
+        table.add_row(r.mode, str(r.steps), sizes, str(r.fallbacks), f"{r.worst:.3g}",
+                      "ok" if r.ok else "[red]MISMATCH[/red]")  # fmt: skip
+    console.print(table)
+    return 0 if all(r.ok for r in reports.values()) else 1
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from sgl_piecewise.errors import SglPiecewiseError
+
     args = _parser().parse_args(argv)
     console = Console()
-    if args.command == "bench":
-        return bench(args, console)
-    return 2
+    commands = {"bench": bench, "verify": verify_command}
+    try:
+        return commands[args.command](args, console)
+    except SglPiecewiseError as exc:  # bad input: the message says what was expected
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
 
 
 if __name__ == "__main__":

@@ -54,3 +54,17 @@ def random_batch(
     n = sum(extend_lens)
     ids = torch.randint(0, vocab_size, (n,), generator=generator).to(kv_pool.device)
     return ForwardBatch.build(mode, ids, rows, list(prefix_lens), list(extend_lens), loc, spec_info)
+
+
+def release_batch(req_pool: ReqToTokenPool, kv_pool: KVPool, batch: ForwardBatch) -> None:
+    """Free every request row of ``batch`` and every KV slot its requests hold
+    (prefix and new tokens: ``seq_lens`` of each, or prefix + new for the
+    modes whose ``seq_lens`` exclude the new tokens)."""
+    rows = batch.req_pool_indices.tolist()
+    held = (batch.seq_lens_cpu + batch.extend_seq_lens.cpu()
+            if batch.forward_mode.seq_lens_exclude_new_tokens() else batch.seq_lens_cpu)  # fmt: skip
+    table = req_pool.req_to_token
+    slots = [table[r, : int(n)] for r, n in zip(rows, held.tolist()) if n]
+    if slots:
+        kv_pool.free(torch.cat(slots).to(torch.int64))
+    req_pool.free(rows)

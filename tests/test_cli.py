@@ -21,3 +21,9 @@ def test_bench_runs_every_mode_and_they_agree(capsys):
 def test_bench_rejects_unknown_modes_naming_the_valid_ones():
     with pytest.raises(SystemExit, match=r"--modes: expected a subset of .*decode-graphs"):
         main(["bench", "--device", "cpu", "--modes", "eager,turbo"])
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--prompt-len", "--new-tokens", "--max-capture-size"])
+def test_bench_rejects_non_positive_sizes_with_the_reason(flag, capsys):
+    assert main(["bench", "--device", "cpu", flag, "0"]) == 2
+    assert f"error: {flag}: expected a positive int, got 0" in capsys.readouterr().out

@@ -23,7 +23,7 @@ from sgl_piecewise.compile.piecewise_runner import CompiledModel
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.runner import ModelRunner
-from sgl_piecewise.testing import random_batch
+from sgl_piecewise.testing import random_batch, release_batch
 
 VOCAB = 101
 CONFIG = ModelConfig(
@@ -70,11 +70,7 @@ def _same_step(eager: ModelRunner, graphs: ModelRunner, prefix_lens, seed: int):
 
 
 def _free(runner: ModelRunner, batch) -> None:
-    rows = batch.req_pool_indices.tolist()
-    table = runner.req_to_token_pool.req_to_token
-    slots = torch.cat([table[r, : int(n)] for r, n in zip(rows, batch.seq_lens_cpu.tolist())])
-    runner.kv_pool.free(slots.to(torch.int64))
-    runner.req_to_token_pool.free(rows)
+    release_batch(runner.req_to_token_pool, runner.kv_pool, batch)
 
 
 def _check_fresh_batches(eager, graphs, rng: random.Random, sizes, tol: float) -> None:
