@@ -25,7 +25,7 @@ from sgl_piecewise.backends import (
 from sgl_piecewise.backends.base import ALL_MODES
 from test_backends_differential import (
     CASES,
-    GPU_HEAD_DIM,
+    FLASHINFER_ON_GPU,
     GRAPH_CASES,
     HQ,
     MAX_BS,
@@ -35,10 +35,11 @@ from test_backends_differential import (
     capture,
     draw_batch,
     eager,
-    graph_width,
+    graph_backend,
     make_backend,
     make_pools,
     pad_for_graph,
+    pools_for,
     random_qkv,
     replay,
 )
@@ -47,19 +48,13 @@ GRAPH_BACKENDS = ["torch", "triton"]
 # FlashInfer runs only on CUDA (bf16, a head size it ships). Its replay hook
 # calls plan(), which reads the indptrs on the host by design, so it is not
 # in the no-host-sync test.
-WITH_FLASHINFER = GRAPH_BACKENDS + [pytest.param("flashinfer", marks=pytest.mark.gpu)]
+WITH_FLASHINFER = GRAPH_BACKENDS + [FLASHINFER_ON_GPU]
 CASE = {c.id: c for c in CASES}
 
 
-def _pools(name):
-    return make_pools("cuda", torch.bfloat16, GPU_HEAD_DIM) if name == "flashinfer" else make_pools()
-
-
-def _graph_ready(name, case, pools=None):
-    pools = pools or _pools(name)
-    backend = make_backend(name, pools)
-    backend.init_cuda_graph_state(MAX_BS, MAX_BS * graph_width(case.mode))
-    return backend, pools
+def _graph_ready(name, case):
+    pools = pools_for(name)
+    return graph_backend(name, case.mode, pools), pools
 
 
 # ---- registry -------------------------------------------------------------
@@ -119,7 +114,7 @@ def test_triton_backend_requires_query_heads_that_group_the_kv_heads():
 # ---- capabilities ---------------------------------------------------------
 @pytest.mark.parametrize("name", WITH_FLASHINFER)
 def test_graph_backends_serve_every_mode_and_pad_with_seq_len_one(name):
-    backend = make_backend(name, _pools(name))
+    backend = make_backend(name, pools_for(name))
     assert backend.supports_cuda_graph and backend.supported_modes == ALL_MODES
     assert backend.get_cuda_graph_seq_len_fill_value() == 1
 
@@ -168,14 +163,14 @@ def test_eager_and_replay_compute_the_same_metadata_for_one_batch(name, case):
     """Same fill helpers on both paths: an unpadded uniform batch gives equal
     lengths, indptrs and key slots eagerly and through replay."""
     rng = random.Random(f"same-{name}-{case.id}")
-    pools = _pools(name)
+    pools = pools_for(name)
     batch = draw_batch(pools, case, 4, rng)
     eager_backend = make_backend(name, pools)
     eager_backend.init_forward_metadata(batch)
     e = eager_backend.forward_metadata
-    graph_backend, _ = _graph_ready(name, case, pools)
-    capture(graph_backend, batch)
-    g = graph_backend.forward_metadata
+    graph = graph_backend(name, case.mode, pools)
+    capture(graph, batch)
+    g = graph.forward_metadata
     for field in ("q_lens", "kv_lens", "qo_indptr", "kv_indptr"):
         assert torch.equal(getattr(e, field), getattr(g, field)), field
     assert (e.max_q_len, e.num_tokens, e.masked) == (g.max_q_len, g.num_tokens, g.masked)

@@ -77,6 +77,17 @@ def graph_width(mode: ForwardMode) -> int:
     return VERIFY_WIDTH if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2) else 1
 
 
+def graph_backend(name: str, mode: ForwardMode, pools: Pools):
+    """A backend with static buffers for up to ``MAX_BS`` graph requests of ``mode``."""
+    backend = make_backend(name, pools)
+    init_graph_state(backend, mode)
+    return backend
+
+
+def init_graph_state(backend, mode: ForwardMode) -> None:
+    backend.init_cuda_graph_state(MAX_BS, MAX_BS * graph_width(mode))
+
+
 def _prefix(rng: random.Random, longest: int, at_least: int = 0) -> int:
     """Skewed: empty, short, or long cached prefixes in one batch."""
     kind = rng.choice(("empty", "short", "long"))
@@ -235,7 +246,7 @@ def graph_step(backend, ref, pools: Pools, case: Case, padded_bs: int, rng: rand
     replayed batch's real tokens (``want`` from the reference, eager)."""
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     fill = backend.get_cuda_graph_seq_len_fill_value()
-    backend.init_cuda_graph_state(MAX_BS, MAX_BS * graph_width(case.mode))
+    init_graph_state(backend, case.mode)
     real_bs = 0 if case.mode.is_idle() else rng.randint(1, padded_bs)
     first = draw_batch(pools, case, real_bs, rng)
     captured = pad_for_graph(first, padded_bs, fill)
@@ -298,6 +309,17 @@ def test_torch_backend_replay_any_padded_batch(case, padded_bs, seed, with_seq_l
 ATOL_BF16 = 3e-2
 GPU_BACKENDS = ["torch", "triton", "flashinfer"]
 GPU_HEAD_DIM = 128  # a head size every FlashInfer build ships kernels for
+# FlashInfer runs only on CUDA: there, in bf16 at a head size it ships.
+FLASHINFER_ON_GPU = pytest.param("flashinfer", marks=pytest.mark.gpu)
+
+
+def pools_for(name: str) -> Pools:
+    """CPU float32 pools, or CUDA bf16 ones for FlashInfer."""
+    return make_pools("cuda", torch.bfloat16, GPU_HEAD_DIM) if name == "flashinfer" else make_pools()
+
+
+def tolerance_for(name: str) -> float:
+    return ATOL_BF16 if name == "flashinfer" else ATOL_F32
 
 
 @pytest.mark.gpu
@@ -324,7 +346,7 @@ def test_cuda_graph_replays_fresh_batches_like_reference(name, case):
     backend, ref = make_backend(name, pools), ReferenceBackend(pools.req, pools.kv)
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     padded_bs, fill = 4, backend.get_cuda_graph_seq_len_fill_value()
-    backend.init_cuda_graph_state(MAX_BS, MAX_BS * graph_width(case.mode))
+    init_graph_state(backend, case.mode)
     first = draw_batch(pools, case, rng.randint(1, padded_bs), rng)
     static = pad_for_graph(first, padded_bs, fill)  # its tensors are the graph's inputs
     static_qkv = pad_qkv(random_qkv(first.num_tokens, pools, gen), first, static, pools, gen)

@@ -18,10 +18,8 @@ from sgl_piecewise import ForwardMode, SpecInfo
 from sgl_piecewise.backends import CompositeBackend, ReferenceBackend
 from sgl_piecewise.testing import random_batch
 from test_backends_differential import (
-    ATOL_BF16,
-    ATOL_F32,
     CASES,
-    GPU_HEAD_DIM,
+    FLASHINFER_ON_GPU,
     GRAPH_CASES,
     MAX_BS,
     VERIFY_WIDTH,
@@ -30,35 +28,23 @@ from test_backends_differential import (
     capture,
     draw_batch,
     eager,
-    graph_width,
+    graph_backend,
+    init_graph_state,
     make_backend,
     make_pools,
     pad_for_graph,
+    pools_for,
     random_qkv,
     replay,
+    tolerance_for,
 )
 
-# FlashInfer runs only on CUDA: there, in bf16 at a head size it ships.
-GRAPH_BACKENDS = ["torch", "triton", pytest.param("flashinfer", marks=pytest.mark.gpu)]
+GRAPH_BACKENDS = ["torch", "triton", FLASHINFER_ON_GPU]
 CASE = {c.id: c for c in CASES}
-
-
-def _pools(name):
-    return make_pools("cuda", torch.bfloat16, GPU_HEAD_DIM) if name == "flashinfer" else make_pools()
-
-
-def _tol(name) -> float:
-    return ATOL_BF16 if name == "flashinfer" else ATOL_F32
 
 
 def _scale(pools) -> float:
     return pools.kv.head_dim ** -0.5
-
-
-def _graph_backend(name, case, pools):
-    backend = make_backend(name, pools)
-    backend.init_cuda_graph_state(MAX_BS, MAX_BS * graph_width(case.mode))
-    return backend
 
 
 def _prefix_only_attention(pools, batch, q, layer_id, scale):
@@ -84,8 +70,8 @@ def _prefix_only_attention(pools, batch, q, layer_id, scale):
 def test_002_draft_extend_v2_replay_attends_new_rows_that_are_only_in_the_cache(name):
     rng = random.Random(f"seed002-{name}")
     case = CASE["draft_extend_v2"]
-    pools = _pools(name)
-    backend, ref = _graph_backend(name, case, pools), ReferenceBackend(pools.req, pools.kv)
+    pools = pools_for(name)
+    backend, ref = graph_backend(name, case.mode, pools), ReferenceBackend(pools.req, pools.kv)
     fill = backend.get_cuda_graph_seq_len_fill_value()
     capture(backend, pad_for_graph(draw_batch(pools, case, 2, rng), 4, fill))
 
@@ -101,7 +87,7 @@ def test_002_draft_extend_v2_replay_attends_new_rows_that_are_only_in_the_cache(
     want = torch.empty_like(q)
     ref.init_forward_metadata(batch)
     ref.forward(q, k, v, want, 0, batch, scale)
-    assert_close([got], [want], _tol(name))
+    assert_close([got], [want], tolerance_for(name))
     # The test can see the bug: prefix-only attention is far off (0.55 in the report).
     bug = (_prefix_only_attention(pools, batch, q, 0, scale) - want).abs().max().item()
     assert bug > 0.1
@@ -111,12 +97,12 @@ def test_002_draft_extend_v2_replay_attends_new_rows_that_are_only_in_the_cache(
 def test_002_eager_draft_extend_v2_key_extent_is_the_per_request_maximum(name):
     """Skewed ragged V2 step: ``max_seq_len_k = max_i(prefix_i + new_i) = 51``,
     not ``max(prefix) + max(new) = 54``; results still match the reference."""
-    pools = _pools(name)
+    pools = pools_for(name)
     batch = random_batch(ForwardMode.DRAFT_EXTEND_V2, pools.req, pools.kv, [50, 2], [1, 4],
                          spec_info=SpecInfo(num_tokens_per_req=4))
     backend, ref = make_backend(name, pools), ReferenceBackend(pools.req, pools.kv)
     qkv = random_qkv(batch.num_tokens, pools, torch.Generator().manual_seed(3))
-    assert_close(eager(backend, batch, qkv), eager(ref, batch, qkv), _tol(name))
+    assert_close(eager(backend, batch, qkv), eager(ref, batch, qkv), tolerance_for(name))
     meta = backend.forward_metadata
     assert meta.kv_lens.tolist() == [51, 6] and meta.kv_indptr.tolist() == [0, 51, 57]
     if name == "torch":
@@ -132,8 +118,8 @@ def test_000_001_capture_writes_exactly_what_replay_writes_for_the_same_batch(na
     """Backend A captures batch X. Backend B captures another batch Y, then
     replays X. Every static buffer of A and B must be byte-equal."""
     rng = random.Random(f"seed000-{name}-{case.id}")
-    pools = _pools(name)
-    a, b = _graph_backend(name, case, pools), _graph_backend(name, case, pools)
+    pools = pools_for(name)
+    a, b = graph_backend(name, case.mode, pools), graph_backend(name, case.mode, pools)
     fill = a.get_cuda_graph_seq_len_fill_value()
     bs = 0 if case.mode.is_idle() else 3
     x = pad_for_graph(draw_batch(pools, case, bs, rng), 4, fill)
@@ -155,8 +141,8 @@ def test_000_replay_never_reads_seq_lens_cpu(name):
     lengths must write the same bytes (nothing compares it to the fill value)."""
     rng = random.Random(f"seed000-cpu-{name}")
     case = CASE["verify_tree_mask"]
-    pools = _pools(name)
-    a, b = _graph_backend(name, case, pools), _graph_backend(name, case, pools)
+    pools = pools_for(name)
+    a, b = graph_backend(name, case.mode, pools), graph_backend(name, case.mode, pools)
     batch = pad_for_graph(draw_batch(pools, case, 2, rng), 4, a.get_cuda_graph_seq_len_fill_value())
     for backend, host in ((a, False), (b, True)):
         capture(backend, batch)
@@ -172,7 +158,7 @@ def test_000_composite_capture_hook_works_for_sizes_never_replayed(case):
     primary = make_backend("torch", pools)
     children = [make_backend("torch", pools), make_backend("triton", pools)]
     composite = CompositeBackend(primary, children)
-    composite.init_cuda_graph_state(MAX_BS, MAX_BS * graph_width(case.mode))
+    init_graph_state(composite, case.mode)
     fill = composite.get_cuda_graph_seq_len_fill_value()
     sizes = [1, 2, 4, MAX_BS]
     batches = {bs: pad_for_graph(draw_batch(pools, case, bs, rng), bs, fill) for bs in sizes}
@@ -192,8 +178,8 @@ def test_000_composite_capture_hook_works_for_sizes_never_replayed(case):
 def test_004_draft_extend_v2_query_layout_is_uniform_in_capture_and_replay(name):
     rng = random.Random(f"seed004-{name}")
     case, s, bs = CASE["draft_extend_v2"], VERIFY_WIDTH, 5
-    pools = _pools(name)
-    backend = _graph_backend(name, case, pools)
+    pools = pools_for(name)
+    backend = graph_backend(name, case.mode, pools)
     fill = backend.get_cuda_graph_seq_len_fill_value()
     uniform = [s * i for i in range(bs + 1)]  # cu_seqlens_q = [0, s, 2s, ...]
     capture(backend, pad_for_graph(draw_batch(pools, case, 3, rng), bs, fill))
@@ -207,7 +193,7 @@ def test_004_draft_extend_v2_query_layout_is_uniform_in_capture_and_replay(name)
 def test_004_draft_extend_v1_query_layout_is_ragged(name):
     """V1 keeps ``cu_seqlens_q = cumsum(accept_lengths)`` (eager only: no V1 graph)."""
     rng = random.Random(f"seed004-v1-{name}")
-    pools = _pools(name)
+    pools = pools_for(name)
     batch = draw_batch(pools, CASE["draft_extend_v1"], 5, rng)
     backend = make_backend(name, pools)
     backend.init_forward_metadata(batch)
