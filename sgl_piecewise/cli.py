@@ -42,28 +42,37 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sgl-piecewise", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="eager vs compiled vs piecewise graphs on one batch")
-    b.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: embedded config, random weights)")
-    b.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda if available)")
-    b.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on cuda, float32 on cpu")
-    b.add_argument("--backend", default="torch",
-                   help="attention backend: torch (graph-safe PyTorch), triton, flashinfer, or reference "
-                        "(the oracle; no decode-graphs mode)")  # fmt: skip
+    _add_model_args(b)
     b.add_argument("--batch-size", type=int, default=4)
     b.add_argument("--prompt-len", type=int, default=48, help="longest prompt; prompts are ragged, down to half of it")
     b.add_argument("--new-tokens", type=int, default=16)
     b.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     b.add_argument("--piece-compiler", default="inductor", choices=["inductor", "eager", "tensorrt"])
     b.add_argument("--max-capture-size", type=int, default=64, help="largest token count captured as graphs")
-    b.add_argument("--seed", type=int, default=0)
     v = sub.add_parser("verify", help="graph replay vs eager on random ragged batches")
-    v.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: embedded config, random weights)")
-    v.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda if available)")
-    v.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on cuda, float32 on cpu")
-    v.add_argument("--backend", default="torch", help="attention backend with graph hooks: torch, triton, flashinfer")
+    _add_model_args(v)
     v.add_argument("--steps", type=int, default=24)
     v.add_argument("--max-bs", type=int, default=8, help="largest decode graph; prefill graphs up to 16x it tokens")
-    v.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """What both commands run on: the model, where, and its attention backend."""
+    p.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: embedded config, random weights)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--backend", default="torch",
+                   help="attention backend: torch (graph-safe PyTorch), triton, flashinfer, or reference "
+                        "(the oracle; no graph hooks: not for decode-graphs or verify)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _backend_factory(name: str, model):
+    """``ModelRunner``'s ``backend`` argument: backend ``name`` over the runner's pools."""
+    from sgl_piecewise.backends.registry import create_backend
+
+    heads = model.config.num_attention_heads
+    return lambda table, pool: create_backend(name, table, pool, num_q_heads=heads)
 
 
 def _resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -84,7 +93,6 @@ def _prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> List[Li
 
 
 def _run_mode(mode: str, model, args, prompts) -> ModeResult:
-    from sgl_piecewise.backends.registry import create_backend
     from sgl_piecewise.compile.cuda_graph_runner import CudaGraphRunner
     from sgl_piecewise.compile.options import CompileOptions
     from sgl_piecewise.compile.piecewise_runner import CompiledModel, PiecewiseCudaGraphRunner
@@ -95,9 +103,7 @@ def _run_mode(mode: str, model, args, prompts) -> ModeResult:
         model,
         max_reqs=len(prompts),
         max_context_len=min(max(context, args.max_capture_size), model.config.max_position_embeddings),
-        backend=lambda table, pool: create_backend(
-            args.backend, table, pool, num_q_heads=model.config.num_attention_heads
-        ),
+        backend=_backend_factory(args.backend, model),
     )
     start = time.perf_counter()
     if mode == "compiled":
@@ -171,16 +177,14 @@ def bench(args: argparse.Namespace, console: Console) -> int:
 
 
 def verify_command(args: argparse.Namespace, console: Console) -> int:
-    from sgl_piecewise.backends.registry import create_backend
     from sgl_piecewise.models.loader import load_model_or_default
     from sgl_piecewise.verify import TOLERANCE, verify
 
     device, dtype = _resolve_device_dtype(args.device, args.dtype)
     model = load_model_or_default(args.model, dtype, device, seed=args.seed)
-    heads = model.config.num_attention_heads
     reports = verify(
         model,
-        lambda table, pool: create_backend(args.backend, table, pool, num_q_heads=heads),
+        _backend_factory(args.backend, model),
         steps=args.steps, max_bs=args.max_bs, seed=args.seed,
         max_context_len=min(256, model.config.max_position_embeddings),
     )  # fmt: skip

@@ -11,13 +11,9 @@ import pytest
 from sgl_piecewise.backends import create_backend
 from sgl_piecewise.cli import main
 from sgl_piecewise.compile.cuda_graph_runner import CudaGraphRunner
-from sgl_piecewise.models import ModelConfig, build_random_model
+from sgl_piecewise.models import build_random_model
 from sgl_piecewise.verify import verify
-
-CONFIG = ModelConfig(
-    architecture="LlamaForCausalLM", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=101, max_position_embeddings=128,
-)  # fmt: skip
+from test_cuda_graph_runner import CONFIG
 
 
 def _verify(**kw):
