@@ -30,7 +30,7 @@ from sgl_piecewise.compile.cuda_graph_runner import CudaGraphRunner
 from sgl_piecewise.compile.piecewise_runner import CompiledModel, PiecewiseCudaGraphRunner
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.runner import ModelRunner
-from sgl_piecewise.testing import place_requests
+from sgl_piecewise.testing import place_requests, release_batch
 
 QWEN_05B = dict(
     architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -86,11 +86,7 @@ def make_batch(runner, mode, prefix, extend):
 
 
 def free_batch(runner, batch):
-    rows = batch.req_pool_indices.tolist()
-    table = runner.req_to_token_pool.req_to_token
-    for r, p, e in zip(rows, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu):
-        runner.kv_pool.free(table[r, : p + e].to(torch.int64))
-    runner.req_to_token_pool.free(rows)
+    release_batch(runner.req_to_token_pool, runner.kv_pool, batch)
 
 
 def step_fn(runner, fn, batch, keep_metadata=False):
@@ -108,8 +104,7 @@ def step_fn(runner, fn, batch, keep_metadata=False):
             kept.append(runner.backend.forward_metadata)
         with sp.forward_context(batch, runner.backend):
             h = fn(batch.input_ids, batch.positions)
-        last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), 0) - 1
-        return runner.model.compute_logits(h[last])
+        return runner.last_token_logits(h, batch)
 
     return run
 
@@ -186,9 +181,7 @@ def graph_step_fn(runner, decode_graphs, batch):
     """A step through the whole-model decode graphs (metadata replay included)."""
 
     def run():
-        h = decode_graphs.try_replay(batch)
-        last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), 0) - 1
-        return runner.model.compute_logits(h[last])
+        return runner.last_token_logits(decode_graphs.try_replay(batch), batch)
 
     return run
 

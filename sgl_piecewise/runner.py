@@ -110,15 +110,19 @@ class ModelRunner:
             self.backend.init_forward_metadata(batch)
             with forward_context(batch, self.backend):
                 hidden = self.model_forward(batch.input_ids, batch.positions)  # [T, H]
-        # Row of each request's last new token; requests are laid out back to back.
-        last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), dim=0) - 1  # [bs]
-        logits = self.model.compute_logits(hidden[last])  # [bs, vocab]
+        logits = self.last_token_logits(hidden, batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # wall time of the work, not of the launches
         seconds = time.perf_counter() - start
         mode = batch.forward_mode.name
         self.step_stats.append(StepStat(mode, batch.batch_size, batch.num_tokens, seconds))
         return logits
+
+    def last_token_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """``[bs, vocab]`` logits of each request's last new token from ``hidden [T, H]``."""
+        # Requests are laid out back to back.
+        last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), dim=0) - 1  # [bs]
+        return self.model.compute_logits(hidden[last])
 
     def generate(
         self,
