@@ -77,9 +77,8 @@ class CudaGraphRunner:
         self.capture_bs = _check_sizes(capture_bs, model_runner.req_to_token_pool.max_reqs)
         self.max_bs = self.capture_bs[-1]
         self.use_cuda = model_runner.device.type == "cuda"
-        self.registry = build_decode_registry(
-            self.max_bs, model_runner.device, seq_len_fill_value=backend.get_cuda_graph_seq_len_fill_value()
-        )
+        self._seq_len_fill = backend.get_cuda_graph_seq_len_fill_value()  # padded requests' seq_len
+        self.registry = build_decode_registry(self.max_bs, model_runner.device, seq_len_fill_value=self._seq_len_fill)
         backend.init_cuda_graph_state(self.max_bs, self.max_bs)
         self._static: Dict[int, ForwardBatch] = {}  # per size: the batch the graph reads
         self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
@@ -185,8 +184,7 @@ class CudaGraphRunner:
         ctx = FillContext.uniform(batch.batch_size, padded_bs)
         self.registry.fill_from(batch, ctx)
         static = self._static[padded_bs]
-        fill = self.model_runner.backend.get_cuda_graph_seq_len_fill_value()
-        seq_lens_sum = batch.seq_lens_sum + fill * (padded_bs - batch.batch_size)
+        seq_lens_sum = batch.seq_lens_sum + self._seq_len_fill * (padded_bs - batch.batch_size)
         self.model_runner.backend.init_forward_metadata_replay_cuda_graph(
             padded_bs, static.req_pool_indices, static.seq_lens, seq_lens_sum, None, self.mode,
             None, static.seq_lens_cpu,
