@@ -24,6 +24,7 @@ from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.cuda_graph_runner import CudaGraphRunner
 from sgl_piecewise.compile.options import CompileOptions, default_capture_sizes
 from sgl_piecewise.compile.piecewise_runner import PiecewiseCudaGraphRunner
+from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.forward import ForwardMode
 from sgl_piecewise.memory import KVPool, ReqToTokenPool
 from sgl_piecewise.runner import ModelRunner
@@ -70,6 +71,11 @@ def verify(
     """
     check_positive_int("steps", steps)
     check_positive_int("max_bs", max_bs)
+    if check_positive_int("max_context_len", max_context_len) < MAX_NEW_TOKENS_PER_EXTEND + 2:
+        raise InvalidInputError(
+            f"max_context_len: expected at least {MAX_NEW_TOKENS_PER_EXTEND + 2} (a long prefix "
+            f"and {MAX_NEW_TOKENS_PER_EXTEND} new tokens), got {max_context_len}"
+        )
     eager, graphs = _twin_runners(model, backend, max_bs, max_context_len)
     reports = {m.name: ModeReport(m.name) for m in (ForwardMode.EXTEND, ForwardMode.DECODE)}
     rng = random.Random(seed)

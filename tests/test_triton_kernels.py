@@ -218,6 +218,20 @@ def test_grid_splits_fill_the_card_then_stop(monkeypatch):
         dec.grid_kv_splits.cache_clear()
 
 
+def test_bad_launch_settings_and_split_bounds_say_what_was_expected():
+    for bad in (dict(block_n=48), dict(block_n=8), dict(num_warps=3), dict(num_stages=0),
+                dict(programs_per_sm=0)):  # fmt: skip
+        with pytest.raises(InvalidInputError, match="expected"):
+            DecodeLaunch(**bad)
+    with pytest.raises(InvalidInputError, match="max_kv_splits: expected a positive int, got 0"):
+        grid_kv_splits(1, 8, 2, torch.bfloat16, 0, CPU)
+    with pytest.raises(InvalidInputError, match="num_q_heads a multiple of num_kv_heads"):
+        grid_kv_splits(1, 6, 4, torch.bfloat16, 8, CPU)
+    b = make_batch([1, 1], [3, 4], 4, 2, 32, torch.float32)
+    with pytest.raises(InvalidInputError, match="max_kv_splits: expected a positive int"):
+        run_decode(b, 0, torch.ones(2, dtype=torch.int32))
+
+
 def test_choose_num_kv_splits_scales_with_length_and_caps():
     kv_lens = torch.tensor([0, 1, 256, 257, 1000, 100000])
     out = torch.empty(6, dtype=torch.int32)

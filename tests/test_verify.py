@@ -11,6 +11,7 @@ import pytest
 from sgl_piecewise.backends import create_backend
 from sgl_piecewise.cli import main
 from sgl_piecewise.compile.cuda_graph_runner import CudaGraphRunner
+from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models import build_random_model
 from sgl_piecewise.verify import verify
 from test_cuda_graph_runner import CONFIG
@@ -19,7 +20,7 @@ from test_cuda_graph_runner import CONFIG
 def _verify(**kw):
     model = build_random_model(CONFIG, seed=2, std=0.2)
     backend = partial(create_backend, "torch", num_q_heads=CONFIG.num_attention_heads)
-    return verify(model, backend, max_bs=4, max_context_len=96, progress=False, **kw)
+    return verify(model, backend, **{"max_bs": 4, "max_context_len": 96, "progress": False, **kw})
 
 
 def test_a_correct_stack_passes_in_every_mode_and_the_fallback_runs():
@@ -52,3 +53,8 @@ def test_verify_command_exits_zero_and_prints_the_table(capsys):
 def test_verify_rejects_non_positive_counts_with_the_reason(bad, name, capsys):
     assert main(["verify", "--device", "cpu", *bad]) == 2
     assert f"error: {name}: expected a positive int" in capsys.readouterr().out
+
+
+def test_verify_needs_room_for_a_prefix_and_the_new_tokens():
+    with pytest.raises(InvalidInputError, match="max_context_len: expected at least 18"):
+        _verify(steps=1, max_context_len=10)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.errors import InvalidInputError
 
 DECODE_BLOCK_H = 16  # query heads per program; tl.dot needs >= 16 rows
@@ -67,6 +68,18 @@ class DecodeLaunch:
     # (8 kv heads: up to 33 splits) to 128 (1 split); 4 lost 15% at bs 1 /
     # 16k keys. None: always max_kv_splits.
     programs_per_sm: Optional[int] = 2
+
+    def __post_init__(self) -> None:
+        pow2 = lambda n: isinstance(n, int) and n > 0 and n & (n - 1) == 0  # noqa: E731
+        if not (pow2(self.block_n) and self.block_n >= 16 and pow2(self.num_warps)):
+            raise InvalidInputError(
+                f"DecodeLaunch: expected block_n a power of two >= 16 (tl.dot's minimum) and "
+                f"num_warps a power of two, got block_n={self.block_n!r}, num_warps={self.num_warps!r}"
+            )
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise InvalidInputError(f"DecodeLaunch: expected num_stages >= 1, got {self.num_stages!r}")
+        if self.programs_per_sm is not None:
+            check_positive_int("DecodeLaunch.programs_per_sm", self.programs_per_sm)
 
 
 DEFAULT_DECODE_LAUNCH = DecodeLaunch()
@@ -313,6 +326,12 @@ def grid_kv_splits(
     interpreter) there is no SM count to fill: ``max_kv_splits``.
     ``launch=None``: :func:`default_decode_launch`.
     """
+    check_positive_int("max_kv_splits", max_kv_splits)
+    if bs < 0 or num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+        raise InvalidInputError(
+            f"grid_kv_splits: expected bs >= 0 and num_q_heads a multiple of num_kv_heads > 0, "
+            f"got bs={bs}, num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads}"
+        )
     launch = launch or default_decode_launch(dtype)
     if launch.programs_per_sm is None or device.type != "cuda":
         return max_kv_splits
@@ -388,8 +407,7 @@ def _check_decode_args(q, k_cache, v_cache, out, attn_logits, attn_lse, max_kv_s
     """Shape/dtype/layout checks that read no tensor values (no sync).
     Returns the grid's split count, which the scratch must hold."""
     bs, num_q_heads, dv = check_attention_args("decode_attention", "bs", q, k_cache, v_cache, out)
-    if not isinstance(max_kv_splits, int) or max_kv_splits < 1:
-        raise InvalidInputError(f"decode_attention: expected max_kv_splits >= 1, got {max_kv_splits!r}")
+    # grid_kv_splits checks max_kv_splits.
     splits = grid_kv_splits(bs, num_q_heads, k_cache.shape[1], q.dtype, max_kv_splits, q.device, launch)
     ok_logits = (
         attn_logits.dim() == 4 and attn_logits.shape[0] >= bs and attn_logits.shape[1] == num_q_heads
