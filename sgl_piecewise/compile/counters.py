@@ -1,5 +1,5 @@
-"""Counters of the compile backend: what was split, compiled, captured,
-replayed, and every eager fallback with its reason.
+"""Counters of the compile backend and the graph runners: what was split,
+compiled, captured, replayed, and every eager fallback with its reason.
 
 Process-wide, like ``torch._dynamo.utils.counters``: ``torch.compile`` gives
 the caller no handle on the backend it ran, so tests and tools read these.
@@ -21,8 +21,8 @@ class CompileCounters:
     graphs_split: int = 0  # Dynamo graphs the backend received and split
     pieces_seen: int = 0  # pieces, splitting (attention) pieces excluded
     pieces_compiled: int = 0  # distinct compiles (identical pieces share one)
-    graphs_captured: int = 0  # CUDA graphs captured (piece x size)
-    replays: int = 0  # piece-graph replays
+    graphs_captured: int = 0  # CUDA graphs captured: piece x size, and whole-model decode graphs
+    replays: int = 0  # graph replays: pieces and whole-model decode steps
     eager_fallbacks: Counter[str] = field(default_factory=collections.Counter)
 
     def fallback(self, reason: str) -> None:
