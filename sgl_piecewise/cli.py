@@ -120,7 +120,7 @@ def _run_mode(mode: str, model, args, prompts) -> ModeResult:
     setup = time.perf_counter() - start
     runner.step_stats.clear()
     tokens = runner.generate(prompts, args.new_tokens, progress=args.new_tokens >= 64)
-    steps = runner.step_stats
+    steps = list(runner.step_stats)
     decode = [s.seconds for s in steps[1:]]
     return ModeResult(mode, setup, steps[0].seconds * 1e3, 1e3 * sum(decode) / max(1, len(decode)), tokens)
 

@@ -127,6 +127,11 @@ class ForwardBatch:
     extend_prefix_lens_cpu: List[int] = field(default_factory=list)
     num_token_non_padded: Optional[torch.Tensor] = None  # scalar int32
     spec_info: Optional[SpecInfo] = None
+    # Host copies of the two index tensors, so a batch's rows and slots are
+    # checked without reading the device (``build`` fills them; None: the
+    # check copies the device tensors back, which waits for the device).
+    req_pool_indices_cpu: Optional[torch.Tensor] = None  # [bs] int64
+    out_cache_loc_cpu: Optional[torch.Tensor] = None  # [T] int64
 
     @property
     def num_tokens(self) -> int:
@@ -152,9 +157,22 @@ class ForwardBatch:
         out_cache_loc: torch.Tensor,
         spec_info: Optional[SpecInfo] = None,
     ) -> "ForwardBatch":
-        """Derive every length field and the positions from prefix/new counts."""
+        """Derive every length field and the positions from prefix/new counts.
+
+        ``req_pool_indices [bs]`` and ``out_cache_loc [>= sum(extend_lens)]``
+        (int64) may be on the host (as ``allocate_requests`` and
+        ``KVPool.alloc`` return them) or on ``input_ids``' device; the batch
+        holds them on that device and keeps host copies for its checks.
+        """
+        from sgl_piecewise.memory import check_request_lens  # memory imports nothing of ours
+
+        prefix_lens, extend_lens = check_request_lens(prefix_lens, extend_lens)
         bs = len(prefix_lens)
-        if len(extend_lens) != bs or req_pool_indices.shape != (bs,):
+        for name, t in (("req_pool_indices", req_pool_indices), ("out_cache_loc", out_cache_loc)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1:
+                got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InvalidInputError(f"{name}: expected a 1-D int64 tensor, got {got}")
+        if req_pool_indices.shape != (bs,):
             raise InvalidInputError(
                 f"expected {bs} requests in prefix_lens, extend_lens and req_pool_indices, "
                 f"got {len(prefix_lens)}, {len(extend_lens)}, {tuple(req_pool_indices.shape)}"
@@ -166,13 +184,10 @@ class ForwardBatch:
                 f"got {input_ids.shape[0]} and {out_cache_loc.shape[0]}"
             )
         device = input_ids.device
-        positions = torch.zeros(input_ids.shape[0], dtype=torch.int64)
-        if num_tokens:
-            positions[:num_tokens] = torch.cat(
-                [torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix_lens, extend_lens)]
-            )
         prefix_t = torch.tensor(prefix_lens, dtype=torch.int32)
         extend_t = torch.tensor(extend_lens, dtype=torch.int32)
+        positions = torch.zeros(input_ids.shape[0], dtype=torch.int64)
+        positions[:num_tokens] = token_positions(prefix_t, extend_t)
         seq_cpu = prefix_t if forward_mode.seq_lens_exclude_new_tokens() else prefix_t + extend_t
         return cls(
             forward_mode=forward_mode,
@@ -183,13 +198,25 @@ class ForwardBatch:
             seq_lens_cpu=seq_cpu,
             extend_seq_lens=extend_t.to(device),
             extend_prefix_lens=prefix_t.to(device),
-            req_pool_indices=req_pool_indices,
-            out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices.to(device),
+            out_cache_loc=out_cache_loc.to(device),
             extend_seq_lens_cpu=list(extend_lens),
             extend_prefix_lens_cpu=list(prefix_lens),
             num_token_non_padded=torch.tensor(num_tokens, dtype=torch.int32, device=device),
             spec_info=spec_info,
+            req_pool_indices_cpu=req_pool_indices.cpu(),
+            out_cache_loc_cpu=out_cache_loc.cpu(),
         )
+
+
+def token_positions(prefix_lens: torch.Tensor, extend_lens: torch.Tensor) -> torch.Tensor:
+    """``[sum(extend_lens)]`` int64: request ``r``'s new tokens sit at positions
+    ``prefix_lens[r] .. prefix_lens[r] + extend_lens[r] - 1``, requests back to back."""
+    extend = extend_lens.to(torch.int64)
+    n = int(extend.sum())
+    starts = torch.cumsum(extend, 0) - extend  # first token row of each request
+    offset = prefix_lens.to(torch.int64) - starts  # position minus token row, per request
+    return torch.arange(n, dtype=torch.int64, device=extend.device) + torch.repeat_interleave(offset, extend, output_size=n)
 
 
 @dataclass
@@ -202,12 +229,27 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def forward_context(batch: ForwardBatch, backend: "AttentionBackend") -> Iterator[ForwardContext]:
+def forward_context(
+    batch: ForwardBatch,
+    backend: "AttentionBackend",
+    *,
+    check: bool = True,
+    debug_checks: bool = False,
+) -> Iterator[ForwardContext]:
     """Make ``batch`` and ``backend`` visible to the attention ops of this thread.
 
     The ops run outside Dynamo's view (they are opaque custom ops), so reading
     this context costs no graph break and no recompile.
+
+    ``check``: validate ``batch`` against the backend's pools first
+    (``batch_checks.check_batch``; ``debug_checks`` adds the device-side
+    checks). Runners that validated the batch already, or that run their own
+    padded static batches, pass ``check=False``.
     """
+    if check:
+        from sgl_piecewise.batch_checks import check_batch  # imports this module
+
+        check_batch(batch, backend.req_to_token_pool, backend.kv_pool, debug_checks=debug_checks)
     stack = _stack()
     ctx = ForwardContext(batch, backend)
     stack.append(ctx)

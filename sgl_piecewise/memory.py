@@ -12,6 +12,7 @@ Allocation is all-or-nothing: when a request cannot be served the pool raises
 
 from __future__ import annotations
 
+import numbers
 from typing import List, Sequence
 
 import torch
@@ -34,26 +35,40 @@ class ReqToTokenPool:
             (max_reqs, max_context_len), DUMMY_SLOT, dtype=torch.int32, device=self.device
         )
         self._free: List[int] = list(range(max_reqs))
+        self._allocated = [False] * max_reqs
 
     @property
     def available(self) -> int:
         return len(self._free)
 
     def alloc(self, n: int) -> List[int]:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidInputError(f"alloc: expected a count >= 0, got {n!r}")
         if n > len(self._free):
             raise KVPoolExhaustedError(
                 f"request table full: expected room for {n} more requests, "
                 f"got {len(self._free)} free of {self.max_reqs}; finish or free requests first"
             )
         taken, self._free = self._free[:n], self._free[n:]
+        for row in taken:
+            self._allocated[row] = True
         return taken
 
+    def is_allocated(self, row: int) -> bool:
+        """Whether ``row`` is held by a live request (False for any out-of-range value)."""
+        return 0 <= row < self.max_reqs and self._allocated[row]
+
     def free(self, rows: Sequence[int]) -> None:
-        rows = list(rows)
-        bad = [r for r in rows if not 0 <= r < self.max_reqs or r in self._free]
+        """Release ``rows`` (all or none: a bad row leaves every row as it was)."""
+        rows = [int(r) for r in rows]
+        bad = [r for r in rows if not self.is_allocated(r)]
         if bad:
             raise InvalidInputError(f"free: expected allocated request rows, got {bad}")
+        if len(set(rows)) != len(rows):
+            raise InvalidInputError(f"free: expected distinct request rows, got {rows}")
         self.req_to_token[rows] = DUMMY_SLOT
+        for row in rows:
+            self._allocated[row] = False
         self._free.extend(rows)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
@@ -88,27 +103,65 @@ def allocate_requests(
 
     Each request ``r`` gets a row whose first ``prefix_lens[r] + extend_lens[r]``
     positions map to fresh slots. Returns ``(req_pool_indices [bs] int64,
-    out_cache_loc [sum(extend_lens)] int64)``: the slots of the new tokens.
+    out_cache_loc [sum(extend_lens)] int64)`` on the host: the rows and the
+    slots of the new tokens (``ForwardBatch.build`` moves them to the device).
+    Everything that can fail is checked before anything is taken, and a
+    failure part-way gives back what was taken, so no call leaks a row or a slot.
     """
+    prefix_lens, extend_lens = check_request_lens(prefix_lens, extend_lens)
+    for r, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
+        if p + e > req_pool.max_context_len:
+            raise InvalidInputError(
+                f"request {r} too long: expected prefix + new <= {req_pool.max_context_len} "
+                f"tokens of context, got {p} + {e}"
+            )
     need = sum(p + e for p, e in zip(prefix_lens, extend_lens))
-    if need > kv_pool.available:  # checked first: a failure must not leak rows
+    if need > kv_pool.available:
         raise KVPoolExhaustedError(
             f"KV pool exhausted: expected {need} free slots, got {kv_pool.available} "
             f"of {kv_pool.num_slots}; free finished requests or build a larger pool"
         )
     rows = req_pool.alloc(len(prefix_lens))
-    new_slots: List[torch.Tensor] = []
-    for row, p, e in zip(rows, prefix_lens, extend_lens):
-        slots = kv_pool.alloc(p + e)
-        req_pool.write(row, 0, slots)
-        new_slots.append(slots[p:])
-    device = kv_pool.device
-    loc = torch.cat(new_slots) if new_slots else torch.empty(0, dtype=torch.int64, device=device)
-    return torch.tensor(rows, dtype=torch.int64, device=device), loc
+    held: List[torch.Tensor] = []
+    try:
+        new_slots: List[torch.Tensor] = []
+        for row, p, e in zip(rows, prefix_lens, extend_lens):
+            slots = kv_pool.alloc(p + e)
+            held.append(slots)
+            req_pool.write(row, 0, slots)
+            new_slots.append(slots[p:])
+    except BaseException:
+        if held:
+            kv_pool.free(torch.cat(held))
+        req_pool.free(rows)
+        raise
+    loc = torch.cat(new_slots) if new_slots else torch.empty(0, dtype=torch.int64)
+    return torch.tensor(rows, dtype=torch.int64), loc
+
+
+def check_request_lens(prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> tuple[List[int], List[int]]:
+    """``(prefix_lens, extend_lens)`` as lists of ints >= 0 of one length, or raise."""
+    lists = []
+    for name, lens in (("prefix_lens", prefix_lens), ("extend_lens", extend_lens)):
+        values = list(lens)
+        bad = [x for x in values if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0]
+        if bad:
+            raise InvalidInputError(f"{name}: expected ints >= 0, got {bad[:4]}")
+        lists.append([int(x) for x in values])
+    if len(lists[0]) != len(lists[1]):
+        raise InvalidInputError(
+            f"prefix_lens and extend_lens: expected one entry per request in both, "
+            f"got {len(lists[0])} and {len(lists[1])}"
+        )
+    return lists[0], lists[1]
 
 
 class KVPool:
-    """Per-layer K and V buffers over ``num_slots`` usable slots (+ the dummy)."""
+    """Per-layer K and V buffers over ``num_slots`` usable slots (+ the dummy).
+
+    Which slots are free is host bookkeeping (slot ids on the host), so
+    allocating, freeing and checking a batch's slots never waits for the device.
+    """
 
     def __init__(
         self,
@@ -129,32 +182,59 @@ class KVPool:
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)
+        # allocated[s]: slot s is held by a request. The dummy slot never is.
+        self._allocated = torch.zeros(num_slots + 1, dtype=torch.bool)
 
     @property
     def available(self) -> int:
         return int(self._free.numel())
 
     def alloc(self, n: int) -> torch.Tensor:
-        """``n`` fresh slots (int64, on the pool's device)."""
+        """``n`` fresh slots, int64 on the host."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidInputError(f"alloc: expected a count >= 0, got {n!r}")
         if n > self.available:
             raise KVPoolExhaustedError(
                 f"KV pool exhausted: expected {n} free slots, got {self.available} "
                 f"of {self.num_slots}; free finished requests or build a larger pool"
             )
         taken, self._free = self._free[:n], self._free[n:]
-        return taken.to(self.device)
+        self._allocated[taken] = True
+        return taken
+
+    def is_allocated(self, slots: torch.Tensor) -> torch.Tensor:
+        """``[n]`` bool: each host slot id lies in the pool and is held (out-of-range ids: False)."""
+        in_range = (slots >= 0) & (slots <= self.num_slots)
+        return in_range & self._allocated[slots.clamp(0, self.num_slots)]
 
     def free(self, slots: torch.Tensor) -> None:
+        """Release ``slots`` (all or none: a bad slot leaves the pool as it was).
+
+        Refuses the dummy slot, ids outside the pool, slots that are not
+        allocated (a double free would hand one slot to two requests) and a
+        slot named twice.
+        """
         slots = slots.detach().to("cpu", torch.int64).flatten()
-        if slots.numel() and (slots.min() < 1 or slots.max() > self.num_slots):
+        if not slots.numel():
+            return
+        if slots.min() < 1 or slots.max() > self.num_slots:
             raise InvalidInputError(
                 f"free: expected slots in [1, {self.num_slots}], got "
                 f"min {int(slots.min())}, max {int(slots.max())}"
             )
+        held = self.is_allocated(slots)
+        if not bool(held.all()):
+            raise InvalidInputError(
+                f"free: expected allocated slots, got {slots[~held][:8].tolist()} not allocated "
+                f"(freed twice, or never handed out)"
+            )
+        if torch.unique(slots).numel() != slots.numel():
+            raise InvalidInputError("free: expected distinct slots, got a slot named twice")
+        self._allocated[slots] = False
         self._free = torch.cat([self._free, slots])
 
     def check_layer(self, layer_id: int) -> None:
-        if not isinstance(layer_id, int) or not 0 <= layer_id < self.num_layers:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.num_layers:
             raise InvalidInputError(
                 f"layer_id: expected an int in [0, {self.num_layers}), got {layer_id!r}"
             )

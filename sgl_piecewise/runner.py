@@ -12,15 +12,18 @@ metadata and replays the step when a captured graph fits the batch.
 
 from __future__ import annotations
 
+import collections
 import numbers
 import time
-from typing import Callable, List, NamedTuple, Optional, Protocol, Sequence
+from typing import Callable, Deque, List, NamedTuple, Optional, Protocol, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
 
 from sgl_piecewise.backends.base import AttentionBackend
 from sgl_piecewise.backends.reference import ReferenceBackend
+from sgl_piecewise.backends.registry import backend_names, create_backend
+from sgl_piecewise.batch_checks import check_batch
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, KVPoolExhaustedError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
@@ -31,6 +34,9 @@ BackendFactory = Callable[[ReqToTokenPool, KVPool], AttentionBackend]
 # Below this many decode steps a run finishes in moments, and a progress bar
 # would only clutter the output (``progress=None`` means "decide from this").
 AUTO_PROGRESS_MIN_STEPS = 128
+# step_stats keeps the most recent steps only: a long-lived runner must not
+# grow by one entry per step forever.
+STEP_STATS_MAXLEN = 4096
 
 
 class StepGraphs(Protocol):
@@ -66,7 +72,8 @@ class ModelRunner:
         max_reqs: int = 8,
         max_context_len: Optional[int] = None,
         num_slots: Optional[int] = None,
-        backend: BackendFactory = ReferenceBackend,
+        backend: Union[str, BackendFactory] = ReferenceBackend,
+        debug_checks: bool = False,
     ):
         config = model.config
         if max_context_len is None:
@@ -92,10 +99,11 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        self.backend = backend(self.req_to_token_pool, self.kv_pool)
+        self.backend = _make_backend(backend, config, self.req_to_token_pool, self.kv_pool)
+        self.debug_checks = bool(debug_checks)
         self.model_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = model
         self.step_graphs: Optional[StepGraphs] = None
-        self.step_stats: List[StepStat] = []
+        self.step_stats: Deque[StepStat] = collections.deque(maxlen=STEP_STATS_MAXLEN)
 
     @property
     def max_context_len(self) -> int:
@@ -105,10 +113,11 @@ class ModelRunner:
     def forward_step(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step; return ``[bs, vocab]`` float32 logits of each request's last new token."""
         start = time.perf_counter()
+        check_batch(batch, self.req_to_token_pool, self.kv_pool, debug_checks=self.debug_checks)
         hidden = self.step_graphs.try_replay(batch) if self.step_graphs is not None else None
         if hidden is None:
             self.backend.init_forward_metadata(batch)
-            with forward_context(batch, self.backend):
+            with forward_context(batch, self.backend, check=False):
                 hidden = self.model_forward(batch.input_ids, batch.positions)  # [T, H]
         logits = self.last_token_logits(hidden, batch)
         if self.device.type == "cuda":
@@ -172,9 +181,13 @@ class ModelRunner:
                 self.req_to_token_pool.free(rows.tolist())
 
     def _alloc_decode_slots(self, rows: torch.Tensor, positions: List[int]) -> torch.Tensor:
-        """One fresh slot per request, recorded at its new token's position."""
+        """One fresh slot per request (host), recorded at its new token's position."""
         loc = self.kv_pool.alloc(len(positions))  # [bs]
-        self.req_to_token_pool.write_next(rows, positions, loc)
+        try:
+            self.req_to_token_pool.write_next(rows, positions, loc)
+        except BaseException:
+            self.kv_pool.free(loc)
+            raise
         return loc
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> List[List[int]]:
@@ -229,3 +242,20 @@ class ModelRunner:
                 f"{self.kv_pool.available} of {self.kv_pool.num_slots}; pass fewer or shorter "
                 f"prompts, fewer new tokens, or a larger num_slots"
             )
+
+
+def _make_backend(backend, config, req_pool: ReqToTokenPool, kv_pool: KVPool) -> AttentionBackend:
+    """The runner's backend from a name or a factory."""
+    if isinstance(backend, str):
+        if backend not in backend_names():
+            raise InvalidInputError(f"backend: expected one of {list(backend_names())} or a factory, got {backend!r}")
+        return create_backend(backend, req_pool, kv_pool, num_q_heads=config.num_attention_heads)
+    if not callable(backend):
+        raise InvalidTypeError(
+            f"backend: expected a backend name or a factory (req_to_token_pool, kv_pool) -> backend, "
+            f"got {type(backend).__name__}"
+        )
+    built = backend(req_pool, kv_pool)
+    if not isinstance(built, AttentionBackend):
+        raise InvalidTypeError(f"backend factory: expected an AttentionBackend, got {type(built).__name__}")
+    return built

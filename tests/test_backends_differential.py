@@ -202,15 +202,20 @@ def random_qkv(num_tokens: int, pools: Pools, gen: torch.Generator):
     return [(draw(HQ), draw(HKV), draw(HKV)) for _ in range(NUM_LAYERS)]
 
 
-def attend(backend, batch: ForwardBatch, qkv) -> List[torch.Tensor]:
-    """The real op, every layer, on whatever metadata ``backend`` holds now."""
-    with forward_context(batch, backend):
+def attend(backend, batch: ForwardBatch, qkv, check: bool = False) -> List[torch.Tensor]:
+    """The real op, every layer, on whatever metadata ``backend`` holds now.
+
+    ``check=False`` by default: graph-path batches are padded the way a graph
+    runner pads its static batch (padded requests share row 0 and write the
+    dummy slot), which the context's caller-batch validation would refuse.
+    """
+    with forward_context(batch, backend, check=check):
         return [unified_attention(q, k, v, layer_id=i) for i, (q, k, v) in enumerate(qkv)]
 
 
 def eager(backend, batch: ForwardBatch, qkv) -> List[torch.Tensor]:
     backend.init_forward_metadata(batch)
-    return attend(backend, batch, qkv)
+    return attend(backend, batch, qkv, check=True)
 
 
 def capture(backend, batch: ForwardBatch) -> None:

@@ -92,3 +92,62 @@ def test_write_next_records_one_slot_per_row_and_rejects_positions_past_the_cont
     assert [table.req_to_token[r, p].item() for r, p in zip(rows.tolist(), [0, 5, 7])] == [11, 12, 13]
     with pytest.raises(InvalidInputError, match="expected at most 8 tokens of context, got 9"):
         table.write_next(rows[:1], [8], torch.tensor([14]))
+
+
+def test_free_refuses_a_double_free_and_keeps_the_pool_as_it_was():
+    pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=1, head_dim=4)
+    slots = pool.alloc(3)
+    pool.free(slots[:1])
+    with pytest.raises(InvalidInputError, match="expected allocated slots, got \\[1\\] not allocated"):
+        pool.free(slots[:1])
+    # Without the check the freed slot went back twice and the next alloc
+    # handed it to two requests.
+    assert pool.available == 6
+    again = pool.alloc(6)
+    assert len(set(again.tolist())) == 6
+
+
+def test_free_refuses_a_slot_that_was_never_allocated():
+    pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=1, head_dim=4)
+    pool.alloc(2)
+    with pytest.raises(InvalidInputError, match="not allocated"):
+        pool.free(torch.tensor([7]))
+    assert pool.available == 6  # not 7: nothing was added
+
+
+def test_free_refuses_a_slot_named_twice_in_one_call():
+    pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=1, head_dim=4)
+    slots = pool.alloc(2)
+    with pytest.raises(InvalidInputError, match="distinct"):
+        pool.free(torch.tensor([slots[0], slots[0]]))
+    assert pool.available == 6
+
+
+def test_allocate_requests_refuses_a_request_longer_than_the_context_before_taking_anything():
+    table = ReqToTokenPool(max_reqs=4, max_context_len=32)
+    pool = KVPool(num_slots=200, num_layers=1, num_kv_heads=1, head_dim=4)
+    with pytest.raises(InvalidInputError, match="request 1 too long: expected prefix \\+ new <= 32"):
+        allocate_requests(table, pool, [10, 30], [6, 10])
+    assert pool.available == 200 and table.available == 4
+
+
+@pytest.mark.parametrize("prefix, extend, match", [
+    ([0], [-1], "extend_lens: expected ints >= 0"),
+    ([-2], [3], "prefix_lens: expected ints >= 0"),
+    ([0, 1], [3], "one entry per request"),
+    ([0], [2.0], "extend_lens: expected ints >= 0"),
+])
+def test_allocate_requests_refuses_bad_lengths_and_takes_nothing(prefix, extend, match):
+    table = ReqToTokenPool(max_reqs=4, max_context_len=32)
+    pool = KVPool(num_slots=64, num_layers=1, num_kv_heads=1, head_dim=4)
+    with pytest.raises(InvalidInputError, match=match):
+        allocate_requests(table, pool, prefix, extend)
+    assert pool.available == 64 and table.available == 4
+
+
+def test_request_table_free_of_a_row_twice_in_one_call_changes_nothing():
+    table = ReqToTokenPool(max_reqs=2, max_context_len=8)
+    (row,) = table.alloc(1)
+    with pytest.raises(InvalidInputError, match="distinct"):
+        table.free([row, row])
+    assert table.available == 1 and table.is_allocated(row)

@@ -159,8 +159,12 @@ def test_device_other_than_the_pool_raises(setup):
     batch, _ = setup
     table = ReqToTokenPool(max_reqs=1, max_context_len=8)
     meta_pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=HKV, head_dim=D, device="meta")
-    with forward_context(batch, ReferenceBackend(table, meta_pool)), pytest.raises(InvalidInputError, match="k: expected device meta, got cpu"):
+    # check=False: reach the op's own check (the context would refuse the batch first).
+    backend = ReferenceBackend(table, meta_pool)
+    with forward_context(batch, backend, check=False), pytest.raises(InvalidInputError, match="k: expected device meta, got cpu"):
         unified_attention(*qkv(batch.num_tokens), layer_id=0)
+    with pytest.raises(InvalidInputError, match="input_ids: expected device meta"), forward_context(batch, backend):
+        pass
 
 
 def test_wrong_output_shape_raises(setup):

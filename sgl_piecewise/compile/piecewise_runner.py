@@ -19,6 +19,7 @@ from tqdm import tqdm
 from sgl_piecewise.compile.backend import SglPiecewiseBackend
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_graphs import frozen_gc
+from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
 from sgl_piecewise.memory import DUMMY_SLOT
 
@@ -78,21 +79,32 @@ class PiecewiseCudaGraphRunner:
 
     @torch.no_grad()
     def _dummy_forward(self, num_tokens: int) -> None:
-        """One request of ``num_tokens`` new tokens that all write the dummy slot."""
+        """``num_tokens`` new tokens, every one writing the dummy slot, spread
+        over as few requests as the context allows (a request holds at most
+        ``max_context_len`` tokens)."""
         mr = self.model_runner
         device = mr.device
-        (row,) = mr.req_to_token_pool.alloc(1)
+        context = mr.max_context_len
+        extend = [context] * (num_tokens // context) + ([num_tokens % context] if num_tokens % context else [])
+        if len(extend) > mr.req_to_token_pool.available:
+            raise InvalidInputError(
+                f"capture of {num_tokens} tokens: expected room for {len(extend)} requests of at most "
+                f"{context} tokens, got {mr.req_to_token_pool.available} free request rows; raise "
+                f"max_reqs or max_context_len, or lower the largest capture size"
+            )
+        rows = mr.req_to_token_pool.alloc(len(extend))
         try:
             batch = ForwardBatch.build(
                 ForwardMode.EXTEND,
                 torch.zeros(num_tokens, dtype=torch.int64, device=device),
-                torch.tensor([row], dtype=torch.int64, device=device),
-                [0],
-                [num_tokens],
-                torch.full((num_tokens,), DUMMY_SLOT, dtype=torch.int64, device=device),
+                torch.tensor(rows, dtype=torch.int64),
+                [0] * len(extend),
+                extend,
+                torch.full((num_tokens,), DUMMY_SLOT, dtype=torch.int64),
             )
             mr.backend.init_forward_metadata(batch)
-            with forward_context(batch, mr.backend):
+            # check=False: every token writing the dummy slot is the point here.
+            with forward_context(batch, mr.backend, check=False):
                 self.compiled(batch.input_ids, batch.positions)
         finally:
-            mr.req_to_token_pool.free([row])
+            mr.req_to_token_pool.free(rows)
