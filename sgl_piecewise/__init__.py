@@ -33,14 +33,32 @@ __all__ = [
 
 
 def _register_dynamo_backend() -> None:
-    """Make ``backend="sgl_piecewise"`` work after ``import sgl_piecewise`` even
-    without an installed entry point (e.g. a source checkout on PYTHONPATH)."""
-    from torch._dynamo.backends import registry
+    """Make ``backend="sgl_piecewise"`` work without an installed entry point
+    (a source checkout on ``PYTHONPATH``).
 
-    if "sgl_piecewise" not in registry._COMPILER_FNS:
-        from sgl_piecewise.compile.backend import sgl_piecewise_backend
+    An installed package is found through its ``torch_dynamo_backends`` entry
+    point, which torch loads by importing this package and then registers
+    itself. Registering here too would make torch's registration fail on a
+    duplicate name, so the name is registered here only when this package
+    carries no such entry point.
+    """
+    if _installed_entry_point():
+        return
+    import torch._dynamo
 
-        registry.register_backend(sgl_piecewise_backend, "sgl_piecewise")
+    from sgl_piecewise.compile.backend import sgl_piecewise_backend
+
+    torch._dynamo.register_backend(sgl_piecewise_backend, name="sgl_piecewise")
+
+
+def _installed_entry_point() -> bool:
+    from importlib import metadata
+
+    try:
+        entry_points = metadata.distribution("sgl_piecewise").entry_points
+    except metadata.PackageNotFoundError:
+        return False
+    return any(ep.group == "torch_dynamo_backends" and ep.name == "sgl_piecewise" for ep in entry_points)
 
 
 _register_dynamo_backend()

@@ -238,8 +238,22 @@ def test_capture_freezes_gc_even_if_others_froze_first_and_nests():
             with frozen_gc():
                 pass
             assert gc.get_freeze_count() == outer  # the inner exit thawed nothing
+        # The outer exit leaves the caller's freeze in place.
+        assert gc.get_freeze_count() >= before
     finally:
         gc.unfreeze()
+
+
+def test_capture_thaws_on_exit_what_it_froze_when_nothing_was_frozen_before():
+    import gc
+
+    from sgl_piecewise.compile.piece_graphs import frozen_gc
+
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    with frozen_gc():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
 
 
 def test_attention_between_pieces_skips_the_dispatcher():

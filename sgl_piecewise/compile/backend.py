@@ -19,7 +19,7 @@ graphs (counted in ``counters.eager_fallbacks``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx
@@ -125,7 +125,17 @@ class PiecewiseModule:
             _CompilePieces(self.split_gm, self.pieces, compiler, self.state).run(*fake)
         self.graphs_reason = self._graphs_unavailable_reason()
         self.registry = self._build_registry(example_inputs, device) if self.graphs_reason is None else None
-        self.captured_sizes: set = set()
+        # Graphs bake in the addresses of every static input (weights,
+        # buffers). Dynamo hands one compiled graph the weights of any model
+        # of the same architecture, so graphs are kept per set of static-input
+        # addresses: a call with another model's weights captures its own set
+        # instead of replaying graphs that read the first model's weights.
+        tokens = set(self.token_axis.tensor_inputs)
+        self.static_inputs = tuple(
+            i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and i not in tokens
+        )
+        self.graph_sets: Dict[Tuple[int, ...], int] = {}
+        self.captured: Set[Tuple[int, int]] = set()  # (graph set, size)
         if self.state.use_cuda and self.graphs_reason is None:
             self.state.pool = torch.cuda.graph_pool_handle()
             self.state.capture_stream = torch.cuda.Stream()
@@ -180,12 +190,26 @@ class PiecewiseModule:
             counters.fallback(f"static graph of {n} tokens: not a capture size")
             return self._run(Phase.RUN, args)
         padded_args = self._pad(args, n, padded)
-        self.state.num_tokens, self.state.padded_tokens = n, padded
-        if padded in self.captured_sizes:
+        state = self.state
+        state.num_tokens, state.padded_tokens, state.graph_set = n, padded, self._graph_set(args)
+        if (state.graph_set, padded) in self.captured:
             out = self._run(Phase.REPLAY, padded_args)
         else:
             out = self._warmup_and_capture(padded_args, padded)
         return self._unpad(out, n)
+
+    def _graph_set(self, args) -> int:
+        """The set of graphs made for these static-input addresses (a
+        pointer per weight, compared: no copy)."""
+        key = tuple([args[i].data_ptr() for i in self.static_inputs])
+        graph_set = self.graph_sets.get(key)
+        if graph_set is None:
+            graph_set = self.graph_sets[key] = len(self.graph_sets)
+            if graph_set:
+                logger.info(
+                    "static graph inputs (weights) at new addresses: capturing graph set %d for them", graph_set
+                )
+        return graph_set
 
     def _run(self, phase: Phase, args) -> Any:
         self.state.phase = phase
@@ -198,7 +222,7 @@ class PiecewiseModule:
         self._run(Phase.WARMUP, padded_args)
         with frozen_gc():
             out = self._run(Phase.CAPTURE, padded_args)
-        self.captured_sizes.add(padded)
+        self.captured.add((self.state.graph_set, padded))
         return out
 
     def _num_tokens(self, args) -> int:

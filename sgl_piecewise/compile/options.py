@@ -9,8 +9,9 @@ refuses both at once), so both spellings are accepted:
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from sgl_piecewise.errors import InvalidInputError
 
@@ -41,23 +42,25 @@ class CompileOptions:
     """
 
     cudagraphs: bool = False
-    capture_sizes: Tuple[int, ...] = ()
+    capture_sizes: Optional[Tuple[int, ...]] = None  # None: default_capture_sizes(max_capture_size)
     max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE
     piece_compiler: str = "inductor"
     debug_checks: bool = False
     share_identical_pieces: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("cudagraphs", "debug_checks", "share_identical_pieces"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidInputError(f"{name}: expected True or False, got {value!r}")
         if self.piece_compiler not in PIECE_COMPILERS:
             raise InvalidInputError(
                 f"piece_compiler: expected one of {PIECE_COMPILERS}, got {self.piece_compiler!r}"
             )
-        if not isinstance(self.max_capture_size, int) or self.max_capture_size < 1:
+        if isinstance(self.max_capture_size, bool) or not isinstance(self.max_capture_size, int) or self.max_capture_size < 1:
             raise InvalidInputError(f"max_capture_size: expected an int >= 1, got {self.max_capture_size!r}")
-        sizes = self.capture_sizes or default_capture_sizes(self.max_capture_size)
-        if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
-            raise InvalidInputError(f"capture_sizes: expected positive ints, got {list(sizes)}")
-        object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
+        sizes = default_capture_sizes(self.max_capture_size) if self.capture_sizes is None else self.capture_sizes
+        object.__setattr__(self, "capture_sizes", _check_capture_sizes(sizes))
 
     def padded_size(self, num_tokens: int) -> Optional[int]:
         """Smallest capture size >= ``num_tokens``; None above the largest."""
@@ -79,6 +82,21 @@ class CompileOptions:
             )
         if mode == "reduce-overhead":
             options.setdefault("cudagraphs", True)
-        if "capture_sizes" in options:
-            options["capture_sizes"] = tuple(options["capture_sizes"])
         return cls(**options)
+
+
+def _check_capture_sizes(sizes: Any) -> Tuple[int, ...]:
+    """Sorted unique token counts; a non-empty sequence of ints >= 1."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+        raise InvalidInputError(
+            f"capture_sizes: expected a list of token counts such as [1, 2, 4, 8], got {sizes!r}"
+        )
+    if not sizes:
+        raise InvalidInputError(
+            "capture_sizes: expected at least one token count, got an empty list; leave it out "
+            "for the default sizes, or set cudagraphs=False for no graphs"
+        )
+    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1]
+    if bad:
+        raise InvalidInputError(f"capture_sizes: expected positive ints, got {bad} in {list(sizes)}")
+    return tuple(sorted({int(s) for s in sizes}))

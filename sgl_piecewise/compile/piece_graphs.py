@@ -50,6 +50,9 @@ class StepState:
     phase: Phase = Phase.RUN
     num_tokens: int = 0  # real tokens of this call
     padded_tokens: int = 0  # the capture size they were padded to
+    # Which set of graphs this call replays: one set per distinct set of
+    # static-input addresses (weights), see PiecewiseModule.
+    graph_set: int = 0
     use_cuda: bool = False
     debug_checks: bool = False
     pool: Any = None  # CUDA graph memory pool shared by all pieces and sizes
@@ -61,13 +64,17 @@ class _GcFreeze:
     walk every live object (SGLang measured capture 2.3-3.7x faster frozen).
 
     Nests by its own depth count, not ``gc.get_freeze_count()``: other code
-    (Inductor's compile-worker pool) freezes objects too, and that must not
-    make a capture skip its freeze. Like SGLang, the outermost exit unfreezes
-    everything.
+    (Inductor's compile-worker pool, or the caller) freezes objects too, and
+    that must not make a capture skip its freeze. The outermost exit thaws
+    only if nothing was frozen when the outermost entry froze: ``gc`` cannot
+    thaw some objects and not others, and thawing what the caller froze
+    would undo the caller's freeze (the objects the capture froze then stay
+    frozen with the caller's, as if the caller had frozen them).
     """
 
     def __init__(self) -> None:
         self.depth = 0
+        self.thaw_on_exit = False
         self.lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -75,6 +82,7 @@ class _GcFreeze:
         with self.lock:
             self.depth += 1
             if self.depth == 1:
+                self.thaw_on_exit = gc.get_freeze_count() == 0
                 if collect_first:
                     gc.collect()
                 gc.freeze()
@@ -83,7 +91,7 @@ class _GcFreeze:
         finally:
             with self.lock:
                 self.depth -= 1
-                if self.depth == 0:
+                if self.depth == 0 and self.thaw_on_exit:
                     gc.unfreeze()
 
 
@@ -138,7 +146,7 @@ class PieceGraphs:
     # Per argument: True if its address is fixed even without a graph pool
     # (weights, registry views); only those are checked on CPU.
     static_args: Sequence[bool] = ()
-    entries: Dict[int, _Entry] = field(default_factory=dict)
+    entries: Dict[Tuple[int, int], _Entry] = field(default_factory=dict)  # (graph_set, size) -> graph
 
     def __call__(self, *args):
         state = self.state
@@ -156,14 +164,16 @@ class PieceGraphs:
         checked = lambda i: self.state.use_cuda or (i < len(self.static_args) and self.static_args[i])  # noqa: E731
         return [a.data_ptr() if isinstance(a, torch.Tensor) and checked(i) else None for i, a in enumerate(args)]
 
+    def _key(self) -> Tuple[int, int]:
+        return self.state.graph_set, self.state.padded_tokens
+
     def _capture(self, args: Tuple[Any, ...]) -> Any:
-        size = self.state.padded_tokens
         entry = _Entry(input_ptrs=self._pointers(args))
         if self.state.use_cuda:
             out = self._capture_cuda_graph(entry, args)
         else:
             out = self.compiled(*args)
-        self.entries[size] = entry
+        self.entries[self._key()] = entry
         counters.graphs_captured += 1
         return out
 
@@ -187,10 +197,12 @@ class PieceGraphs:
         return out
 
     def _replay(self, args: Tuple[Any, ...]) -> Any:
-        size = self.state.padded_tokens
-        entry = self.entries.get(size)
+        entry = self.entries.get(self._key())
         if entry is None:
-            raise SglPiecewiseError(f"{self.name}: expected a captured graph for {size} tokens, got none")
+            graph_set, size = self._key()
+            raise SglPiecewiseError(
+                f"{self.name}: expected a captured graph for {size} tokens (graph set {graph_set}), got none"
+            )
         if self.state.debug_checks:
             self._check_addresses(entry, args)
         counters.replays += 1
