@@ -213,3 +213,50 @@ def test_gpu_decode_graphs_keep_their_cublas_workspace_in_their_pool():
     assert all(pool != (0, 0) for pool in freed), freed
     # And the graphs still replay correctly with it released.
     _check_fresh_batches(eager, graphs, random.Random("gpu-cublas"), (4, 2, 1), 5e-2)
+
+
+# ---- two runners on one ModelRunner ------------------------------------------
+def _metadata_addresses(backend) -> dict:
+    meta = backend.forward_metadata
+    return {name: t.data_ptr() for name, t in vars(meta).items() if isinstance(t, torch.Tensor)}
+
+
+def _second_runner_then_first_again(name, device="cpu", dtype=torch.float32, config=CONFIG):
+    """Capture runner A, note where bs 2 reads its metadata, then build and
+    capture runner B (larger sizes, same ModelRunner) and give A the steps
+    back. Returns (eager, graphs, A, B, addresses before, addresses after)."""
+    eager, graphs, first = _runners(name, device, dtype, config, max_reqs=24)
+    first.capture(progress=False)
+    _check_fresh_batches(eager, graphs, random.Random("first"), (2,), 1e-4 if dtype == torch.float32 else 5e-2)
+    before = _metadata_addresses(graphs.backend)
+    second = CudaGraphRunner(graphs, (1, 2, 8), forward=graphs.model)  # a larger size: more static buffers
+    second.capture(progress=False)
+    graphs.step_graphs = first
+    _check_fresh_batches(eager, graphs, random.Random("first-again"), (2,), 1e-4 if dtype == torch.float32 else 5e-2)
+    return eager, graphs, first, second, before, _metadata_addresses(graphs.backend)
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_a_second_runner_on_the_same_model_runner_moves_no_buffer_the_first_one_reads(name):
+    """A captured graph reads its metadata at fixed addresses; a later
+    capture that allocated the backend's static buffers anew left the first
+    runner's graphs reading the old ones (on an H200: hidden states off by
+    4.6 with no error)."""
+    eager, graphs, first, second, before, after = _second_runner_then_first_again(name)
+    assert after == before
+    graphs.step_graphs = second
+    _check_fresh_batches(eager, graphs, random.Random("second"), (8, 5, 1), 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["torch", "triton", "flashinfer"])
+def test_gpu_two_runners_on_one_model_runner_both_replay_like_eager(name):
+    if name == "flashinfer":
+        pytest.importorskip("flashinfer")
+    eager, graphs, first, second, before, after = _second_runner_then_first_again(
+        name, "cuda", torch.bfloat16, GPU_CONFIG
+    )
+    assert after == before
+    _check_fresh_batches(eager, graphs, random.Random("gpu-first"), (4, 1, 3), 5e-2)
+    graphs.step_graphs = second
+    _check_fresh_batches(eager, graphs, random.Random("gpu-second"), (8, 5, 2), 5e-2)

@@ -247,11 +247,22 @@ class StaticGraphBackend(AttentionBackend):
         self.forward_metadata = meta
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self.max_bs = check_positive_int("max_bs", max_bs)
-        self.max_num_tokens = check_positive_int("max_num_tokens", max_num_tokens)
+        """Static buffers for graphs of up to ``max_bs`` requests and
+        ``max_num_tokens`` query rows.
+
+        Captured graphs read these buffers' addresses for as long as they
+        live, so a later call never moves or frees them: within the current
+        sizes it changes nothing, and above them it adds a larger generation
+        of buffers for the sizes captured from then on, while the metadata
+        bound earlier keeps (and keeps alive) the buffers its graphs read.
+        """
+        max_bs = check_positive_int("max_bs", max_bs)
+        max_num_tokens = check_positive_int("max_num_tokens", max_num_tokens)
+        if self._buffers is not None and max_bs <= self.max_bs and max_num_tokens <= self.max_num_tokens:
+            return
+        self.max_bs, self.max_num_tokens = max(max_bs, self.max_bs), max(max_num_tokens, self.max_num_tokens)
         self._buffers = StaticBuffers(self.kv_pool.device)
-        self._alloc_graph_buffers(self._buffers, max_bs, max_num_tokens)
-        self._graph_metadata = {}
+        self._alloc_graph_buffers(self._buffers, self.max_bs, self.max_num_tokens)
 
     def init_forward_metadata_capture_cuda_graph(
         self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info
@@ -265,7 +276,12 @@ class StaticGraphBackend(AttentionBackend):
             )
         # Pattern A: bind and store first, so replay (and any composite child's
         # replay) finds this batch size; then replay fills the runtime values.
-        self._graph_metadata[(forward_mode, bs)] = self._bind_metadata(bs, width, forward_mode, spec_info)
+        # A size captured before keeps its binding: graphs captured on it read
+        # those views, and another runner's capture must not move them.
+        key = (forward_mode, bs)
+        if key not in self._graph_metadata:
+            self._graph_metadata[key] = self._bind_metadata(bs, width, forward_mode, spec_info)
+        self._check_bound(self._graph_metadata[key], bs, width, spec_info)
         self.init_forward_metadata_replay_cuda_graph(
             bs, req_pool_indices, seq_lens, SEQ_LENS_SUM_UNKNOWN, encoder_lens,
             forward_mode, spec_info, seq_lens_cpu=None,
@@ -284,17 +300,7 @@ class StaticGraphBackend(AttentionBackend):
                 f"call init_forward_metadata_capture_cuda_graph first"
             )
         width = self._check_graph_batch(bs, forward_mode, spec_info)
-        if width != meta.max_q_len:
-            raise InvalidInputError(
-                f"replay: expected {meta.max_q_len} tokens per request (captured), got {width}"
-            )
-        # Whether the kernels read a custom mask was fixed at capture.
-        if meta.masked != has_custom_mask(spec_info):
-            want = "a" if meta.masked else "no"
-            raise InvalidInputError(
-                f"replay: expected {want} spec_info.custom_mask (as at capture for bs {bs}), "
-                f"got the opposite; capture a graph per mask kind"
-            )
+        self._check_bound(meta, bs, width, spec_info)
         # max_q_len / num_tokens were fixed at bind and no fill rewrites them,
         # so the constants baked into the graph cannot drift (the draft-extend
         # "restore max_seq_len_q after replay" exception of SEEDS.md 000 does
@@ -306,7 +312,23 @@ class StaticGraphBackend(AttentionBackend):
         )
         self.forward_metadata = meta
 
+    @staticmethod
+    def _check_bound(meta: LengthMetadata, bs: int, width: int, spec_info) -> None:
+        """The step fits the graph bound for its ``(mode, bs)``: the query
+        width and whether a tree mask is read were fixed at capture."""
+        if width != meta.max_q_len:
+            raise InvalidInputError(
+                f"graph batch of {bs}: expected {meta.max_q_len} tokens per request (captured), got {width}"
+            )
+        if meta.masked != has_custom_mask(spec_info):
+            want = "a" if meta.masked else "no"
+            raise InvalidInputError(
+                f"graph batch of {bs}: expected {want} spec_info.custom_mask (as at capture), "
+                f"got the opposite; capture a graph per mask kind"
+            )
+
     def cuda_graph_buffers(self) -> Dict[str, torch.Tensor]:
+        """The newest generation's buffers (``init_cuda_graph_state``)."""
         return self._buffers.as_dict() if self._buffers is not None else {}
 
     def _new(self, *shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
