@@ -258,12 +258,22 @@ def test_missing_optional_source_is_skipped_or_padded_as_declared():
 
 def test_source_dtype_is_cast_when_safe_and_rejected_otherwise():
     reg = reg_()
-    slot = slot_(reg, dtype=I32)
-    src = rand(3, I64)
-    reg.fill_from({"x": src}, ctx_(3, 3))
-    assert torch.equal(slot.buffer[:3], src.to(I32))
-    with bad("casts safely to torch.int32, got torch.float32"):
+    slot = slot_(reg, dtype=I64)
+    src = rand(3, I32)
+    reg.fill_from({"x": src}, ctx_(3, 3))  # widening: every value survives
+    assert torch.equal(slot.buffer[:3], src.to(I64))
+    with bad("casts safely to torch.int64.*got torch.float32"):
         reg.fill_from({"x": torch.rand(3)}, ctx_(3, 3))
+
+
+def test_int64_source_is_refused_by_an_int32_slot_rather_than_wrapped():
+    reg = reg_()
+    slot = slot_(reg, dtype=I32)
+    before = slot.buffer.clone()
+    # 2**31 would wrap to -2**31 in an int32 slot.
+    with bad("casts safely to torch.int32.*got torch.int64"):
+        reg.fill_from({"x": torch.tensor([1, 2**31, 3])}, ctx_(3, 3))
+    assert torch.equal(slot.buffer, before)
 
 
 # ---- hooks -------------------------------------------------------------------
@@ -375,7 +385,7 @@ def test_property_head_is_the_source_and_tail_is_the_policy_value(policy, padded
     slot = slot_(reg, policy=policy, dtype=I32)
     before = torch.randint(-100, 100, (MAX_BS,), generator=gen, dtype=I32)
     slot.buffer.copy_(before)
-    src = torch.randint(-100, 100, (raw,), generator=gen)
+    src = torch.randint(-100, 100, (raw,), generator=gen, dtype=I32)
     reg.fill_from({"x": src}, ctx_(raw, padded))
     tail = {P.FILL_SENTINEL: -7, P.ZERO: 0}.get(policy)  # None: left as it was
     want_tail = before[raw:padded] if tail is None else torch.full((padded - raw,), tail)

@@ -110,9 +110,12 @@ def _check_source(slot: GraphSlot, src: object, raw: int) -> None:
             f"{where}: expected device {buf.device}, got {src.device}; "
             f"move the batch to the graph's device first"
         )
-    if not torch.can_cast(src.dtype, buf.dtype):
+    # Widening only: int64 -> int32 is a "safe" cast to torch, but values
+    # past 2**31 would wrap silently.
+    if torch.promote_types(src.dtype, buf.dtype) != buf.dtype:
         raise InvalidInputError(
-            f"{where}: expected a dtype that casts safely to {buf.dtype}, got {src.dtype}"
+            f"{where}: expected a dtype that casts safely to {buf.dtype} (the same or a narrower "
+            f"one of its kind), got {src.dtype}"
         )
     if slot.axis == "none":
         want, why = tuple(buf.shape), "the whole buffer"
