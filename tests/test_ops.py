@@ -179,3 +179,18 @@ def test_non_tensor_input_raises(setup):
     _, k, v = qkv(batch.num_tokens)
     with forward_context(batch, backend), pytest.raises((InvalidTypeError, TypeError, RuntimeError)):
         unified_attention([1.0], k, v, layer_id=0)
+
+
+@pytest.mark.parametrize("layer_id", [True, 1.0, "1", None])
+def test_a_layer_id_that_is_not_an_int_is_refused_before_the_dispatcher(setup, layer_id):
+    batch, backend = setup
+    before = backend.kv_pool.k_buffers[1].clone()
+    with forward_context(batch, backend), pytest.raises(InvalidTypeError, match="layer_id: expected an int, got"):
+        unified_attention(*qkv(batch.num_tokens), layer_id=layer_id)
+    assert torch.equal(backend.kv_pool.k_buffers[1], before)  # True would have written layer 1
+
+
+def test_a_scale_that_is_not_a_number_is_refused(setup):
+    batch, backend = setup
+    with forward_context(batch, backend), pytest.raises(InvalidTypeError, match="scale: expected a float or None"):
+        unified_attention(*qkv(batch.num_tokens), layer_id=0, scale="0.1")

@@ -200,3 +200,31 @@ def test_more_prompts_than_request_rows_raises_before_allocating_anything(model)
     with pytest.raises(KVPoolExhaustedError, match="expected room for 3 requests, got 2 free"):
         runner.generate(_prompts([1, 1, 1]), max_new_tokens=2)
     assert _pool_state(runner) == (runner.kv_pool.num_slots, 2)
+
+
+def test_backend_can_be_named_and_gets_the_model_head_count(model):
+    runner = _runner(model, backend="torch")
+    assert type(runner.backend).__name__ == "TorchGraphBackend"
+    reference = _runner(model)
+    prompts = _prompts([5, 3])
+    assert runner.generate(prompts, 4) == reference.generate(prompts, 4)
+
+
+@pytest.mark.parametrize("backend, err, match", [
+    ("tensorrt", InvalidInputError, r"backend: expected one of \['reference', 'torch', 'triton', 'flashinfer'\]"),
+    (42, InvalidTypeError, "backend: expected a backend name or a factory"),
+    (lambda table, pool: "torch", InvalidTypeError, "backend factory: expected an AttentionBackend, got str"),
+])
+def test_a_backend_that_is_neither_a_name_nor_a_factory_is_refused(model, backend, err, match):
+    with pytest.raises(err, match=match):
+        _runner(model, backend=backend)
+
+
+def test_step_stats_keep_only_the_most_recent_steps(model, monkeypatch):
+    import sgl_piecewise.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "STEP_STATS_MAXLEN", 5)
+    runner = _runner(model)
+    runner.generate(_prompts([3]), 8)  # 8 steps: 1 EXTEND, 7 DECODE
+    assert len(runner.step_stats) == 5
+    assert [s.mode for s in runner.step_stats] == ["DECODE"] * 5

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from sgl_piecewise.checks import check_tensor
-from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 from sgl_piecewise.forward import get_forward_context
 
 
@@ -132,6 +132,7 @@ def unified_attention(
         with sgl_piecewise.forward_context(batch, backend):
             o = sgl_piecewise.ops.unified_attention(q, k, v, layer_id=0)
     """
+    _check_scalar_args(layer_id, scale)
     return torch.ops.sgl_piecewise.unified_attention(q, k, v, layer_id, scale)
 
 
@@ -145,4 +146,14 @@ def unified_attention_with_output(
     scale: Optional[float] = None,
 ) -> None:
     """Like :func:`unified_attention`, writing into ``output [T, Hq, Dv]``."""
+    _check_scalar_args(layer_id, scale)
     torch.ops.sgl_piecewise.unified_attention_with_output(q, k, v, output, layer_id, scale)
+
+
+def _check_scalar_args(layer_id: object, scale: object) -> None:
+    """Before the dispatcher: it would take ``True`` as layer 1 and fail on
+    ``1.0`` with an error that names neither the argument nor the fix."""
+    if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+        raise InvalidTypeError(f"layer_id: expected an int, got {layer_id!r} ({type(layer_id).__name__})")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise InvalidTypeError(f"scale: expected a float or None, got {scale!r} ({type(scale).__name__})")
