@@ -221,3 +221,18 @@ def test_tied_checkpoint_that_also_stores_lm_head_loads_and_keeps_the_tie(tmp_pa
     _edit_weights(tmp_path, add_head_copy)
     model = load_model(tmp_path)
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_config_json_that_is_not_json_is_named_with_the_parse_error(llama_copy):
+    (llama_copy / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    want = rf"config\.json at .*{llama_copy.name}.*: expected valid JSON, got .*line 1"
+    with pytest.raises(InvalidInputError, match=want) as info:
+        load_model(llama_copy)
+    assert str(llama_copy / "config.json") in str(info.value)
+
+
+def test_config_json_whose_top_level_is_not_an_object_is_rejected(llama_copy):
+    (llama_copy / "config.json").write_text("[1, 2]")
+    want = r"config\.json at .*: expected a JSON object at the top level, got list"
+    with pytest.raises(InvalidInputError, match=want):
+        load_model(llama_copy)

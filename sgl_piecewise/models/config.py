@@ -170,8 +170,22 @@ class ModelConfig:
                 f"model_dir: expected a Hugging Face checkpoint directory with config.json, "
                 f"got {os.fspath(model_dir)!r} without it"
             )
+        return cls.from_hf_dict(read_json_object(path))
+
+
+def read_json_object(path: str) -> dict:
+    """The JSON object in the file at ``path``; an error names the file and the fault."""
+    label = f"{os.path.basename(path)} at {path}"
+    try:
         with open(path, encoding="utf-8") as f:
-            return cls.from_hf_dict(json.load(f))
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"{label}: expected valid JSON, got {exc}") from exc
+    if not isinstance(value, dict):
+        raise InvalidInputError(
+            f"{label}: expected a JSON object at the top level, got {type(value).__name__}"
+        )
+    return value
 
 
 def _architecture(d: Mapping[str, Any]) -> str:
