@@ -236,3 +236,15 @@ def test_config_json_whose_top_level_is_not_an_object_is_rejected(llama_copy):
     want = r"config\.json at .*: expected a JSON object at the top level, got list"
     with pytest.raises(InvalidInputError, match=want):
         load_model(llama_copy)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_safetensors"])
+def test_corrupt_safetensors_file_is_named_and_keeps_the_reader_error(llama_copy, damage):
+    path = llama_copy / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not a tensor file")
+    want = r"model\.safetensors at .*: expected a readable safetensors file, got "
+    with pytest.raises(InvalidInputError, match=want) as info:
+        load_model(llama_copy)
+    assert str(path) in str(info.value)
+    assert type(info.value.__cause__).__name__ == "SafetensorError"

@@ -18,7 +18,7 @@ from importlib import resources
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 from sgl_piecewise.models.config import ModelConfig
 from sgl_piecewise.models.layers import RMSNorm
@@ -151,14 +151,25 @@ def checkpoint_files(model_dir: str) -> List[str]:
 def read_safetensors(files: Iterable[str]) -> Dict[str, torch.Tensor]:
     tensors: Dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                if name in tensors:
-                    raise InvalidInputError(
-                        f"{name}: expected in one shard, got it twice (in {path})"
-                    )
-                tensors[name] = f.get_tensor(name)
+        for name, tensor in _read_safetensors_file(path).items():
+            if name in tensors:
+                raise InvalidInputError(
+                    f"{name}: expected in one shard, got it twice (in {path})"
+                )
+            tensors[name] = tensor
     return tensors
+
+
+def _read_safetensors_file(path: str) -> dict[str, torch.Tensor]:
+    # The reader's own errors do not say which file (of many shards) is bad.
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not iterable)
+    except SafetensorError as exc:
+        raise InvalidInputError(
+            f"{os.path.basename(path)} at {path}: expected a readable safetensors file, got {exc}; "
+            "re-download or re-save it"
+        ) from exc
 
 
 def load_model(
