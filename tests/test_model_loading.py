@@ -248,3 +248,64 @@ def test_corrupt_safetensors_file_is_named_and_keeps_the_reader_error(llama_copy
         load_model(llama_copy)
     assert str(path) in str(info.value)
     assert type(info.value.__cause__).__name__ == "SafetensorError"
+
+
+def _index_every_tensor_to(path, shard: str) -> None:
+    """Write a shard index that maps every tensor of the checkpoint to ``shard``."""
+    names = load_file(path / "model.safetensors").keys()
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, shard)}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _move_weights_out(path):
+    """Move the weights to a sibling directory ``elsewhere``; return the new file."""
+    outside = path.parent / "elsewhere"
+    outside.mkdir()
+    return shutil.move(path / "model.safetensors", outside / "model.safetensors")
+
+
+def test_index_entry_with_dotdot_outside_the_checkpoint_is_refused_by_name(llama_copy):
+    _index_every_tensor_to(llama_copy, "../elsewhere/model.safetensors")
+    _move_weights_out(llama_copy)
+    want = r"expected shard files inside .*, got '\.\./elsewhere/model\.safetensors' for [\w.]+\.weight;"
+    with pytest.raises(InvalidInputError, match=want):
+        load_model(llama_copy)
+
+
+def test_index_entry_with_an_absolute_path_is_refused_by_name(llama_copy):
+    target = llama_copy.parent / "elsewhere" / "model.safetensors"
+    _index_every_tensor_to(llama_copy, str(target))
+    _move_weights_out(llama_copy)
+    with pytest.raises(InvalidInputError, match=rf"expected shard files inside .*, got '{target}'"):
+        load_model(llama_copy)
+
+
+def test_index_entry_through_a_symlinked_folder_outside_the_checkpoint_is_refused(llama_copy):
+    _index_every_tensor_to(llama_copy, "shards/model.safetensors")
+    target = _move_weights_out(llama_copy)
+    (llama_copy / "shards").symlink_to(target.parent, target_is_directory=True)
+    with pytest.raises(InvalidInputError, match=r"got 'shards/model\.safetensors'"):
+        load_model(llama_copy)
+
+
+def test_shard_files_that_are_symlinks_to_blobs_load_as_in_the_hugging_face_cache(llama_dir, llama_copy):
+    # The hub cache keeps each file of a snapshot as a link into a shared blobs/ folder.
+    _index_every_tensor_to(llama_copy, "model.safetensors")
+    blob = _move_weights_out(llama_copy)
+    (llama_copy / "model.safetensors").symlink_to(blob)
+    assert _params_equal(load_model(llama_copy), load_model(llama_dir))
+
+
+@pytest.mark.parametrize(
+    ("text", "fault"),
+    [
+        ("{oops", "expected valid JSON, got "),
+        ("{}", r'expected a non-empty "weight_map" object .*, got no "weight_map"'),
+        ('{"weight_map": ["model.safetensors"]}', r'expected a non-empty "weight_map" object .*, got list'),
+        ('{"weight_map": {"model.norm.weight": 3}}', r"expected shard files inside .*, got 3 for model\.norm"),
+    ],
+)
+def test_malformed_shard_index_is_named_with_what_is_wrong(llama_copy, text, fault):
+    (llama_copy / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(InvalidInputError, match=r"model\.safetensors\.index\.json at .*: " + fault):
+        load_model(llama_copy)
