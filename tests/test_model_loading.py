@@ -309,3 +309,25 @@ def test_malformed_shard_index_is_named_with_what_is_wrong(llama_copy, text, fau
     (llama_copy / "model.safetensors.index.json").write_text(text)
     with pytest.raises(InvalidInputError, match=r"model\.safetensors\.index\.json at .*: " + fault):
         load_model(llama_copy)
+
+
+def test_llama_attention_bias_means_q_k_v_and_o_proj_bias_but_qwen2_has_no_o_proj_bias():
+    llama = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], **TINY, "attention_bias": True})
+    qwen2 = ModelConfig.from_hf_dict({"architectures": ["Qwen2ForCausalLM"], **TINY, "attention_bias": True})
+    assert llama.qkv_bias and llama.o_proj_bias
+    assert qwen2.qkv_bias and not qwen2.o_proj_bias
+
+
+def test_qwen2_with_o_proj_bias_is_rejected():
+    with pytest.raises(InvalidInputError, match="o_proj_bias: expected False for Qwen2ForCausalLM"):
+        ModelConfig(architecture="Qwen2ForCausalLM", hidden_size=32, intermediate_size=48,
+                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                    vocab_size=64, max_position_embeddings=64, qkv_bias=True, o_proj_bias=True)
+
+
+def test_llama_attention_bias_checkpoint_loads_its_o_proj_bias(tmp_path):
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, attention_bias=True)).save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    hf = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.self_attn.o_proj.bias"
+    assert torch.equal(model.get_parameter(name), hf[name])

@@ -74,6 +74,8 @@ def hf_weight_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
                 p + "self_attn.k_proj.bias": (kv,),
                 p + "self_attn.v_proj.bias": (kv,),
             })
+        if config.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
     return shapes
 
 
