@@ -4,6 +4,7 @@ broken checkpoint gets: each names what is wrong."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -276,7 +277,7 @@ def test_index_entry_with_an_absolute_path_is_refused_by_name(llama_copy):
     target = llama_copy.parent / "elsewhere" / "model.safetensors"
     _index_every_tensor_to(llama_copy, str(target))
     _move_weights_out(llama_copy)
-    with pytest.raises(InvalidInputError, match=rf"expected shard files inside .*, got '{target}'"):
+    with pytest.raises(InvalidInputError, match=rf"expected shard files inside .*, got '{re.escape(str(target))}'"):
         load_model(llama_copy)
 
 
