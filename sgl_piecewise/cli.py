@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence
 import torch
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 MODES = ("eager", "compiled", "graphs", "decode-graphs")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -210,7 +211,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return commands[args.command](args, console)
     except SglPiecewiseError as exc:  # bad input: the message says what was expected
-        console.print(f"[red]error:[/red] {exc}")
+        # As plain text, not markup: messages name tensors as "[a.b.c]". Soft
+        # wrap: a console that is not a terminal would break the line at 80.
+        console.print(Text.assemble(("error:", "red"), " ", str(exc)), soft_wrap=True)
         return 2
 
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import transformers
+from safetensors.torch import load_file, save_file
 
 from sgl_piecewise.cli import main
+from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.models import load_model
 
 
 def test_bench_runs_every_mode_and_they_agree(capsys):
@@ -27,3 +31,33 @@ def test_bench_rejects_unknown_modes_naming_the_valid_ones():
 def test_bench_rejects_non_positive_sizes_with_the_reason(flag, capsys):
     assert main(["bench", "--device", "cpu", flag, "0"]) == 2
     assert f"error: {flag}: expected a positive int, got 0" in capsys.readouterr().out
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, vocab_size=64, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _load_error(path) -> str:
+    with pytest.raises(InvalidInputError) as info:
+        load_model(path)
+    return str(info.value)
+
+
+def test_error_text_in_square_brackets_is_printed_literally(tiny_checkpoint, capsys):
+    weights = load_file(tiny_checkpoint / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tiny_checkpoint / "model.safetensors")
+    assert main(["bench", "--device", "cpu", "--model", str(tiny_checkpoint)]) == 2
+    assert "got missing [model.layers.1.mlp.up_proj.weight]" in capsys.readouterr().out
+
+
+def test_long_error_is_one_line_when_output_is_not_a_terminal(tiny_checkpoint, capsys):
+    (tiny_checkpoint / "config.json").write_text("{")
+    message = _load_error(tiny_checkpoint)
+    assert len(message) > 100
+    assert main(["bench", "--device", "cpu", "--model", str(tiny_checkpoint)]) == 2
+    assert f"error: {message}\n" in capsys.readouterr().out

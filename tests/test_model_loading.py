@@ -4,6 +4,7 @@ broken checkpoint gets: each names what is wrong."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -221,3 +222,113 @@ def test_tied_checkpoint_that_also_stores_lm_head_loads_and_keeps_the_tie(tmp_pa
     _edit_weights(tmp_path, add_head_copy)
     model = load_model(tmp_path)
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_config_json_that_is_not_json_is_named_with_the_parse_error(llama_copy):
+    (llama_copy / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    want = rf"config\.json at .*{llama_copy.name}.*: expected valid JSON, got .*line 1"
+    with pytest.raises(InvalidInputError, match=want) as info:
+        load_model(llama_copy)
+    assert str(llama_copy / "config.json") in str(info.value)
+
+
+def test_config_json_whose_top_level_is_not_an_object_is_rejected(llama_copy):
+    (llama_copy / "config.json").write_text("[1, 2]")
+    want = r"config\.json at .*: expected a JSON object at the top level, got list"
+    with pytest.raises(InvalidInputError, match=want):
+        load_model(llama_copy)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_safetensors"])
+def test_corrupt_safetensors_file_is_named_and_keeps_the_reader_error(llama_copy, damage):
+    path = llama_copy / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not a tensor file")
+    want = r"model\.safetensors at .*: expected a readable safetensors file, got "
+    with pytest.raises(InvalidInputError, match=want) as info:
+        load_model(llama_copy)
+    assert str(path) in str(info.value)
+    assert type(info.value.__cause__).__name__ == "SafetensorError"
+
+
+def _index_every_tensor_to(path, shard: str) -> None:
+    """Write a shard index that maps every tensor of the checkpoint to ``shard``."""
+    names = load_file(path / "model.safetensors").keys()
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, shard)}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _move_weights_out(path):
+    """Move the weights to a sibling directory ``elsewhere``; return the new file."""
+    outside = path.parent / "elsewhere"
+    outside.mkdir()
+    return shutil.move(path / "model.safetensors", outside / "model.safetensors")
+
+
+def test_index_entry_with_dotdot_outside_the_checkpoint_is_refused_by_name(llama_copy):
+    _index_every_tensor_to(llama_copy, "../elsewhere/model.safetensors")
+    _move_weights_out(llama_copy)
+    want = r"expected shard files inside .*, got '\.\./elsewhere/model\.safetensors' for [\w.]+\.weight;"
+    with pytest.raises(InvalidInputError, match=want):
+        load_model(llama_copy)
+
+
+def test_index_entry_with_an_absolute_path_is_refused_by_name(llama_copy):
+    target = llama_copy.parent / "elsewhere" / "model.safetensors"
+    _index_every_tensor_to(llama_copy, str(target))
+    _move_weights_out(llama_copy)
+    with pytest.raises(InvalidInputError, match=rf"expected shard files inside .*, got '{re.escape(str(target))}'"):
+        load_model(llama_copy)
+
+
+def test_index_entry_through_a_symlinked_folder_outside_the_checkpoint_is_refused(llama_copy):
+    _index_every_tensor_to(llama_copy, "shards/model.safetensors")
+    target = _move_weights_out(llama_copy)
+    (llama_copy / "shards").symlink_to(target.parent, target_is_directory=True)
+    with pytest.raises(InvalidInputError, match=r"got 'shards/model\.safetensors'"):
+        load_model(llama_copy)
+
+
+def test_shard_files_that_are_symlinks_to_blobs_load_as_in_the_hugging_face_cache(llama_dir, llama_copy):
+    # The hub cache keeps each file of a snapshot as a link into a shared blobs/ folder.
+    _index_every_tensor_to(llama_copy, "model.safetensors")
+    blob = _move_weights_out(llama_copy)
+    (llama_copy / "model.safetensors").symlink_to(blob)
+    assert _params_equal(load_model(llama_copy), load_model(llama_dir))
+
+
+@pytest.mark.parametrize(
+    ("text", "fault"),
+    [
+        ("{oops", "expected valid JSON, got "),
+        ("{}", r'expected a non-empty "weight_map" object .*, got no "weight_map"'),
+        ('{"weight_map": ["model.safetensors"]}', r'expected a non-empty "weight_map" object .*, got list'),
+        ('{"weight_map": {"model.norm.weight": 3}}', r"expected shard files inside .*, got 3 for model\.norm"),
+    ],
+)
+def test_malformed_shard_index_is_named_with_what_is_wrong(llama_copy, text, fault):
+    (llama_copy / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(InvalidInputError, match=r"model\.safetensors\.index\.json at .*: " + fault):
+        load_model(llama_copy)
+
+
+def test_llama_attention_bias_means_q_k_v_and_o_proj_bias_but_qwen2_has_no_o_proj_bias():
+    llama = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], **TINY, "attention_bias": True})
+    qwen2 = ModelConfig.from_hf_dict({"architectures": ["Qwen2ForCausalLM"], **TINY, "attention_bias": True})
+    assert llama.qkv_bias and llama.o_proj_bias
+    assert qwen2.qkv_bias and not qwen2.o_proj_bias
+
+
+def test_qwen2_with_o_proj_bias_is_rejected():
+    with pytest.raises(InvalidInputError, match="o_proj_bias: expected False for Qwen2ForCausalLM"):
+        ModelConfig(architecture="Qwen2ForCausalLM", hidden_size=32, intermediate_size=48,
+                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                    vocab_size=64, max_position_embeddings=64, qkv_bias=True, o_proj_bias=True)
+
+
+def test_llama_attention_bias_checkpoint_loads_its_o_proj_bias(tmp_path):
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, attention_bias=True)).save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    hf = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.self_attn.o_proj.bias"
+    assert torch.equal(model.get_parameter(name), hf[name])

@@ -70,8 +70,14 @@ def _qwen2_config() -> transformers.Qwen2Config:
     return transformers.Qwen2Config(**COMMON, rope_theta=10000.0, tie_word_embeddings=True)
 
 
+def _llama_attention_bias_config() -> transformers.LlamaConfig:
+    # attention_bias gives q, k, v *and* o_proj a bias in transformers' Llama.
+    return transformers.LlamaConfig(**COMMON, rope_theta=10000.0, attention_bias=True)
+
+
 FAMILIES = {
     "llama": (transformers.LlamaForCausalLM, _llama_config),
+    "llama-attention-bias": (transformers.LlamaForCausalLM, _llama_attention_bias_config),
     "qwen2": (transformers.Qwen2ForCausalLM, _qwen2_config),
 }
 

@@ -12,11 +12,13 @@ replay. Importing this module imports ``triton``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from sgl_piecewise.backends.base import BackendUnavailableError
 from sgl_piecewise.backends.metadata import (
     LengthMetadata,
     StaticBuffers,
@@ -35,6 +37,7 @@ from sgl_piecewise.backends.triton_kernels import (
     extend_attention,
     grid_kv_splits,
 )
+from sgl_piecewise.backends.triton_kernels.decode import _INTERPRETED
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode
@@ -57,6 +60,20 @@ def _is_decode_step(mode: ForwardMode) -> bool:
     return mode.is_decode() or mode.is_idle()
 
 
+def _check_kernels_can_run_on(device: torch.device) -> None:
+    # Without the interpreter Triton fails at the first launch on CPU tensors,
+    # deep inside its driver lookup ("0 active drivers"); say why here instead.
+    if device.type != "cpu" or _INTERPRETED:
+        return
+    now = os.environ.get("TRITON_INTERPRET")
+    raise BackendUnavailableError(
+        f"triton backend over a {device.type} KV pool: expected TRITON_INTERPRET=1 set in the environment "
+        f"before the Triton kernels are imported (or a CUDA device), got kernels imported without it "
+        f"(TRITON_INTERPRET is {'unset' if now is None else repr(now)} now); set it before importing "
+        f"sgl_piecewise, or put the pools on a CUDA device"
+    )
+
+
 class TritonBackend(StaticGraphBackend):
     """Triton kernels behind the capture/replay contract.
 
@@ -73,6 +90,7 @@ class TritonBackend(StaticGraphBackend):
     def __init__(self, req_to_token_pool, kv_pool, num_q_heads: Optional[int] = None,
                  *, max_kv_splits: int = DEFAULT_MAX_KV_SPLITS):
         super().__init__(req_to_token_pool, kv_pool, num_q_heads)
+        _check_kernels_can_run_on(kv_pool.device)
         if not isinstance(num_q_heads, int) or num_q_heads <= 0 or num_q_heads % kv_pool.num_kv_heads:
             raise InvalidInputError(
                 f"num_q_heads: expected a positive multiple of the pool's {kv_pool.num_kv_heads} "

@@ -71,6 +71,8 @@ class ModelConfig:
     rope_scaling: Optional[Llama3RopeScaling] = None
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    # Llama's `attention_bias` biases o_proj as well as q/k/v; Qwen2 biases q/k/v only.
+    o_proj_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -118,6 +120,10 @@ class ModelConfig:
                 "qkv_bias: expected True for Qwen2ForCausalLM (Qwen2 always has q/k/v bias), "
                 "got False"
             )
+        if self.architecture == "Qwen2ForCausalLM" and self.o_proj_bias:
+            raise InvalidInputError(
+                "o_proj_bias: expected False for Qwen2ForCausalLM (Qwen2 has no o_proj bias), got True"
+            )
 
     @property
     def q_size(self) -> int:
@@ -144,7 +150,7 @@ class ModelConfig:
         missing = [k for k in required if k not in d]
         if missing:
             raise InvalidInputError(f"config.json: expected keys {missing}, got none of them")
-        qkv_bias = architecture == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False))
+        llama_bias = architecture == "LlamaForCausalLM" and bool(d.get("attention_bias", False))
         return cls(
             architecture=architecture,
             hidden_size=d["hidden_size"],
@@ -159,7 +165,8 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
+            qkv_bias=architecture == "Qwen2ForCausalLM" or llama_bias,
+            o_proj_bias=llama_bias,
         )
 
     @classmethod
@@ -170,8 +177,22 @@ class ModelConfig:
                 f"model_dir: expected a Hugging Face checkpoint directory with config.json, "
                 f"got {os.fspath(model_dir)!r} without it"
             )
+        return cls.from_hf_dict(read_json_object(path))
+
+
+def read_json_object(path: str) -> dict:
+    """The JSON object in the file at ``path``; an error names the file and the fault."""
+    label = f"{os.path.basename(path)} at {path}"
+    try:
         with open(path, encoding="utf-8") as f:
-            return cls.from_hf_dict(json.load(f))
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"{label}: expected valid JSON, got {exc}") from exc
+    if not isinstance(value, dict):
+        raise InvalidInputError(
+            f"{label}: expected a JSON object at the top level, got {type(value).__name__}"
+        )
+    return value
 
 
 def _architecture(d: Mapping[str, Any]) -> str:

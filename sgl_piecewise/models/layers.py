@@ -151,7 +151,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(
             h, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype, device=device
         )
-        self.o_proj = Linear(self.q_size, h, bias=False, dtype=dtype, device=device)
+        self.o_proj = Linear(self.q_size, h, bias=config.o_proj_bias, dtype=dtype, device=device)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding

@@ -18,9 +18,9 @@ from importlib import resources
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
-from sgl_piecewise.models.config import ModelConfig
+from sgl_piecewise.models.config import ModelConfig, read_json_object
 from sgl_piecewise.models.layers import RMSNorm
 from sgl_piecewise.models.llama import LlamaForCausalLM
 from sgl_piecewise.models.qwen2 import Qwen2ForCausalLM
@@ -74,6 +74,8 @@ def hf_weight_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
                 p + "self_attn.k_proj.bias": (kv,),
                 p + "self_attn.v_proj.bias": (kv,),
             })
+        if config.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
     return shapes
 
 
@@ -131,9 +133,8 @@ def checkpoint_files(model_dir: str) -> List[str]:
     """The safetensors files of a checkpoint: from the shard index, else every file."""
     index_path = os.path.join(model_dir, INDEX_FILE)
     if os.path.isfile(index_path):
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        weight_map = _index_weight_map(index_path)
+        files = sorted({_shard_path(model_dir, index_path, s, t) for t, s in weight_map.items()})
         absent = [p for p in files if not os.path.isfile(p)]
         if absent:
             raise InvalidInputError(
@@ -148,17 +149,62 @@ def checkpoint_files(model_dir: str) -> List[str]:
     return files
 
 
+def _index_weight_map(index_path: str) -> dict:
+    index = read_json_object(index_path)
+    weight_map = index.get("weight_map")
+    if isinstance(weight_map, dict) and weight_map:
+        return weight_map
+    if "weight_map" not in index:
+        got = 'no "weight_map"'
+    else:
+        got = "an empty one" if weight_map == {} else type(weight_map).__name__
+    raise InvalidInputError(
+        f'{INDEX_FILE} at {index_path}: expected a non-empty "weight_map" object of '
+        f"tensor name -> shard file, got {got}"
+    )
+
+
+def _shard_path(model_dir: str, index_path: str, shard: object, tensor: str) -> str:
+    """``shard`` joined to ``model_dir``, refused if it leads out of it.
+
+    The folders on the way are resolved (a linked folder may lead out) but not
+    the file itself: the Hugging Face cache keeps every file of a checkpoint as
+    a link into a shared blobs folder outside it.
+    """
+    root = os.path.realpath(model_dir)
+    if isinstance(shard, str) and shard and not os.path.isabs(shard):
+        parent, name = os.path.split(os.path.join(model_dir, shard))
+        folder = os.path.realpath(parent)
+        if name not in ("", ".", "..") and os.path.commonpath([root, folder]) == root:
+            return os.path.join(folder, name)
+    raise InvalidInputError(
+        f"{INDEX_FILE} at {index_path}: expected shard files inside {model_dir}, got {shard!r} "
+        f"for {tensor}; keep every shard in the checkpoint directory"
+    )
+
+
 def read_safetensors(files: Iterable[str]) -> Dict[str, torch.Tensor]:
     tensors: Dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                if name in tensors:
-                    raise InvalidInputError(
-                        f"{name}: expected in one shard, got it twice (in {path})"
-                    )
-                tensors[name] = f.get_tensor(name)
+        for name, tensor in _read_safetensors_file(path).items():
+            if name in tensors:
+                raise InvalidInputError(
+                    f"{name}: expected in one shard, got it twice (in {path})"
+                )
+            tensors[name] = tensor
     return tensors
+
+
+def _read_safetensors_file(path: str) -> dict[str, torch.Tensor]:
+    # The reader's own errors do not say which file (of many shards) is bad.
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not iterable)
+    except SafetensorError as exc:
+        raise InvalidInputError(
+            f"{os.path.basename(path)} at {path}: expected a readable safetensors file, got {exc}; "
+            "re-download or re-save it"
+        ) from exc
 
 
 def load_model(
