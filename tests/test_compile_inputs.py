@@ -141,3 +141,22 @@ def test_capture_larger_than_the_request_table_can_hold_names_the_fix():
     with pytest.raises(InvalidInputError, match="expected room for 2 requests of at most 256 tokens, got 1 free"):
         PiecewiseCudaGraphRunner(runner, options).capture(progress=False)
     assert runner.req_to_token_pool.available == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["eager-pieces", "reduce-overhead"])
+def test_gpu_two_models_of_one_architecture_each_give_their_own_eager_tokens(how):
+    """Real CUDA graphs, fp32: the second model's steps must not replay
+    graphs that read the first model's weights."""
+    config = dataclasses.replace(small_config(), head_dim=64, hidden_size=256)
+    for seed in (1, 2):
+        model = build_random_model(config, device="cuda", seed=seed, std=0.2)
+        runner = ModelRunner(model, max_reqs=2, max_context_len=64, backend="torch")
+        want = runner.generate(PROMPTS, 8)
+        if how == "reduce-overhead":
+            runner.model_forward = torch.compile(model, backend="sgl_piecewise", mode="reduce-overhead")
+        else:
+            runner.model_forward = compiled_by_name(
+                model, {"cudagraphs": True, "capture_sizes": [2, 8], "piece_compiler": "eager"}
+            )
+        assert runner.generate(PROMPTS, 8) == want, f"model {seed}"
