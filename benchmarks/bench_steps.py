@@ -26,8 +26,9 @@ import torch._dynamo
 import sgl_piecewise as sp
 from sgl_piecewise.backends.registry import create_backend
 from sgl_piecewise.compile import CompileOptions, counters
-from sgl_piecewise.compile.cuda_graph_runner import CudaGraphRunner
-from sgl_piecewise.compile.piecewise_runner import CompiledModel, PiecewiseCudaGraphRunner
+from sgl_piecewise.runners.whole_model import CudaGraphRunner
+from sgl_piecewise.compile import CompiledModel
+from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.testing import place_requests, release_batch

@@ -15,7 +15,7 @@ import torch
 
 import sgl_piecewise as sp
 from sgl_piecewise.compile import CompileOptions
-from sgl_piecewise.compile.piecewise_runner import PiecewiseCudaGraphRunner
+from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 
 from bench_steps import QWEN_05B, build, cuda_median_ms, make_batch, step_fn  # noqa: E402
 

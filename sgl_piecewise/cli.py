@@ -94,9 +94,10 @@ def _prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> List[Li
 
 
 def _run_mode(mode: str, model, args, prompts) -> ModeResult:
-    from sgl_piecewise.compile.cuda_graph_runner import CudaGraphRunner
+    from sgl_piecewise.runners.whole_model import CudaGraphRunner
     from sgl_piecewise.compile.options import CompileOptions
-    from sgl_piecewise.compile.piecewise_runner import CompiledModel, PiecewiseCudaGraphRunner
+    from sgl_piecewise.compile import CompiledModel
+    from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
     from sgl_piecewise.runner import ModelRunner
 
     context = max(len(p) for p in prompts) + args.new_tokens

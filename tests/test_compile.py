@@ -9,7 +9,8 @@ import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.compile import CompileOptions, counters, default_capture_sizes, register_splitting_op
 from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StepState
-from sgl_piecewise.compile.piecewise_runner import CompiledModel, PiecewiseCudaGraphRunner
+from sgl_piecewise.compile import CompiledModel
+from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 from sgl_piecewise.compile.split import split_graph, to_out_variant
 from sgl_piecewise.errors import InvalidInputError, SglPiecewiseError
 from sgl_piecewise.models import ModelConfig, build_random_model
@@ -226,7 +227,7 @@ def test_functional_attention_becomes_the_out_variant():
 def test_capture_freezes_gc_even_if_others_froze_first_and_nests():
     import gc
 
-    from sgl_piecewise.compile.piece_graphs import frozen_gc
+    from sgl_piecewise.runners.capture import frozen_gc
 
     gc.freeze()  # someone else's freeze (Inductor's compile-worker pool does this)
     try:
@@ -247,7 +248,7 @@ def test_capture_freezes_gc_even_if_others_froze_first_and_nests():
 def test_capture_thaws_on_exit_what_it_froze_when_nothing_was_frozen_before():
     import gc
 
-    from sgl_piecewise.compile.piece_graphs import frozen_gc
+    from sgl_piecewise.runners.capture import frozen_gc
 
     gc.unfreeze()
     assert gc.get_freeze_count() == 0

@@ -7,7 +7,7 @@ import torch
 import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.compile import CompileOptions, counters
-from sgl_piecewise.compile.piecewise_runner import CompiledModel
+from sgl_piecewise.compile import CompiledModel
 from sgl_piecewise.models import build_random_model, default_config
 from sgl_piecewise.testing import random_batch
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from sgl_piecewise.compile import CompileOptions, counters
-from sgl_piecewise.compile.piecewise_runner import PiecewiseCudaGraphRunner, mark_token_axis
+from sgl_piecewise.compile import mark_token_axis
+from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models import build_random_model, default_config
 from sgl_piecewise.runner import ModelRunner

@@ -10,11 +10,11 @@ import pytest
 
 from sgl_piecewise.backends import create_backend
 from sgl_piecewise.cli import main
-from sgl_piecewise.compile.cuda_graph_runner import CudaGraphRunner
+from sgl_piecewise.runners.whole_model import CudaGraphRunner
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models import build_random_model
 from sgl_piecewise.verify import verify
-from test_cuda_graph_runner import CONFIG
+from test_whole_model_runner import CONFIG
 
 
 def _verify(**kw):

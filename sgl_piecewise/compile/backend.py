@@ -27,11 +27,12 @@ import torch.fx
 from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
-from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StepState, frozen_gc
-from sgl_piecewise.compile.registry import CudaGraphBufferRegistry, FillContext, PaddingPolicy
+from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StepState
 from sgl_piecewise.compile.split import bypass_dispatcher, split_graph, to_out_variant
 from sgl_piecewise.compile.token_axis import TokenAxis, find_token_axis
 from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.runners.buffer_registry import CudaGraphBufferRegistry, FillContext, PaddingPolicy
+from sgl_piecewise.runners.capture import frozen_gc, shared_capture
 
 logger = logging.getLogger("sgl_piecewise.compile")
 
@@ -137,8 +138,7 @@ class PiecewiseModule:
         self.graph_sets: Dict[Tuple[int, ...], int] = {}
         self.captured: Set[Tuple[int, int]] = set()  # (graph set, size)
         if self.state.use_cuda and self.graphs_reason is None:
-            self.state.pool = torch.cuda.graph_pool_handle()
-            self.state.capture_stream = torch.cuda.Stream()
+            self.state.capture = shared_capture(device)
 
     # ---- set-up -----------------------------------------------------------
     @staticmethod

@@ -14,19 +14,16 @@ Who owns what:
 
 Steps for one size (driven by ``StepState.phase``, set by the top level):
 WARMUP runs the compiled piece (first runs compile kernels and create
-handles, which must not happen while capturing); CAPTURE records the graph on
-a side stream into the shared pool and replays it at once, so this call's
-outputs are real (capture alone executes nothing, and eager attention reads
-them next); REPLAY replays. On a machine without CUDA, capture is a
+handles, which must not happen while capturing); CAPTURE records the graph
+through the capture core (``runners/capture.py``: its stream, its pool) and
+replays it at once, so this call's outputs are real (capture alone executes
+nothing, and eager attention reads them next); REPLAY replays. On a machine without CUDA, capture is a
 pass-through: the entry is recorded and "replay" runs the compiled piece.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import gc
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -34,6 +31,7 @@ import torch
 
 from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.errors import SglPiecewiseError
+from sgl_piecewise.runners.capture import GraphCapture
 
 
 class Phase(enum.Enum):
@@ -55,62 +53,7 @@ class StepState:
     graph_set: int = 0
     use_cuda: bool = False
     debug_checks: bool = False
-    pool: Any = None  # CUDA graph memory pool shared by all pieces and sizes
-    capture_stream: Optional[torch.cuda.Stream] = None
-
-
-class _GcFreeze:
-    """Python's gc frozen while capturing: a collection during capture would
-    walk every live object (SGLang measured capture 2.3-3.7x faster frozen).
-
-    Nests by its own depth count, not ``gc.get_freeze_count()``: other code
-    (Inductor's compile-worker pool, or the caller) freezes objects too, and
-    that must not make a capture skip its freeze. The outermost exit thaws
-    only if nothing was frozen when the outermost entry froze: ``gc`` cannot
-    thaw some objects and not others, and thawing what the caller froze
-    would undo the caller's freeze (the objects the capture froze then stay
-    frozen with the caller's, as if the caller had frozen them).
-    """
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.thaw_on_exit = False
-        self.lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def __call__(self, collect_first: bool = False):
-        with self.lock:
-            self.depth += 1
-            if self.depth == 1:
-                self.thaw_on_exit = gc.get_freeze_count() == 0
-                if collect_first:
-                    gc.collect()
-                gc.freeze()
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.depth -= 1
-                if self.depth == 0 and self.thaw_on_exit:
-                    gc.unfreeze()
-
-
-frozen_gc = _GcFreeze()
-
-
-def cublas_workspaces_into_pool() -> None:
-    """Call right before a capture: frees cuBLAS's workspaces, so the capture
-    allocates them again, inside its private pool.
-
-    A workspace allocated outside the pool (by the warm-up run) would be
-    baked into the graph while someone else may free it: torch.compile's
-    reduce-overhead (cudagraph trees) clears every cuBLAS workspace before it
-    records. The graph's matmuls then write their scratch into memory other
-    tensors own (on an H200: an illegal address, after a reduce-overhead
-    compile in the same process). Inside the pool the memory stays reserved
-    for as long as the graphs live.
-    """
-    torch._C._cuda_clearCublasWorkspaces()
+    capture: Optional[GraphCapture] = None  # pool and capture stream (CUDA only)
 
 
 def _non_owning_alias(t: torch.Tensor) -> torch.Tensor:
@@ -178,19 +121,7 @@ class PieceGraphs:
         return out
 
     def _capture_cuda_graph(self, entry: _Entry, args: Tuple[Any, ...]) -> Any:
-        state = self.state
-        stream = state.capture_stream
-        graph = torch.cuda.CUDAGraph()
-        # The capture stream must see the eager work (attention) issued so far.
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            cublas_workspaces_into_pool()
-            graph.capture_begin(pool=state.pool)
-            try:
-                out = self.compiled(*args)
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream().wait_stream(stream)
+        graph, out = self.state.capture.record(lambda: self.compiled(*args))
         graph.replay()  # capture executed nothing; make this call's outputs real
         entry.graph = graph
         entry.outputs = _map_tensors(_non_owning_alias, out)

@@ -31,16 +31,15 @@ import time
 from typing import Callable, Dict, Optional, Sequence
 
 import torch
-from tqdm import tqdm
 
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.options import default_capture_sizes
-from sgl_piecewise.compile.piece_graphs import cublas_workspaces_into_pool, frozen_gc
-from sgl_piecewise.compile.registry import FillContext
-from sgl_piecewise.compile.registry_factories import build_decode_registry
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
+from sgl_piecewise.runners.buffer_registry import FillContext
+from sgl_piecewise.runners.capture import GraphCapture, shared_capture
+from sgl_piecewise.runners.input_registries import build_decode_registry
 
 # SGLang's default largest decode graph (`--cuda-graph-max-bs` on most cards).
 DEFAULT_MAX_DECODE_BS = 160
@@ -60,12 +59,15 @@ class CudaGraphRunner:
             (default: the runner's model, eager kernels). A compiled model,
             e.g. ``CompiledModel(model, CompileOptions())``, records
             Inductor's fused kernels instead: fewer launches per step.
+        capture: the capture core (pool, stream); default: the process-wide
+            one of the runner's device, shared with every other runner.
     """
 
     mode = ForwardMode.DECODE
 
     def __init__(self, model_runner, capture_bs: Optional[Sequence[int]] = None,
-                 forward: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None):
+                 forward: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                 capture: Optional[GraphCapture] = None):
         backend = model_runner.backend
         if not backend.supports_cuda_graph:
             raise UnsupportedModeError(
@@ -83,7 +85,7 @@ class CudaGraphRunner:
         self._static: Dict[int, ForwardBatch] = {}  # per size: the batch the graph reads
         self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: Dict[int, torch.Tensor] = {}  # per size: hidden [bs, H] in the pool
-        self._pool = None
+        self.capture_core = capture if capture is not None else shared_capture(model_runner.device)
         self.capture_seconds = 0.0
         model_runner.step_graphs = self
 
@@ -91,15 +93,9 @@ class CudaGraphRunner:
     def capture(self, progress: bool = True) -> float:
         """Capture every size, largest first; return the seconds it took."""
         start = time.perf_counter()
-        if self.use_cuda:
-            self._pool = torch.cuda.graph_pool_handle()
-        bar = tqdm(sorted(self.capture_bs, reverse=True), desc="capturing decode graphs",
-                   disable=not progress, unit="bs")  # fmt: skip
-        with frozen_gc(collect_first=True), torch.no_grad():
-            for bs in bar:
+        with torch.no_grad():
+            for bs in self.capture_core.largest_first(self.capture_bs, "capturing decode graphs", "bs", progress):
                 self._capture_one(bs)
-        if self.use_cuda:
-            torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         return self.capture_seconds
 
@@ -111,22 +107,11 @@ class CudaGraphRunner:
             bs, bs, static.req_pool_indices, static.seq_lens, None, self.mode, None
         )
         self._static[bs] = static
-        if not self.use_cuda:
-            counters.graphs_captured += 1
-            return
-        # Warm up on a side stream first: first calls compile kernels and
-        # allocate lazily, neither of which may happen inside a capture.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._run(static)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        cublas_workspaces_into_pool()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-            self._outputs[bs] = self._run(static)
-        self._graphs[bs] = graph
         counters.graphs_captured += 1
+        if not self.use_cuda:
+            return
+        self.capture_core.warmup(lambda: self._run(static))
+        self._graphs[bs], self._outputs[bs] = self.capture_core.record(lambda: self._run(static))
 
     def _no_rows(self) -> Dict[str, torch.Tensor]:
         """Sources of a fill with no real request: zero rows of every slot."""

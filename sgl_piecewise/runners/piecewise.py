@@ -2,9 +2,10 @@
 ``sgl_piecewise`` backend, with every capture size captured up front.
 
 The backend's own wrapper does the capturing (one place, not two); this
-runner only drives it: it marks the token axis dynamic (unbacked, so sizes 0
-and 1 share the graph too), and calls the compiled model once per capture
-size, largest first — so smaller sizes reuse the pool memory the largest one
+runner only drives it: it compiles with the token axis marked dynamic
+(unbacked, so sizes 0 and 1 share the graph too), and calls the compiled
+model once per capture size through the capture core (``capture.py``):
+largest first — so smaller sizes reuse the pool memory the largest one
 reserved — with Python's gc frozen and a progress bar.
 """
 
@@ -14,35 +15,13 @@ import time
 from typing import Any, Optional
 
 import torch
-from tqdm import tqdm
 
-from sgl_piecewise.compile.backend import SglPiecewiseBackend
+from sgl_piecewise.compile.compiled_model import CompiledModel
 from sgl_piecewise.compile.options import CompileOptions
-from sgl_piecewise.compile.piece_graphs import frozen_gc
 from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.runners.capture import shared_capture
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
 from sgl_piecewise.memory import DUMMY_SLOT
-
-
-def mark_token_axis(*tensors: torch.Tensor) -> None:
-    """Make dim 0 dynamic for Dynamo without 0/1 specialisation (no recompile at 1 token)."""
-    for t in tensors:
-        torch._dynamo.decorators.mark_unbacked(t, 0)
-
-
-class CompiledModel:
-    """``torch.compile(model, backend=sgl_piecewise)`` with the token axis marked."""
-
-    def __init__(self, model: torch.nn.Module, options: CompileOptions):
-        self.backend = SglPiecewiseBackend(options)
-        self.compiled = torch.compile(model, backend=self.backend, fullgraph=True)
-        self._marked = False
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
-        if not self._marked:
-            mark_token_axis(input_ids, positions)
-            self._marked = True
-        return self.compiled(input_ids, positions)
 
 
 class PiecewiseCudaGraphRunner:
@@ -62,20 +41,14 @@ class PiecewiseCudaGraphRunner:
         which includes Dynamo's trace and the piece compiles.
         """
         start = time.perf_counter()
-        sizes = sorted(self.options.capture_sizes, reverse=True)
-        bar = tqdm(sizes, desc="capturing piecewise graphs", disable=not progress, unit="size")
-        with frozen_gc(collect_first=True):
-            for i, size in enumerate(bar):
-                self._dummy_forward(size)
-                if i == 0:
-                    self._sync()
-                    self.first_size_seconds = time.perf_counter() - start
-        self._sync()
+        core = shared_capture(self.model_runner.device)
+        sizes = core.largest_first(self.options.capture_sizes, "capturing piecewise graphs", "size", progress)
+        for i, size in enumerate(sizes):
+            self._dummy_forward(size)
+            if i == 0:
+                core.synchronize()
+                self.first_size_seconds = time.perf_counter() - start
         return time.perf_counter() - start
-
-    def _sync(self) -> None:
-        if self.model_runner.device.type == "cuda":
-            torch.cuda.synchronize()
 
     @torch.no_grad()
     def _dummy_forward(self, num_tokens: int) -> None:

@@ -42,7 +42,7 @@ from typing import Union
 import torch
 
 from sgl_piecewise.checks import check_positive_int, check_tensor, same_device
-from sgl_piecewise.compile.graph_slot import (  # noqa: F401 (AXES, check_count: re-exported)
+from sgl_piecewise.runners.graph_slot import (  # noqa: F401 (AXES, check_count: re-exported)
     AXES,
     FillContext,
     GraphSlot,
@@ -59,7 +59,7 @@ from sgl_piecewise.compile.graph_slot import (  # noqa: F401 (AXES, check_count:
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sgl_piecewise.compile.registry_factories import SharedBufferPool
+    from sgl_piecewise.runners.input_registries import SharedBufferPool
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ Every fill draws fresh random data; "tail" is rows ``[raw, padded)``.
 import pytest
 import torch
 
-from sgl_piecewise.compile.registry import FillContext
-from sgl_piecewise.compile.registry_factories import (
+from sgl_piecewise.runners.buffer_registry import FillContext
+from sgl_piecewise.runners.input_registries import (
     SharedBufferPool,
     build_decode_registry,
     build_prefill_registry,
@@ -19,7 +19,7 @@ from sgl_piecewise.compile.registry_factories import (
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
 from sgl_piecewise.memory import DUMMY_SLOT, KVPool, ReqToTokenPool
 from sgl_piecewise.testing import place_requests
-from test_registry import I32, I64, MAX_BS, MAX_TOKENS, P, _decode_sources, bad, decode_, rand, reg_, slot_
+from test_buffer_registry import I32, I64, MAX_BS, MAX_TOKENS, P, _decode_sources, bad, decode_, rand, reg_, slot_
 
 
 # ---- shared pool -------------------------------------------------------------

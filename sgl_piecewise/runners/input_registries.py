@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 
 from sgl_piecewise.checks import check_positive_int
-from sgl_piecewise.compile.registry import (
+from sgl_piecewise.runners.buffer_registry import (
     CudaGraphBufferRegistry,
     FillContext,
     GraphSlot,

@@ -13,13 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_piecewise.compile.registry import (
+from sgl_piecewise.runners.buffer_registry import (
     CudaGraphBufferRegistry,
     FillContext,
     MissingSource,
     PaddingPolicy,
 )
-from sgl_piecewise.compile.registry_factories import build_decode_registry
+from sgl_piecewise.runners.input_registries import build_decode_registry
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 
 P = PaddingPolicy
@@ -349,7 +349,7 @@ def test_foreach_failure_falls_back_to_per_tensor_copies(monkeypatch, caplog):
     monkeypatch.setattr(torch, "_foreach_copy_", broken)
     reg = decode_()
     sources = _decode_sources(3)
-    with caplog.at_level(logging.DEBUG, logger="sgl_piecewise.compile.registry"):
+    with caplog.at_level(logging.DEBUG, logger="sgl_piecewise.runners.buffer_registry"):
         reg.fill_from(sources, FillContext.uniform(3, 4))
         reg.fill_from(sources, FillContext.uniform(3, 4))
     for name in ("input_ids", "seq_lens", "out_cache_loc"):
