@@ -223,6 +223,9 @@ def token_positions(prefix_lens: torch.Tensor, extend_lens: torch.Tensor) -> tor
 class ForwardContext:
     batch: ForwardBatch
     backend: "AttentionBackend"
+    debug_checks: bool = False  # check every attention call's arguments, not the step's first only
+    num_tokens: int = 0  # the batch's real tokens, summed once per step
+    args_checked: bool = False  # an attention call of this step has had its arguments checked
 
 
 _local = threading.local()
@@ -244,14 +247,16 @@ def forward_context(
     ``check``: validate ``batch`` against the backend's pools first
     (``batch_checks.check_batch``; ``debug_checks`` adds the device-side
     checks). Runners that validated the batch already, or that run their own
-    padded static batches, pass ``check=False``.
+    padded static batches, pass ``check=False``. ``debug_checks`` also makes
+    the attention between compiled pieces check its arguments at every layer
+    (otherwise at the step's first layer: the rest share its shapes).
     """
     if check:
         from sgl_piecewise.batch_checks import check_batch  # imports this module
 
         check_batch(batch, backend.req_to_token_pool, backend.kv_pool, debug_checks=debug_checks)
     stack = _stack()
-    ctx = ForwardContext(batch, backend)
+    ctx = ForwardContext(batch, backend, debug_checks, batch.num_tokens)
     stack.append(ctx)
     try:
         yield ctx

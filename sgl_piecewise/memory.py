@@ -247,11 +247,6 @@ class KVPool:
         self.k_buffers[layer_id].index_copy_(0, loc, k)
         self.v_buffers[layer_id].index_copy_(0, loc, v)
 
-    def check_kv_rows(self, name: str, t: torch.Tensor, num_tokens: int | None = None) -> None:
-        check_tensor(
-            name,
-            t,
-            shape=(num_tokens, self.num_kv_heads, self.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+    def check_kv_rows(self, name: str, t: torch.Tensor) -> None:
+        """``t`` is ``[*, num_kv_heads, head_dim]`` rows of this pool's dtype and device."""
+        check_tensor(name, t, shape=(None, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)

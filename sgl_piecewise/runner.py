@@ -13,6 +13,7 @@ metadata and replays the step when a captured graph fits the batch.
 from __future__ import annotations
 
 import collections
+import logging
 import numbers
 import time
 from typing import Callable, Deque, List, NamedTuple, Optional, Protocol, Sequence, Union
@@ -30,10 +31,14 @@ from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
 from sgl_piecewise.memory import KVPool, ReqToTokenPool, allocate_requests
 
 BackendFactory = Callable[[ReqToTokenPool, KVPool], AttentionBackend]
+logger = logging.getLogger("sgl_piecewise")
 
 # Below this many decode steps a run finishes in moments, and a progress bar
 # would only clutter the output (``progress=None`` means "decide from this").
 AUTO_PROGRESS_MIN_STEPS = 128
+# KV pool budget when neither num_slots nor kv_cache_gib is given.
+DEFAULT_KV_FREE_FRACTION = 0.3  # of the CUDA device's free memory at construction
+DEFAULT_CPU_KV_GIB = 1.0
 # step_stats keeps the most recent steps only: a long-lived runner must not
 # grow by one entry per step forever.
 STEP_STATS_MAXLEN = 4096
@@ -59,10 +64,15 @@ class ModelRunner:
     ``model`` is a model of ``sgl_piecewise.models`` (or anything with
     ``config``, ``forward(input_ids, positions)`` and ``compute_logits``). The
     KV pool takes the dtype and device of the model's parameters.
-    ``num_slots`` defaults to ``max_reqs * max_context_len`` (every request
-    can reach full length); ``max_context_len`` defaults to the model's
-    ``max_position_embeddings`` and may not exceed it (the rotary cache ends
-    there).
+    ``max_context_len`` defaults to the model's ``max_position_embeddings``
+    and may not exceed it (the rotary cache ends there).
+
+    KV pool size: ``num_slots`` (tokens of K/V over all layers), or a memory
+    budget ``kv_cache_gib``; by default ``DEFAULT_KV_FREE_FRACTION`` of the
+    free memory of a CUDA device, ``DEFAULT_CPU_KV_GIB`` on the CPU. A budget
+    never takes more than ``max_reqs * max_context_len`` slots (every request
+    at full length). The size taken is logged (logger ``sgl_piecewise``);
+    requests that do not fit are refused before anything is allocated.
     """
 
     def __init__(
@@ -72,6 +82,7 @@ class ModelRunner:
         max_reqs: int = 8,
         max_context_len: Optional[int] = None,
         num_slots: Optional[int] = None,
+        kv_cache_gib: Optional[float] = None,
         backend: Union[str, BackendFactory] = ReferenceBackend,
         debug_checks: bool = False,
     ):
@@ -85,11 +96,11 @@ class ModelRunner:
                 f"({config.max_position_embeddings}), got {max_context_len}"
             )
         check_positive_int("max_reqs", max_reqs)
-        num_slots = max_reqs * max_context_len if num_slots is None else num_slots
         param = next(model.parameters())
         self.model = model
         self.config = config
         self.device, self.dtype = param.device, param.dtype
+        num_slots = self._kv_slots(num_slots, kv_cache_gib, max_reqs, max_context_len)
         self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context_len, self.device)
         self.kv_pool = KVPool(
             num_slots,
@@ -109,6 +120,46 @@ class ModelRunner:
     def max_context_len(self) -> int:
         return self.req_to_token_pool.max_context_len
 
+    @property
+    def kv_bytes_per_slot(self) -> int:
+        """K and V of one token over every layer."""
+        c = self.config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+
+    def _kv_slots(self, num_slots: Optional[int], kv_cache_gib: Optional[float], max_reqs: int, context: int) -> int:
+        """The KV pool's slot count: given, or what the memory budget holds
+        (at most every request at full length)."""
+        if num_slots is not None:
+            if kv_cache_gib is not None:
+                raise InvalidInputError(
+                    f"expected num_slots or kv_cache_gib, got both ({num_slots}, {kv_cache_gib})"
+                )
+            return check_positive_int("num_slots", num_slots)
+        budget, source = self._kv_budget(kv_cache_gib)
+        full = max_reqs * context
+        slots = min(full, int(budget // self.kv_bytes_per_slot))
+        if slots < 1:
+            raise InvalidInputError(
+                f"KV budget: expected room for at least one token ({self.kv_bytes_per_slot} bytes), "
+                f"got {budget / 2**30:.3g} GiB ({source})"
+            )
+        logger.info(
+            "KV pool: %d slots, %.2f GiB (budget: %s; %d requests at %d tokens would need %d slots)",
+            slots, slots * self.kv_bytes_per_slot / 2**30, source, max_reqs, context, full,
+        )  # fmt: skip
+        return slots
+
+    def _kv_budget(self, kv_cache_gib: Optional[float]) -> tuple[float, str]:
+        """``(bytes, where the figure comes from)``."""
+        if kv_cache_gib is not None:
+            if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, (int, float)) or not kv_cache_gib > 0:
+                raise InvalidInputError(f"kv_cache_gib: expected a positive number, got {kv_cache_gib!r}")
+            return kv_cache_gib * 2**30, f"kv_cache_gib={kv_cache_gib}"
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return free * DEFAULT_KV_FREE_FRACTION, f"{DEFAULT_KV_FREE_FRACTION:.0%} of the {free / 2**30:.1f} GiB free"
+        return DEFAULT_CPU_KV_GIB * 2**30, f"default {DEFAULT_CPU_KV_GIB} GiB on {self.device.type}"
+
     @torch.no_grad()
     def forward_step(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step; return ``[bs, vocab]`` float32 logits of each request's last new token."""
@@ -117,7 +168,7 @@ class ModelRunner:
         hidden = self.step_graphs.try_replay(batch) if self.step_graphs is not None else None
         if hidden is None:
             self.backend.init_forward_metadata(batch)
-            with forward_context(batch, self.backend, check=False):
+            with forward_context(batch, self.backend, check=False, debug_checks=self.debug_checks):
                 hidden = self.model_forward(batch.input_ids, batch.positions)  # [T, H]
         logits = self.last_token_logits(hidden, batch)
         if self.device.type == "cuda":

@@ -194,3 +194,17 @@ def test_a_scale_that_is_not_a_number_is_refused(setup):
     batch, backend = setup
     with forward_context(batch, backend), pytest.raises(InvalidTypeError, match="scale: expected a float or None"):
         unified_attention(*qkv(batch.num_tokens), layer_id=0, scale="0.1")
+
+
+def test_attention_between_pieces_checks_the_first_call_of_a_step_and_every_call_under_debug(setup):
+    from sgl_piecewise.ops.attention import attention_with_output_direct
+
+    batch, backend = setup
+    q, k, v = qkv(batch.num_tokens)
+    out = torch.empty_like(q)
+    with forward_context(batch, backend), pytest.raises(InvalidInputError, match="output: expected shape"):
+        attention_with_output_direct(q, k, v, torch.empty(1, HQ, D), 0)
+    with forward_context(batch, backend, debug_checks=True):
+        attention_with_output_direct(q, k, v, out, 0)  # the step's first call
+        with pytest.raises(InvalidInputError, match="output: expected shape"):
+            attention_with_output_direct(q, k, v, torch.empty(1, HQ, D), 1)

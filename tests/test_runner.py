@@ -228,3 +228,34 @@ def test_step_stats_keep_only_the_most_recent_steps(model, monkeypatch):
     runner.generate(_prompts([3]), 8)  # 8 steps: 1 EXTEND, 7 DECODE
     assert len(runner.step_stats) == 5
     assert [s.mode for s in runner.step_stats] == ["DECODE"] * 5
+
+
+def test_kv_pool_is_sized_from_a_memory_budget_and_the_size_is_logged(model, caplog):
+    per_slot = 2 * CONFIG.num_hidden_layers * CONFIG.num_key_value_heads * CONFIG.head_dim * 4  # fp32 K and V
+    with caplog.at_level("INFO", logger="sgl_piecewise"):
+        runner = _runner(model, kv_cache_gib=100 * per_slot / 2**30)
+    assert runner.kv_pool.num_slots == 100
+    assert "KV pool: 100 slots" in caplog.text and "kv_cache_gib=" in caplog.text
+
+
+def test_kv_budget_never_takes_more_than_every_request_at_full_length(model):
+    runner = _runner(model, kv_cache_gib=1.0)
+    assert runner.kv_pool.num_slots == 4 * 48  # max_reqs * max_context_len of _runner
+
+
+def test_a_request_that_does_not_fit_the_budget_gets_the_pool_error(model):
+    per_slot = 2 * CONFIG.num_hidden_layers * CONFIG.num_key_value_heads * CONFIG.head_dim * 4
+    runner = _runner(model, kv_cache_gib=10 * per_slot / 2**30)
+    with pytest.raises(KVPoolExhaustedError, match="expected 14 free slots for this run, got 10"):
+        runner.generate(_prompts([10]), 5)
+    assert _pool_state(runner) == (10, 4)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"kv_cache_gib": 1.0, "num_slots": 64}, "expected num_slots or kv_cache_gib, got both"),
+    ({"kv_cache_gib": 0}, "kv_cache_gib: expected a positive number, got 0"),
+    ({"kv_cache_gib": 1e-12}, "KV budget: expected room for at least one token"),
+])
+def test_bad_kv_budgets_are_refused_with_the_reason(model, kwargs, match):
+    with pytest.raises(InvalidInputError, match=match):
+        _runner(model, **kwargs)

@@ -124,8 +124,10 @@ class PiecewiseModule:
         compiler = PieceCompiler(options.piece_compiler, options.share_identical_pieces)
         with fake_mode:
             _CompilePieces(self.split_gm, self.pieces, compiler, self.state).run(*fake)
-        self.graphs_reason = self._graphs_unavailable_reason()
-        self.registry = self._build_registry(example_inputs, device) if self.graphs_reason is None else None
+        # Why graphs are off for this graph although they were asked for (None: they run).
+        self.graphs_reason = self._graphs_unavailable_reason() if options.cudagraphs else None
+        graphs = options.cudagraphs and self.graphs_reason is None
+        self.registry = self._build_registry(example_inputs, device) if graphs else None
         # Graphs bake in the addresses of every static input (weights,
         # buffers). Dynamo hands one compiled graph the weights of any model
         # of the same architecture, so graphs are kept per set of static-input
@@ -137,7 +139,7 @@ class PiecewiseModule:
         )
         self.graph_sets: Dict[Tuple[int, ...], int] = {}
         self.captured: Set[Tuple[int, int]] = set()  # (graph set, size)
-        if self.state.use_cuda and self.graphs_reason is None:
+        if graphs and self.state.use_cuda:
             self.state.capture = shared_capture(device)
 
     # ---- set-up -----------------------------------------------------------
@@ -149,8 +151,6 @@ class PiecewiseModule:
         return torch.device("cpu")
 
     def _graphs_unavailable_reason(self) -> Optional[str]:
-        if not self.options.cudagraphs:
-            return None
         if self.token_axis.unsupported:
             logger.warning("CUDA graphs off for this graph: %s", self.token_axis.unsupported)
             return f"unsupported dynamic shape: {self.token_axis.unsupported}"
@@ -158,9 +158,7 @@ class PiecewiseModule:
             return "no input has a token axis"
         return None
 
-    def _build_registry(self, example_inputs: list, device: torch.device) -> Optional[CudaGraphBufferRegistry]:
-        if not self.options.cudagraphs:
-            return None
+    def _build_registry(self, example_inputs: list, device: torch.device) -> CudaGraphBufferRegistry:
         max_tokens = max(self.options.capture_sizes)
         registry = CudaGraphBufferRegistry(max_bs=1, max_num_tokens=max_tokens, device=device)
         for i in self.token_axis.tensor_inputs:
@@ -181,13 +179,12 @@ class PiecewiseModule:
         if self.graphs_reason is not None:
             counters.fallback(self.graphs_reason)
             return self._run(Phase.RUN, args)
+        # Graphs run only where the token axis is dynamic (graphs_reason), so
+        # every call can be padded to a capture size.
         n = self._num_tokens(args)
-        padded = self.options.padded_size(n) if self.token_axis.is_dynamic else n
+        padded = self.options.padded_size(n)
         if padded is None:
             counters.fallback(f"{n} tokens: above the largest capture size {max(self.options.capture_sizes)}")
-            return self._run(Phase.RUN, args)
-        if not self.token_axis.is_dynamic and padded not in self.options.capture_sizes:
-            counters.fallback(f"static graph of {n} tokens: not a capture size")
             return self._run(Phase.RUN, args)
         padded_args = self._pad(args, n, padded)
         state = self.state

@@ -27,10 +27,6 @@ class TokenAxis:
     tensor_outputs: tuple  # positions of outputs with the token axis at dim 0
     unsupported: Optional[str]  # why graphs cannot pad this graph, if they cannot
 
-    @property
-    def is_dynamic(self) -> bool:
-        return bool(self.tensor_inputs) and self.unsupported is None
-
 
 def _placeholder_values(gm: torch.fx.GraphModule) -> List[object]:
     return [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]

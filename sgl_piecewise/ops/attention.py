@@ -24,7 +24,7 @@ import torch
 
 from sgl_piecewise.checks import check_tensor
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
-from sgl_piecewise.forward import get_forward_context
+from sgl_piecewise.forward import ForwardContext, get_forward_context
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -47,24 +47,30 @@ def _attention_into(
     out: torch.Tensor,
     layer_id: int,
     scale: Optional[float],
+    ctx: Optional[ForwardContext] = None,
 ) -> None:
-    ctx = get_forward_context()
+    ctx = get_forward_context() if ctx is None else ctx
     batch, backend = ctx.batch, ctx.backend
     pool = backend.kv_pool
     pool.check_layer(layer_id)
-    pool.check_kv_rows("k", k)
-    check_tensor("v", v, shape=(None, pool.num_kv_heads, None), dtype=pool.dtype, device=pool.device)
-    n = batch.num_tokens
-    if q.shape[0] < n:
-        raise InvalidInputError(
-            f"q: expected at least the batch's {n} tokens, got {q.shape[0]}; "
-            f"was the forward context entered with the right batch?"
-        )
+    n = ctx.num_tokens
+    if not ctx.args_checked or ctx.debug_checks:
+        _check_against_pool(q, k, v, pool, n)
     if n:
         pool.set_kv(layer_id, batch.out_cache_loc[:n], k[:n], v[:n])
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         backend.forward(q[:n], k[:n], v[:n], out[:n], layer_id, batch, scale)
     out[n:].zero_()
+
+
+def _check_against_pool(q, k, v, pool, num_tokens: int) -> None:
+    pool.check_kv_rows("k", k)
+    check_tensor("v", v, shape=(None, pool.num_kv_heads, None), dtype=pool.dtype, device=pool.device)
+    if q.shape[0] < num_tokens:
+        raise InvalidInputError(
+            f"q: expected at least the batch's {num_tokens} tokens, got {q.shape[0]}; "
+            f"was the forward context entered with the right batch?"
+        )
 
 
 @torch.library.custom_op("sgl_piecewise::unified_attention", mutates_args=())
@@ -106,14 +112,19 @@ def _unified_attention_with_output_fake(q, k, v, output, layer_id, scale=None):
 def attention_with_output_direct(q, k, v, output, layer_id: int, scale: Optional[float] = None) -> None:
     """The out variant's implementation, called without the dispatcher.
 
-    For callers that run attention on real tensors outside any tracing, such
-    as the pieces between CUDA graphs: the dispatcher's autograd and
-    ADInplaceOrView layers do nothing for inference but cost tens of
-    microseconds per call, i.e. per layer per step. Same checks, same work.
+    For the attention between compiled pieces, which runs on real tensors
+    after tracing: the dispatcher's autograd and ADInplaceOrView layers do
+    nothing for inference but cost tens of microseconds per call, i.e. per
+    layer per step. The fake implementation checked the shapes while
+    tracing; here the arguments are checked at the step's first layer (every
+    layer shares those shapes) and at every layer under ``debug_checks``.
     """
-    _check_shapes(q, k, v)
-    _check_output(q, v, output)
-    _attention_into(q, k, v, output, layer_id, scale)
+    ctx = get_forward_context()
+    if not ctx.args_checked or ctx.debug_checks:
+        _check_shapes(q, k, v)
+        _check_output(q, v, output)
+    _attention_into(q, k, v, output, layer_id, scale, ctx)
+    ctx.args_checked = True
 
 
 def _check_output(q: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> None:
