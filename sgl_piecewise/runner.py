@@ -4,7 +4,9 @@ by step; ``generate`` runs greedy decoding for a batch of token-id prompts.
 The runner calls ``self.model_forward(input_ids, positions)`` for the hidden
 states. It starts as the model itself; a caller may replace it with any
 callable of the same signature (a ``torch.compile``d model, a graph runner)
-and every step goes through it, with the batch's forward context entered.
+and every step goes through it, with the batch's forward context entered and
+the inputs' token axis marked dynamic (``compile.mark_token_axis``), so a
+``torch.compile``d model traces once for every token count.
 A whole-step graph runner (``compile.cuda_graph_runner.CudaGraphRunner``)
 installs itself as ``step_graphs`` instead: it prepares the attention
 metadata and replays the step when a captured graph fits the batch.
@@ -26,6 +28,7 @@ from sgl_piecewise.backends.reference import ReferenceBackend
 from sgl_piecewise.backends.registry import backend_names, create_backend
 from sgl_piecewise.batch_checks import check_batch
 from sgl_piecewise.checks import check_positive_int
+from sgl_piecewise.compile.compiled_model import mark_token_axis
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, KVPoolExhaustedError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
 from sgl_piecewise.memory import KVPool, ReqToTokenPool, allocate_requests
@@ -168,6 +171,10 @@ class ModelRunner:
         hidden = self.step_graphs.try_replay(batch) if self.step_graphs is not None else None
         if hidden is None:
             self.backend.init_forward_metadata(batch)
+            # A compiled model_forward then traces one graph for every token
+            # count (1 included) from its first call: no recompile, and the
+            # first call's graph already has a token axis to pad for graphs.
+            mark_token_axis(batch.input_ids, batch.positions)
             with forward_context(batch, self.backend, check=False, debug_checks=self.debug_checks):
                 hidden = self.model_forward(batch.input_ids, batch.positions)  # [T, H]
         logits = self.last_token_logits(hidden, batch)
