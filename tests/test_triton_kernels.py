@@ -159,6 +159,17 @@ def test_decode_zero_length_request_outputs_zeros_not_nan():
     assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
+def test_decode_split_whose_keys_all_have_minus_inf_logits_weighs_nothing():
+    # Keys 0-31 (the first of 4 splits) get logit -inf for the heads of kv
+    # head 0: that split has weight sum 0 and must drop out of the merge, not
+    # turn the request into 0/0 = NaN.
+    b = make_batch([1], [100], 4, 2, 32, torch.float32)
+    b.k_cache[b.kv_indices[:32].long(), 0, 0] = float("inf")
+    b.q[0, :2, 0] = -1.0
+    out = run_decode(b, 4, torch.tensor([4], dtype=torch.int32))
+    assert_close(out, decode_reference(b), torch.float32)
+
+
 @pytest.mark.parametrize("head_dim,dv", [(80, 80), (128, 64), (16, 16)])
 def test_decode_handles_non_power_of_two_and_distinct_value_dims(head_dim, dv):
     kv_lens = [7, 70, 130]

@@ -10,6 +10,16 @@ softmax runs in float32. When graphed, ``W`` is the pool's context length and
 
 Eager EXTEND / MIXED / DRAFT_EXTEND use the same math over the ragged layout:
 queries are gathered into ``[bs, S = max_q_len]`` and gathered back.
+
+Non-finite values: a NaN or inf reaches an output row if it is in that row's
+query, in a key or value the row may see, or in the scale. Page-table entries
+past a request's ``kv_len`` point at the dummy slot, stale slots or other
+requests' slots; their logits are masked and their gathered values zeroed, so
+nothing there reaches any row (a weight of 0 alone would not do: 0 * NaN is
+NaN). Values of keys inside the extent but hidden from a row still meet its
+weight 0 in the einsum, so a NaN there is left undefined, as in flash kernels.
+A row whose visible keys all carry weight 0 (none, or every logit -inf) gets
+zeros, as SDPA gives.
 """
 
 from __future__ import annotations
@@ -32,7 +42,9 @@ from sgl_piecewise.backends.metadata import (
 )
 from sgl_piecewise.forward import ForwardBatch, ForwardMode
 
-_MASKED = torch.finfo(torch.float32).min  # finite: a row with no key stays NaN-free
+# Finite, so a row whose visible logits are all -inf (or that sees no key)
+# normalises over its hidden keys instead of 0/0; those weights are then zeroed.
+_MASKED = torch.finfo(torch.float32).min
 
 
 @dataclass
@@ -132,14 +144,22 @@ class TorchGraphBackend(StaticGraphBackend):
         qg = rows.float().view(bs, width, num_kv_heads, group, head_dim)
         keys = k_cache[meta.page_table].float()  # [bs, W, Hkv, D]
         logits = torch.einsum("bshgd,bwhd->bhgsw", qg, keys) * scale
-        logits = logits.masked_fill(~meta.allowed[:, None, None], _MASKED)
-        probs = torch.softmax(logits, dim=-1)
-        vals = v_cache[meta.page_table].float()  # [bs, W, Hkv, Dv]
+        hidden = ~meta.allowed[:, None, None]
+        logits = logits.masked_fill(hidden, _MASKED)
+        probs = torch.softmax(logits, dim=-1).masked_fill_(hidden, 0.0)
+        vals = v_cache[meta.page_table].float()  # [bs, W, Hkv, Dv], a fresh gather
+        vals.masked_fill_(~_key_in_extent(meta, vals.shape[1])[:, :, None, None], 0.0)
         o = torch.einsum("bhgsw,bwhd->bshgd", probs, vals)
         o = o.reshape(bs * width, num_kv_heads * group, vals.shape[-1])
         if meta.token_src is not None:
             o = o.index_select(0, meta.token_src)
         out.copy_(o)
+
+
+def _key_in_extent(meta: TorchGraphMetadata, width: int) -> torch.Tensor:
+    """``[bs, W]`` bool: key ``j`` is one of request ``b``'s own (``j < kv_len``)."""
+    j = torch.arange(width, device=meta.kv_lens.device)
+    return j[None, :] < meta.kv_lens[:, None]
 
 
 def _fill_ragged_rows(meta: TorchGraphMetadata) -> None:

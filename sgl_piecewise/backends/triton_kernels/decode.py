@@ -11,6 +11,11 @@ Stage 2 merges the splits of each (request, query head).
 Graph safety: the grid depends only on ``bs``, head counts and
 ``max_kv_splits``; the per-request split count is read on the device, so one
 captured launch serves every replay. Nothing here synchronises with the host.
+
+A NaN or inf reaches an output row iff it is in the row's query, its
+request's keys or values, or the scale: only the request's own ``kv_indices``
+are loaded, never the dummy slot or another request's. A row whose keys all
+weigh 0 (no key, or every logit -inf) gets zeros, as SDPA gives.
 """
 
 from __future__ import annotations
@@ -136,6 +141,10 @@ def softmax_step(s, m_i, l_i):
     rescales earlier accumulators, and the updated max and sum. A row that
     has seen no visible key keeps m = -inf and is shifted by 0, so it gets
     weights 0 rather than exp2(-inf - -inf) = NaN.
+
+    The sum is exactly 0 until a key carries weight, then >= 1 (the max key
+    adds exp2(0)), and NaN once a logit is NaN: ``tl.maximum`` may drop a NaN
+    (default ``propagate_nan``), but its weight is NaN and the sum keeps it.
     """
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -210,8 +219,10 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, F32X3, UPCAST)
 
     part_off = req * stride_pb + heads[:, None] * stride_ph + split_id * stride_ps
-    tl.store(part_ptr + part_off + offs_dv[None, :], acc / l_i[:, None],
-             mask=mask_h[:, None] & mask_dv[None, :])
+    # Keys that all weigh 0 (logits -inf) store 0, not 0/0: the merge weighs
+    # the split exp(-inf) = 0, and 0 * NaN would still be NaN.
+    part = tl.where(l_i[:, None] == 0, 0.0, acc / l_i[:, None])
+    tl.store(part_ptr + part_off + offs_dv[None, :], part, mask=mask_h[:, None] & mask_dv[None, :])
     # Natural-log LSE of the sm_scale-scaled logits.
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
     tl.store(lse_ptr + req * stride_lb + heads * stride_lh + split_id, lse, mask=mask_h)
@@ -243,13 +254,16 @@ def _decode_reduce_kernel(
             lse = tl.load(lse_base + split_id + tl.zeros([1], dtype=tl.int32))
             part = tl.load(part_base + split_id * stride_ps + offs_dv, mask=mask_dv, other=0.0)
             m_new = tl.maximum(m_i, lse)
-            alpha = tl.exp(m_i - m_new)
-            w = tl.exp(lse - m_new)
+            # lse = -inf (weightless keys): shift by 0, not -inf - -inf = NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            w = tl.exp(lse - m_safe)
             acc = acc * alpha + w * part
             l_i = l_i * alpha + w
             m_i = m_new
-    # A request with no keys has l_i == 0: write zeros, not 0/0.
-    result = tl.where(l_i > 0, acc / tl.maximum(l_i, 1e-30), 0.0)
+    # l_i == 0: no key carried weight, so zeros, not 0/0. Not `l_i > 0`: a NaN
+    # l_i fails that too, and NaN must reach the output (see softmax_step).
+    result = tl.where(l_i == 0, 0.0, acc / l_i)
     tl.store(out_ptr + req * stride_ob + head * stride_oh + offs_dv,
              result.to(out_ptr.dtype.element_ty), mask=mask_dv)
 

@@ -10,7 +10,15 @@ long prefixes (speculative verify, chunked prefill), where K/V reads dominate.
 Visibility: query token ``i`` of a request sits at absolute position
 ``kv_len - q_len + i`` and sees keys ``j <= kv_len - q_len + i`` (causal with
 offset), or, with a custom mask, key ``j`` iff
-``mask[mask_indptr[r] + i * kv_len + j]``. Rows that see no key get zeros.
+``mask[mask_indptr[r] + i * kv_len + j]``. Rows that see no key get zeros
+(given a finite scale: the mask is added before scaling).
+
+Non-finite values: a NaN or inf reaches an output row if it is in that row's
+query, in a key or value the row sees, or in the scale; only the request's own
+``kv_indices`` are loaded, so no slot outside its extent (the dummy slot,
+other requests' slots) can reach it. A key inside the extent but hidden from
+the row shares its tile: a NaN value there meets weight 0, and 0 * NaN is
+NaN, so whether it reaches the row is left undefined.
 
 Graph safety: the grid depends only on ``bs``, the head counts and the static
 ``max_q_len``; programs past a request's rows exit, and nothing synchronises
@@ -146,7 +154,9 @@ def _extend_kernel(
         v = load_rows(v_base, slots, stride_vt, offs_dv, mask_n, mask_dv)
         acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, F32X3, UPCAST)
 
-    result = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    # l_i == 0: no key carried weight, so zeros, not 0/0. Not `l_i > 0`: a NaN
+    # l_i fails that too, and NaN must reach the output (see softmax_step).
+    result = tl.where(l_i[:, None] == 0, 0.0, acc / l_i[:, None])
     tl.store(
         out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
         result.to(out_ptr.dtype.element_ty),
