@@ -15,6 +15,7 @@ ragged batches (``sgl_piecewise.verify``) and exits non-zero on a mismatch.
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import sys
 import time
@@ -27,6 +28,13 @@ from rich.table import Table
 from rich.text import Text
 
 MODES = ("eager", "compiled", "graphs", "decode-graphs")
+# What each command runs that needs a backend with graph hooks.
+GRAPH_MODES = ("decode-graphs",)
+DESCRIPTION = (
+    "The CUDA-graph and torch.compile layer of an LLM engine, from the command line: "
+    "bench runs one ragged batch eagerly, compiled and through graphs and checks the tokens agree; "
+    "verify replays graphs against eager on random ragged batches."
+)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -35,12 +43,12 @@ class ModeResult:
     mode: str
     setup_s: float
     prefill_ms: float
-    decode_ms: float
+    decode_ms: Optional[float]  # None: no decode step (one new token)
     tokens: List[List[int]]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sgl-piecewise", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="sgl-piecewise", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="eager vs compiled vs piecewise graphs on one batch")
     _add_model_args(b)
@@ -66,11 +74,26 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="attention backend: torch (graph-safe PyTorch), triton, flashinfer, or reference "
                         "(the oracle; no graph hooks: not for decode-graphs or verify)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the library decides (KV pool size, fallbacks)")
+
+
+def _check_backend(name: str, needs_graphs: Sequence[str]) -> None:
+    """Before anything is loaded: the backend exists and has graph hooks if ``needs_graphs`` names a mode."""
+    from sgl_piecewise.backends.factory import backend_names, get_backend_class
+    from sgl_piecewise.errors import InvalidInputError
+
+    if name not in backend_names():
+        raise InvalidInputError(f"--backend: expected one of {list(backend_names())}, got {name!r}")
+    if needs_graphs and not get_backend_class(name).supports_cuda_graph:
+        raise InvalidInputError(
+            f"--backend {name}: expected a backend with graph hooks for {', '.join(needs_graphs)}, got one "
+            f"without; use torch, triton or flashinfer, or leave those modes out"
+        )
 
 
 def _backend_factory(name: str, model):
     """``ModelRunner``'s ``backend`` argument: backend ``name`` over the runner's pools."""
-    from sgl_piecewise.backends.registry import create_backend
+    from sgl_piecewise.backends.factory import create_backend
 
     heads = model.config.num_attention_heads
     return lambda table, pool: create_backend(name, table, pool, num_q_heads=heads)
@@ -124,7 +147,8 @@ def _run_mode(mode: str, model, args, prompts) -> ModeResult:
     tokens = runner.generate(prompts, args.new_tokens, progress=args.new_tokens >= 64)
     steps = list(runner.step_stats)
     decode = [s.seconds for s in steps[1:]]
-    return ModeResult(mode, setup, steps[0].seconds * 1e3, 1e3 * sum(decode) / max(1, len(decode)), tokens)
+    decode_ms = 1e3 * sum(decode) / len(decode) if decode else None
+    return ModeResult(mode, setup, steps[0].seconds * 1e3, decode_ms, tokens)
 
 
 def _agreement(results: Sequence[ModeResult]) -> List[str]:
@@ -148,6 +172,7 @@ def bench(args: argparse.Namespace, console: Console) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise SystemExit(f"--modes: expected a subset of {MODES}, got {args.modes!r}")
+    _check_backend(args.backend, [m for m in modes if m in GRAPH_MODES])
     device, dtype = _resolve_device_dtype(args.device, args.dtype)
     model = load_model_or_default(args.model, dtype, device, seed=args.seed)
     prompts = _prompts(args.batch_size, args.prompt_len, model.config.vocab_size, args.seed)
@@ -164,8 +189,10 @@ def bench(args: argparse.Namespace, console: Console) -> int:
     for col in ("mode", "set-up s", "prefill ms", "decode ms/step", "speed-up vs first"):
         table.add_column(col, justify="right" if col != "mode" else "left")
     for r in results:
-        speedup = results[0].decode_ms / r.decode_ms if r.decode_ms else float("nan")
-        table.add_row(r.mode, f"{r.setup_s:.2f}", f"{r.prefill_ms:.2f}", f"{r.decode_ms:.3f}", f"{speedup:.2f}x")
+        # --new-tokens 1 has no decode step: nothing to time or compare.
+        decode = "-" if r.decode_ms is None else f"{r.decode_ms:.3f}"
+        speedup = "-" if r.decode_ms is None else f"{results[0].decode_ms / r.decode_ms:.2f}x"
+        table.add_row(r.mode, f"{r.setup_s:.2f}", f"{r.prefill_ms:.2f}", decode, speedup)
     console.print(table)
     agree = _agreement(results)
     for line in agree:
@@ -182,6 +209,7 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
     from sgl_piecewise.models.loader import load_model_or_default
     from sgl_piecewise.verify import TOLERANCE, verify
 
+    _check_backend(args.backend, ["verify"])
     device, dtype = _resolve_device_dtype(args.device, args.dtype)
     model = load_model_or_default(args.model, dtype, device, seed=args.seed)
     reports = verify(
@@ -194,7 +222,8 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
     table = Table(title=f"sgl-piecewise verify ({device}, {dtype}, backend {args.backend}, "
                         f"tolerance {atol:g} + {rtol:g}·|eager|)")  # fmt: skip
     for col in ("mode", "steps", "batch sizes", "eager fallbacks", "max |graph - eager|", "verdict"):
-        table.add_column(col, justify="left" if col in ("mode", "batch sizes") else "right")
+        # Fold, never cut: every batch size drawn is shown, however narrow the terminal.
+        table.add_column(col, justify="left" if col in ("mode", "batch sizes") else "right", overflow="fold")
     for r in reports.values():
         sizes = ",".join(map(str, sorted(set(r.sizes)))) or "-"
         table.add_row(r.mode, str(r.steps), sizes, str(r.fallbacks), f"{r.worst:.3g}",
@@ -208,6 +237,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     args = _parser().parse_args(argv)
     console = Console()
+    if args.verbose:
+        logging.basicConfig(format="%(name)s: %(message)s")
+        logging.getLogger("sgl_piecewise").setLevel(logging.INFO)
     commands = {"bench": bench, "verify": verify_command}
     try:
         return commands[args.command](args, console)

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from sgl_piecewise.backends.base import AttentionBackend
 from sgl_piecewise.backends.reference import ReferenceBackend
-from sgl_piecewise.backends.registry import backend_names, create_backend
+from sgl_piecewise.backends.factory import backend_names, create_backend
 from sgl_piecewise.batch_checks import check_batch
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.compiled_model import mark_token_axis

@@ -61,3 +61,39 @@ def test_long_error_is_one_line_when_output_is_not_a_terminal(tiny_checkpoint, c
     assert len(message) > 100
     assert main(["bench", "--device", "cpu", "--model", str(tiny_checkpoint)]) == 2
     assert f"error: {message}\n" in capsys.readouterr().out
+
+
+def test_a_backend_without_graph_hooks_is_refused_before_the_model_loads(capsys, monkeypatch):
+    import sgl_piecewise.models.loader as loader
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the backend was checked")
+
+    monkeypatch.setattr(loader, "load_model_or_default", must_not_load)
+    assert main(["bench", "--device", "cpu", "--backend", "reference", "--modes", "eager,decode-graphs"]) == 2
+    assert "--backend reference: expected a backend with graph hooks for decode-graphs" in capsys.readouterr().out
+    assert main(["verify", "--device", "cpu", "--backend", "reference"]) == 2
+    assert main(["verify", "--device", "cpu", "--backend", "turbo"]) == 2
+    assert "--backend: expected one of ['reference', 'torch', 'triton', 'flashinfer'], got 'turbo'" in capsys.readouterr().out
+
+
+def test_one_new_token_prints_no_nan(capsys):
+    argv = ["bench", "--device", "cpu", "--batch-size", "2", "--prompt-len", "6", "--new-tokens", "1",
+            "--modes", "eager,graphs", "--max-capture-size", "16", "--piece-compiler", "eager"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower() and "check: outputs agree" in out
+
+
+def test_help_shows_no_raw_markup(capsys):
+    for argv in (["--help"], ["bench", "--help"], ["verify", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "``" not in capsys.readouterr().out
+
+
+def test_verify_shows_every_batch_size_it_drew_however_narrow_the_terminal(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")
+    assert main(["verify", "--device", "cpu", "--steps", "12", "--max-bs", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out

@@ -15,7 +15,7 @@ import sgl_piecewise
 
 _BUILD_OVER_CPU_POOLS = """
 from sgl_piecewise.backends import BackendUnavailableError
-from sgl_piecewise.backends.registry import create_backend
+from sgl_piecewise.backends.factory import create_backend
 from sgl_piecewise.memory import KVPool, ReqToTokenPool
 
 try:

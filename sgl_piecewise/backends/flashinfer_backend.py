@@ -29,14 +29,13 @@ import torch
 from sgl_piecewise.backends.base import BackendUnavailableError
 from sgl_piecewise.backends.metadata import (
     LengthMetadata,
-    StaticBuffers,
-    StaticGraphBackend,
     copy_custom_mask,
     fill_kv_indices,
     fill_lengths,
     has_custom_mask,
     host_lengths,
 )
+from sgl_piecewise.backends.static_graph import StaticBuffers, StaticGraphBackend
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode

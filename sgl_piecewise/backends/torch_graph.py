@@ -32,14 +32,13 @@ import torch
 from sgl_piecewise.backends import lengths
 from sgl_piecewise.backends.metadata import (
     LengthMetadata,
-    StaticBuffers,
-    StaticGraphBackend,
     fill_lengths,
     fill_mask_indptr,
     has_custom_mask,
     host_lengths,
     request_of_position,
 )
+from sgl_piecewise.backends.static_graph import StaticBuffers, StaticGraphBackend
 from sgl_piecewise.forward import ForwardBatch, ForwardMode
 
 # Finite, so a row whose visible logits are all -inf (or that sees no key)

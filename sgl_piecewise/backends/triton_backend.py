@@ -21,8 +21,6 @@ import torch
 from sgl_piecewise.backends.base import BackendUnavailableError
 from sgl_piecewise.backends.metadata import (
     LengthMetadata,
-    StaticBuffers,
-    StaticGraphBackend,
     copy_custom_mask,
     fill_kv_indices,
     fill_lengths,
@@ -30,6 +28,7 @@ from sgl_piecewise.backends.metadata import (
     has_custom_mask,
     host_lengths,
 )
+from sgl_piecewise.backends.static_graph import StaticBuffers, StaticGraphBackend
 from sgl_piecewise.backends.triton_kernels import (
     DEFAULT_MAX_KV_SPLITS,
     choose_num_kv_splits,
