@@ -1,10 +1,14 @@
-"""Regressions of the five source documents (SEEDS.md) that concern backends:
+"""Regressions of drift bugs fixed upstream in SGLang, on every graph-capable
+backend (docs/ARCHITECTURE.md, "Bugs the tests guard against"):
 
-* 002 — DRAFT_EXTEND_V2 attends over prefix + new rows that are only in the cache;
-* 000/001 — what capture writes equals what replay writes for the same batch;
-* 000 — a composite backend's capture hook works for never-replayed sizes,
+* PR 26512 — DRAFT_EXTEND_V2 attends over prefix + new rows, the new rows
+  being only in the cache;
+* PR 26665 (and PR 22404, the same rule for the runner's inputs) — what capture
+  writes equals what replay writes for the same batch;
+* PR 26665 — a composite backend's capture hook works for never-replayed sizes,
   and replay never reads ``seq_lens_cpu`` (capture passes None);
-* 004 — V2's uniform query layout: ``cu_seqlens_q = [0, s, 2s, …]``, ``max_seq_len_q = s``.
+* PR 25002 — V2's uniform query layout: ``cu_seqlens_q = [0, s, 2s, …]``,
+  ``max_seq_len_q = s``; V1 stays ragged.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def _scale(pools) -> float:
 
 
 def _prefix_only_attention(pools, batch, q, layer_id, scale):
-    """What the 002 bug computed: each request's queries over its ``seq_lens``
+    """What the PR 26512 bug computed: each request's queries over its ``seq_lens``
     keys (the prefix), missing the new rows already in the cache."""
     out = torch.empty_like(q)
     k_cache, v_cache = pools.kv.k_buffers[layer_id], pools.kv.v_buffers[layer_id]
@@ -65,10 +69,10 @@ def _prefix_only_attention(pools, batch, q, layer_id, scale):
     return out
 
 
-# ---- 002 --------------------------------------------------------------------
+# ---- DRAFT_EXTEND_V2 key extent (PR 26512) ------------------------------------
 @pytest.mark.parametrize("name", GRAPH_BACKENDS)
-def test_002_draft_extend_v2_replay_attends_new_rows_that_are_only_in_the_cache(name):
-    rng = random.Random(f"seed002-{name}")
+def test_draft_extend_v2_replay_attends_to_new_rows_only_in_the_cache(name):
+    rng = random.Random(f"pr26512-{name}")
     case = CASE["draft_extend_v2"]
     pools = pools_for(name)
     backend, ref = graph_backend(name, case.mode, pools), ReferenceBackend(pools.req, pools.kv)
@@ -77,7 +81,7 @@ def test_002_draft_extend_v2_replay_attends_new_rows_that_are_only_in_the_cache(
 
     batch = draw_batch(pools, case, 4, rng)
     q, k, v = random_qkv(batch.num_tokens, pools, torch.Generator().manual_seed(2))[0]
-    # The new rows go into the cache first (as set_kv_buffer did), and the
+    # The new rows go into the cache first (as the attention op does), and the
     # backend is handed zeros: whatever it attends, it must read from the cache.
     pools.kv.set_kv(0, batch.out_cache_loc, k, v)
     replay(backend, batch)
@@ -88,13 +92,13 @@ def test_002_draft_extend_v2_replay_attends_new_rows_that_are_only_in_the_cache(
     ref.init_forward_metadata(batch)
     ref.forward(q, k, v, want, 0, batch, scale)
     assert_close([got], [want], tolerance_for(name))
-    # The test can see the bug: prefix-only attention is far off (0.55 in the report).
+    # The test can see the bug: prefix-only attention is far off (about 0.55 in PR 26512).
     bug = (_prefix_only_attention(pools, batch, q, 0, scale) - want).abs().max().item()
     assert bug > 0.1
 
 
 @pytest.mark.parametrize("name", GRAPH_BACKENDS)
-def test_002_eager_draft_extend_v2_key_extent_is_the_per_request_maximum(name):
+def test_eager_draft_extend_v2_key_extent_is_the_per_request_maximum(name):
     """Skewed ragged V2 step: ``max_seq_len_k = max_i(prefix_i + new_i) = 51``,
     not ``max(prefix) + max(new) = 54``; results still match the reference."""
     pools = pools_for(name)
@@ -111,13 +115,13 @@ def test_002_eager_draft_extend_v2_key_extent_is_the_per_request_maximum(name):
         assert meta.kv_indices.shape[0] == 57
 
 
-# ---- 000 / 001 ----------------------------------------------------------------
+# ---- capture writes what replay writes (PR 26665, PR 22404) -------------------
 @pytest.mark.parametrize("case", GRAPH_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("name", GRAPH_BACKENDS)
-def test_000_001_capture_writes_exactly_what_replay_writes_for_the_same_batch(name, case):
+def test_capture_writes_exactly_what_replay_writes_for_the_same_batch(name, case):
     """Backend A captures batch X. Backend B captures another batch Y, then
     replays X. Every static buffer of A and B must be byte-equal."""
-    rng = random.Random(f"seed000-{name}-{case.id}")
+    rng = random.Random(f"pr26665-{name}-{case.id}")
     pools = pools_for(name)
     a, b = graph_backend(name, case.mode, pools), graph_backend(name, case.mode, pools)
     fill = a.get_cuda_graph_seq_len_fill_value()
@@ -136,10 +140,10 @@ def test_000_001_capture_writes_exactly_what_replay_writes_for_the_same_batch(na
 
 
 @pytest.mark.parametrize("name", GRAPH_BACKENDS)
-def test_000_replay_never_reads_seq_lens_cpu(name):
+def test_replay_never_reads_seq_lens_cpu(name):
     """Capture passes ``seq_lens_cpu=None``; replay with None or with the host
     lengths must write the same bytes (nothing compares it to the fill value)."""
-    rng = random.Random(f"seed000-cpu-{name}")
+    rng = random.Random(f"pr26665-cpu-{name}")
     case = CASE["verify_tree_mask"]
     pools = pools_for(name)
     a, b = graph_backend(name, case.mode, pools), graph_backend(name, case.mode, pools)
@@ -152,8 +156,8 @@ def test_000_replay_never_reads_seq_lens_cpu(name):
 
 
 @pytest.mark.parametrize("case", [CASE["decode"], CASE["verify_tree_mask"]], ids=lambda c: c.id)
-def test_000_composite_capture_hook_works_for_sizes_never_replayed(case):
-    rng = random.Random(f"seed000-composite-{case.id}")
+def test_composite_capture_hook_works_for_sizes_never_replayed(case):
+    rng = random.Random(f"pr26665-composite-{case.id}")
     pools = make_pools()
     primary = make_backend("torch", pools)
     children = [make_backend("torch", pools), make_backend("triton", pools)]
@@ -173,10 +177,10 @@ def test_000_composite_capture_hook_works_for_sizes_never_replayed(case):
         assert_close(attend(composite, batches[bs], qkv), eager(ref, batches[bs], qkv), 1e-4)
 
 
-# ---- 004 ----------------------------------------------------------------------
+# ---- draft-extend query layout (PR 25002) -------------------------------------
 @pytest.mark.parametrize("name", GRAPH_BACKENDS)
-def test_004_draft_extend_v2_query_layout_is_uniform_in_capture_and_replay(name):
-    rng = random.Random(f"seed004-{name}")
+def test_draft_extend_v2_query_layout_is_uniform_in_capture_and_replay(name):
+    rng = random.Random(f"pr25002-{name}")
     case, s, bs = CASE["draft_extend_v2"], VERIFY_WIDTH, 5
     pools = pools_for(name)
     backend = graph_backend(name, case.mode, pools)
@@ -190,9 +194,9 @@ def test_004_draft_extend_v2_query_layout_is_uniform_in_capture_and_replay(name)
 
 
 @pytest.mark.parametrize("name", GRAPH_BACKENDS)
-def test_004_draft_extend_v1_query_layout_is_ragged(name):
+def test_draft_extend_v1_query_layout_stays_ragged(name):
     """V1 keeps ``cu_seqlens_q = cumsum(accept_lengths)`` (eager only: no V1 graph)."""
-    rng = random.Random(f"seed004-v1-{name}")
+    rng = random.Random(f"pr25002-v1-{name}")
     pools = pools_for(name)
     batch = draw_batch(pools, CASE["draft_extend_v1"], 5, rng)
     backend = make_backend(name, pools)
