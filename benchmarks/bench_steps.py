@@ -24,7 +24,7 @@ import torch
 import torch._dynamo
 
 import sgl_piecewise as sp
-from sgl_piecewise.backends.registry import create_backend
+from sgl_piecewise.backends.factory import create_backend
 from sgl_piecewise.compile import CompileOptions, counters
 from sgl_piecewise.runners.whole_model import CudaGraphRunner
 from sgl_piecewise.compile import CompiledModel
