@@ -1,6 +1,6 @@
 """The data of one forward step, and the context the attention ops read it from.
 
-Conventions (SEEDS.md; the same in every backend, through ``backends/lengths.py``):
+Conventions (docs/ARCHITECTURE.md, "Length conventions"; the same in every backend, through ``backends/lengths.py``):
 
 * ``extend_seq_lens[r]`` is the number of *new* tokens of request ``r`` in this
   step, in every mode (1 for DECODE, ``num_draft_tokens`` for TARGET_VERIFY,
@@ -10,7 +10,7 @@ Conventions (SEEDS.md; the same in every backend, through ``backends/lengths.py`
 * ``seq_lens[r]`` is ``prefix + new`` (the cache length after this step), except
   in TARGET_VERIFY and DRAFT_EXTEND_V2, where — as in SGLang — it is the
   *prefix* length; the key extent is then ``seq_lens + extend_seq_lens``
-  (SEEDS.md 002). ``ForwardMode.seq_lens_exclude_new_tokens`` tells which.
+  (upstream SGLang PR 26512). ``ForwardMode.seq_lens_exclude_new_tokens`` tells which.
 * Token-major tensors (``input_ids``, ``positions``, ``out_cache_loc``) may be
   longer than ``num_tokens`` (padding for a graph); rows past ``num_tokens``
   are padding and never reach a real output.
@@ -72,7 +72,9 @@ class ForwardMode(enum.IntEnum):
         return self == ForwardMode.DRAFT_EXTEND_V2
 
     def is_cuda_graph(self) -> bool:
-        """Modes a whole-model (batch-axis) CUDA graph serves (DESIGN.md, Runners)."""
+        """Modes a whole-model (batch-axis) graph can serve: a uniform number
+        of new tokens per request, or none (docs/ARCHITECTURE.md, "Runners");
+        ``CudaGraphRunner`` captures DECODE today."""
         return self in (
             ForwardMode.DECODE,
             ForwardMode.TARGET_VERIFY,
@@ -81,11 +83,11 @@ class ForwardMode(enum.IntEnum):
         )
 
     def seq_lens_exclude_new_tokens(self) -> bool:
-        """True where ``seq_lens`` holds the prefix only (SEEDS.md 002)."""
+        """True where ``seq_lens`` holds the prefix only (upstream SGLang PR 26512)."""
         return self in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2)
 
     def has_uniform_query_width(self) -> bool:
-        """Every request has the same number of new tokens (SEEDS.md 004)."""
+        """Every request has the same number of new tokens (upstream SGLang PR 25002)."""
         return self in (
             ForwardMode.DECODE,
             ForwardMode.TARGET_VERIFY,

@@ -7,7 +7,7 @@ callable of the same signature (a ``torch.compile``d model, a graph runner)
 and every step goes through it, with the batch's forward context entered and
 the inputs' token axis marked dynamic (``compile.mark_token_axis``), so a
 ``torch.compile``d model traces once for every token count.
-A whole-step graph runner (``compile.cuda_graph_runner.CudaGraphRunner``)
+A whole-step graph runner (``runners.whole_model.CudaGraphRunner``)
 installs itself as ``step_graphs`` instead: it prepares the attention
 metadata and replays the step when a captured graph fits the batch.
 """

@@ -6,7 +6,7 @@ for DECODE). Each step draws a batch — a random size, skewed prefixes (empty,
 one token, long), ragged new tokens for EXTEND, now and then one request more
 than the largest decode graph so the eager fallback runs too — lays it out
 identically in both runners' pools (same seed: same random K/V prefixes) and
-compares the logits. The debugging entry of DESIGN.md ("Who uses it": 4).
+compares the logits. The debugging entry (docs/ARCHITECTURE.md, "Debugging").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The capture/replay contract every graph-capable backend keeps (DESIGN.md,
+"""The capture/replay contract every graph-capable backend keeps (docs/ARCHITECTURE.md,
 "Attention backend contract"), the registry, and the composite backend."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The buffer registry (SEEDS.md 003): slots, padding policies, fills, hooks
+"""The buffer registry (upstream SGLang PR 26742): slots, padding policies, fills, hooks
 and grouped copies. The shared pool, num_token_non_padded and the runners'
-two registries are in ``test_registry_factories.py``.
+two registries are in ``test_input_registries.py``.
 
 Every fill draws fresh random data; "tail" is rows ``[raw, padded)``.
 """

@@ -1,4 +1,4 @@
-"""The runners' registries (SEEDS.md 001, 003): the shared buffer pool, the
+"""The runners' registries (upstream SGLang PRs 22404 and 26742): the shared buffer pool, the
 one count of real tokens (num_token_non_padded) and the decode and prefill
 factories, filled from real ``ForwardBatch`` es.
 
@@ -52,7 +52,7 @@ def test_fill_once_constants_are_never_pooled():
     assert a.buffer.data_ptr() != b.buffer.data_ptr() and len(pool) == 0
 
 
-# ---- num_token_non_padded (SEEDS.md 001) -------------------------------------
+# ---- num_token_non_padded (upstream SGLang PR 22404) -------------------------------------
 @pytest.mark.parametrize(
     "global_num, per_dp, tp, rank, local",
     [

@@ -86,7 +86,7 @@ def test_decode_matches_direct_attention():
 
 @pytest.mark.parametrize("mode", [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2])
 def test_prefix_held_modes_attend_over_prefix_plus_new_rows(mode):
-    """SEEDS.md 002: seq_lens holds the prefix; the new rows must still be seen."""
+    """upstream SGLang PR 26512: seq_lens holds the prefix; the new rows must still be seen."""
     s = 4
     out, expected = run_case(mode, [3, 50, 17], [s, s, s], SpecInfo(num_tokens_per_req=s))
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

@@ -1,4 +1,4 @@
-"""The attention backend contract (DESIGN.md, "Attention backend contract").
+"""The attention backend contract (docs/ARCHITECTURE.md, "Attention backend contract").
 
 A backend turns a ``ForwardBatch`` into kernel metadata and runs attention over
 the paged KV pool. Three ways in:
@@ -107,10 +107,12 @@ class AttentionBackend(ABC):
     def cuda_graph_buffers(self) -> Dict[str, torch.Tensor]:
         """Every static buffer the capture/replay hooks write, by name.
 
-        Captured kernels read these addresses, so they never move after
-        ``init_cuda_graph_state``. Tests compare them byte for byte between
-        capture and replay of the same batch (SEEDS.md 000/001); a debug mode
-        can check their ``data_ptr()``. Empty for backends without graphs.
+        Captured kernels read these addresses, so none moves while a graph
+        reads it; a later, larger ``init_cuda_graph_state`` adds buffers for
+        the sizes captured after it, and this returns the newest ones. Tests
+        compare them byte for byte between capture and replay of the same
+        batch (upstream SGLang PRs 26665 and 22404). Empty for backends
+        without graphs.
         """
         return {}
 

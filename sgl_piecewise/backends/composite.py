@@ -7,7 +7,7 @@ hook (eager, graph state, capture, replay) runs on every member, in order, so
 any member can attend any layer of the step; attention runs on the primary
 unless the layer is routed to a child.
 
-SEEDS.md 000: the capture hook of such a composite must work for a batch size
+Upstream SGLang PR 26665: the capture hook of such a composite must work for a batch size
 that has never been replayed. Each member's capture stores its own per-``bs``
 metadata before delegating to its own replay, so there is nothing for the
 composite to look up.

@@ -5,7 +5,7 @@ DECODE runs ``BatchDecodeWithPagedKVCacheWrapper``; every other mode runs
 ``BatchPrefillWithPagedKVCacheWrapper`` (causal, FlashInfer aligns the causal
 diagonal bottom-right, i.e. offset ``kv_len - q_len``; or the verify tree mask).
 
-Graphs follow Pattern B (SEEDS.md 000): one creation helper,
+Graphs follow Pattern B (docs/ARCHITECTURE.md, "Pattern A and Pattern B"): one creation helper,
 :meth:`FlashInferBackend._create_wrappers`, builds the eager wrappers at
 construction and, at capture, a graph wrapper per ``(mode, bs)`` whose fixed
 buffers are views of the static buffers; capture then calls replay once.

@@ -1,8 +1,10 @@
 """Length arithmetic shared by every backend's eager, capture and replay paths.
 
-SEEDS.md 000-002 are bugs where one path computed a length its own way. Every
-backend derives query extents, key extents and cumulative offsets through
-these functions and nowhere else, so the paths cannot drift apart.
+Upstream SGLang bugs (PRs 26665, 22404, 26512) came from one path computing a
+length its own way. The graph-capable backends derive key extents and
+cumulative offsets on their eager, capture and replay paths through these
+functions, so the paths cannot drift apart. (The reference backend, the
+oracle, computes its host-side offsets independently, by design.)
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.forward import ForwardMode
 
 
@@ -19,7 +22,7 @@ def kv_lens(mode: ForwardMode, seq_lens: torch.Tensor, extend_seq_lens: torch.Te
 
     TARGET_VERIFY and DRAFT_EXTEND_V2 hold the prefix in ``seq_lens`` and the
     new rows are already in the cache, so the extent is ``prefix + new``
-    (SEEDS.md 002). Every other mode's ``seq_lens`` already counts them.
+    (upstream SGLang PR 26512). Every other mode's ``seq_lens`` already counts them.
     """
     if mode.seq_lens_exclude_new_tokens():
         return seq_lens + extend_seq_lens
@@ -27,7 +30,7 @@ def kv_lens(mode: ForwardMode, seq_lens: torch.Tensor, extend_seq_lens: torch.Te
 
 
 def uniform_query_lens(bs: int, width: int, device: torch.device | str) -> torch.Tensor:
-    """``[width] * bs``: DECODE (1), TARGET_VERIFY, DRAFT_EXTEND_V2 (SEEDS.md 004)."""
+    """``[width] * bs``: DECODE (1), TARGET_VERIFY, DRAFT_EXTEND_V2 (upstream SGLang PR 25002)."""
     return torch.full((bs,), width, dtype=torch.int32, device=device)
 
 
@@ -36,7 +39,7 @@ def query_width(mode: ForwardMode, num_tokens_per_req: Optional[int]) -> int:
     if mode.is_decode():
         return 1
     if num_tokens_per_req is None:
-        raise ValueError(f"{mode.name}: expected spec_info.num_tokens_per_req, got None")
+        raise InvalidInputError(f"{mode.name}: expected spec_info.num_tokens_per_req, got None")
     return int(num_tokens_per_req)
 
 

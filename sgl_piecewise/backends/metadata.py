@@ -2,7 +2,7 @@
 kernel reads and the device-side fill helpers (the Pattern A base class that
 uses them is ``static_graph.py``).
 
-Why one module: SEEDS.md 000-002 are bugs where the eager path, the capture
+Why one module: upstream SGLang bugs (PRs 26665, 22404, 26512) were bugs where the eager path, the capture
 hook and the replay hook each computed a length, a page table or an indptr
 their own way. Here every path of every backend goes through the same three
 steps — get a metadata object (fresh tensors when eager, views of static
@@ -38,7 +38,7 @@ class LengthMetadata:
     """The fields every backend's kernels read, for ``bs`` requests.
 
     ``max_q_len`` and ``num_tokens`` are host ints: for graph modes they are
-    the uniform width ``s`` (SEEDS.md 004) and ``bs * s``, constants baked into
+    the uniform width ``s`` (upstream SGLang PR 25002) and ``bs * s``, constants baked into
     the captured kernels. ``masked``: the step reads a custom (tree) mask;
     for graphs this is fixed at capture.
     """
@@ -48,14 +48,14 @@ class LengthMetadata:
     max_q_len: int
     num_tokens: int
     q_lens: torch.Tensor  # [bs] int32, new tokens per request
-    kv_lens: torch.Tensor  # [bs] int32, key extent (prefix + new), SEEDS.md 002
+    kv_lens: torch.Tensor  # [bs] int32, key extent (prefix + new), upstream SGLang PR 26512
     qo_indptr: torch.Tensor  # [bs+1] int32, cu_seqlens_q
     kv_indptr: torch.Tensor  # [bs+1] int32, cu_seqlens_k
     masked: bool
 
 
 def graph_query_width(mode: ForwardMode, spec_info: Optional[SpecInfo]) -> int:
-    """Query rows per request in a graph step (SEEDS.md 004).
+    """Query rows per request in a graph step (upstream SGLang PR 25002).
 
     DECODE: 1. TARGET_VERIFY and DRAFT_EXTEND_V2: ``spec_info.num_tokens_per_req``.
     IDLE: 1 — an idle graph is a decode graph whose requests are all padding.
@@ -75,7 +75,7 @@ def graph_query_width(mode: ForwardMode, spec_info: Optional[SpecInfo]) -> int:
 def host_lengths(batch: ForwardBatch) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(q_lens, kv_lens)`` of an eager batch, int64 on the host: they size
     the eager metadata. The key extent comes from ``lengths.kv_lens`` as on
-    the device (SEEDS.md 002)."""
+    the device (upstream SGLang PR 26512)."""
     q_lens = torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int64)
     return q_lens, lengths.kv_lens(batch.forward_mode, batch.seq_lens_cpu.to(torch.int64), q_lens)
 

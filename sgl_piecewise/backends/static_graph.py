@@ -68,7 +68,7 @@ class StaticBuffers:
 
 
 class StaticGraphBackend(AttentionBackend):
-    """The capture/replay contract as Pattern A (SEEDS.md 000), for backends
+    """The capture/replay contract as Pattern A (docs/ARCHITECTURE.md, "Pattern A and Pattern B"), for backends
     whose whole per-step state is tensors.
 
     * eager: ``_alloc_metadata(batch)`` (fresh tensors sized by the batch), then
@@ -181,7 +181,7 @@ class StaticGraphBackend(AttentionBackend):
         self._check_bound(meta, bs, width, spec_info)
         # max_q_len / num_tokens were fixed at bind and no fill rewrites them,
         # so the constants baked into the graph cannot drift (the draft-extend
-        # "restore max_seq_len_q after replay" exception of SEEDS.md 000 does
+        # "restore max_seq_len_q after replay" exception upstream SGLang needed for draft extend (PR 26665) does
         # not arise). The capture's spec_info carries the real mask kind, so
         # tree-masked verify delegates to replay like every other mode.
         extend_lens = lengths.uniform_query_lens(bs, width, seq_lens.device)

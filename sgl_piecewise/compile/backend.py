@@ -216,7 +216,11 @@ class PiecewiseModule:
             self.state.phase = Phase.RUN
 
     def _warmup_and_capture(self, padded_args, padded: int) -> Any:
-        self._run(Phase.WARMUP, padded_args)
+        capture = self.state.capture
+        if capture is not None:  # on the capture stream, like every warm-up (runners/capture.py)
+            capture.warmup(lambda: self._run(Phase.WARMUP, padded_args))
+        else:
+            self._run(Phase.WARMUP, padded_args)
         with frozen_gc():
             out = self._run(Phase.CAPTURE, padded_args)
         self.captured.add((self.state.graph_set, padded))

@@ -1,9 +1,9 @@
-"""Static graph inputs, declared once: the buffer registry (SEEDS.md 003).
+"""Static graph inputs, declared once: the buffer registry (upstream SGLang PR 26742).
 
 A CUDA graph reads its inputs from fixed addresses. Before each replay the new
 step's data must land at those addresses, padded rows must hold values that
 are safe to compute on, and nothing else may move. When every runner copied
-``ForwardBatch`` fields by hand, the copies drifted apart (SEEDS.md 003). Here
+``ForwardBatch`` fields by hand, the copies drifted apart (upstream SGLang PR 26742). Here
 each input is declared once as a :class:`GraphSlot`, and every runner — at
 capture and at replay alike — fills all of them through
 :meth:`CudaGraphBufferRegistry.fill_from`.
@@ -24,7 +24,7 @@ One ``fill_from(batch, ctx)``:
 4. runs the ``post_fill(slot, batch, ctx)`` hooks in registration order.
 
 ``graph_slot`` defines the slot, its policies and ``FillContext``
-(re-exported here); ``registry_factories`` declares the registries of the
+(re-exported here); ``input_registries`` declares the registries of the
 runners (``build_decode_registry``, ``build_prefill_registry``) and the pool
 they share.
 """
@@ -132,7 +132,7 @@ class CudaGraphBufferRegistry:
 
     ``max_bs`` / ``max_num_tokens``: the largest captured sizes; every buffer
     holds at least that many rows along its axis. ``pool``: allocate through a
-    ``registry_factories.SharedBufferPool``, so registries alias identical buffers.
+    ``input_registries.SharedBufferPool``, so registries alias identical buffers.
     ``poison_tails`` (debug): KEEP_PAD tails get a value no computation
     survives (NaN, the most negative int), so a graph that reads them shows it.
     """

@@ -1,6 +1,6 @@
 """One static graph input and one fill's sizes: ``GraphSlot``, its padding
 and missing-source policies, and ``FillContext``. The registry that owns and
-fills the slots is ``registry.py``."""
+fills the slots is ``buffer_registry.py``."""
 
 from __future__ import annotations
 

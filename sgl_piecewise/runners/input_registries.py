@@ -1,19 +1,20 @@
 """The registries of the runners, the pool they share, and the one count of real tokens.
 
 ``build_decode_registry`` declares the inputs of the whole-model graphs
-(``CudaGraphRunner``: DECODE, TARGET_VERIFY, IDLE, DRAFT_EXTEND_V2), padded
-along the batch: every request, padded ones too, has ``num_tokens_per_bs`` new
-tokens. ``build_prefill_registry`` declares the token-axis inputs of the
-piecewise and breakable runners (EXTEND, MIXED).
+(``CudaGraphRunner``), padded along the batch: every request, padded ones
+too, has ``num_tokens_per_bs`` new tokens (1 for DECODE, the draft width for
+TARGET_VERIFY and DRAFT_EXTEND_V2). ``build_prefill_registry`` declares the
+token-axis inputs of a step-level graph over ragged batches (EXTEND, MIXED);
+the Dynamo backend pads its own graph's inputs with a registry of its own.
 
-Padding invariants (DESIGN.md, "Graph inputs: the registry"), in both:
+Padding invariants (docs/ARCHITECTURE.md, "Graph inputs: the registry"), in both:
 
 * padded ``seq_lens`` (device and host copy) = the backend's fill value;
 * padded ``out_cache_loc`` = ``DUMMY_SLOT``: padded tokens write K/V only there;
 * padded ``positions`` = 0, inside every rotary table;
 * ``num_token_non_padded`` is written by one hook from the fill's sizes, so a
   capture (which fills its dummies through the same registry) and a replay of
-  the same sizes write the same value (SEEDS.md 001).
+  the same sizes write the same value (upstream SGLang PR 22404).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class SharedBufferPool:
         return len(self._buffers)
 
 
-# ---- num_token_non_padded (SEEDS.md 001) -----------------------------------
+# ---- num_token_non_padded (upstream SGLang PR 22404) -----------------------------------
 def _check_attn_tp(attn_tp_size: int, attn_tp_rank: int) -> None:
     check_positive_int("attn_tp_size", attn_tp_size)
     if not isinstance(attn_tp_rank, int) or not 0 <= attn_tp_rank < attn_tp_size:
@@ -178,7 +179,7 @@ def _declarer(reg: CudaGraphBufferRegistry, bind: Optional[Mapping], names: Tupl
 
 
 def _declare_common(declare, seq_len_fill_value: int, attn_tp_size: int, attn_tp_rank: int) -> None:
-    """The slots every runner's graphs read, with the DESIGN.md padding invariants."""
+    """The slots every runner's graphs read, with the padding invariants of docs/ARCHITECTURE.md."""
     sentinel, zero = PaddingPolicy.FILL_SENTINEL, PaddingPolicy.ZERO
     # Padded rows still go through the embedding: their ids must be in the
     # vocabulary, and an earlier step's ids (or the initial zeros) are.
@@ -215,7 +216,7 @@ def build_decode_registry(
     input_ids [bs*w] int64        tokens   FOREACH_COPY    an earlier step's ids
     positions [bs*w] int64        tokens   ZERO            0
     out_cache_loc [bs*w] int64    tokens   FILL_SENTINEL   DUMMY_SLOT
-    num_token_non_padded [] i32   none     KEEP_PAD        (hook, SEEDS.md 001)
+    num_token_non_padded [] i32   none     KEEP_PAD        (hook, upstream SGLang PR 22404)
     seq_lens, seq_lens_cpu [bs]   bs       FILL_SENTINEL   seq_len_fill_value
     req_pool_indices [bs] int64   bs       ZERO            0
     extend_seq_lens [bs] int32    bs       FILL_SENTINEL   w
@@ -224,7 +225,7 @@ def build_decode_registry(
 
     ``w = num_tokens_per_bs`` (1 for DECODE, draft tokens for TARGET_VERIFY).
     Padded accept lengths are ``w`` so that, at capture, ``max(accept_lengths)``
-    is the uniform width (SEEDS.md 004). ``bind``: name -> existing buffer to
+    is the uniform width (upstream SGLang PR 25002). ``bind``: name -> existing buffer to
     adopt. ``pool``: share buffers with other registries.
     """
     w = check_positive_int("num_tokens_per_bs", num_tokens_per_bs)

@@ -3,9 +3,9 @@ DECODE steps, with attention inside the graph.
 
 Every static input comes from one registry (``build_decode_registry``): a
 capture fills its dummy batch through it (every request padding), a replay
-fills the real batch through it, so the two cannot drift (SEEDS.md 001, 003).
+fills the real batch through it, so the two cannot drift (upstream SGLang PRs 22404 and 26742).
 Attention metadata goes through the backend's capture/replay hooks (Pattern
-A/B, SEEDS.md 000): capture binds the backend's static buffers, replay
+A/B, docs/ARCHITECTURE.md, "Pattern A and Pattern B"): capture binds the backend's static buffers, replay
 refills them; host-side work such as FlashInfer's ``plan()`` runs in the hook,
 before the graph is launched, never inside it.
 
