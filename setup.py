@@ -10,9 +10,11 @@ setup(
     packages=find_packages(include=["sgl_piecewise", "sgl_piecewise.*"]),
     package_data={"sgl_piecewise.models": ["configs/*.json"]},
     # torch>=2.11: the GPU machine runs 2.11, CI installs 2.13 (the CPU build).
-    install_requires=["torch>=2.11,<2.15", "safetensors>=0.4", "tqdm>=4.60", "rich>=13"],
+    # numpy: torch and Triton's interpreter use it; without it torch warns at the first run.
+    install_requires=["torch>=2.11,<2.15", "numpy>=1.24", "safetensors>=0.4", "tqdm>=4.60", "rich>=13"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "transformers>=4.45", "safetensors>=0.4", "triton>=3.0"],
+        # ruff pinned: formatting must not change with its version.
+        "test": ["pytest>=8", "hypothesis>=6", "transformers>=4.45", "safetensors>=0.4", "triton>=3.0", "ruff==0.17.6"],
         "gpu": ["triton>=3.0", "flashinfer-python"],
         "tensorrt": ["torch-tensorrt"],
     },

@@ -27,10 +27,10 @@ import sgl_piecewise as sp
 import sgl_piecewise.runner as runner_module
 from sgl_piecewise.batch_checks import check_batch
 from sgl_piecewise.compile import CompileOptions
-from sgl_piecewise.runners.whole_model import CudaGraphRunner
-from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.runner import ModelRunner
+from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
+from sgl_piecewise.runners.whole_model import CudaGraphRunner
 from sgl_piecewise.testing import place_requests, release_batch
 
 QWEN_05B = dict(

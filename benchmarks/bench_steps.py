@@ -1,7 +1,7 @@
 """Step-time benchmark (a script, not a test): eager vs ``sgl_piecewise``
 without graphs vs with piecewise graphs vs whole-model decode graphs
 (``CudaGraphRunner``, decode only) vs ``torch.compile(mode=
-"reduce-overhead")`` vs Hugging Face eager, as multiples of the floor (PERF.md).
+"reduce-overhead")`` vs Hugging Face eager, as multiples of the floor (docs/BENCHMARKS.md).
 
     python benchmarks/bench_steps.py --out results/          # full run
     python benchmarks/bench_steps.py --startup-only --out r/  # warm start (2nd process)
@@ -25,12 +25,11 @@ import torch._dynamo
 
 import sgl_piecewise as sp
 from sgl_piecewise.backends.factory import create_backend
-from sgl_piecewise.compile import CompileOptions, counters
-from sgl_piecewise.runners.whole_model import CudaGraphRunner
-from sgl_piecewise.compile import CompiledModel
-from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
+from sgl_piecewise.compile import CompiledModel, CompileOptions, counters
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.runner import ModelRunner
+from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
+from sgl_piecewise.runners.whole_model import CudaGraphRunner
 from sgl_piecewise.testing import place_requests, release_batch
 
 QWEN_05B = dict(
@@ -173,7 +172,7 @@ def hf_decode_ms(args, bs):
             cache.crop(args.context - 1)
 
         ms = cuda_median_ms(step, 3, 20)
-    del hf, cache
+    hf = cache = None  # drop the model and its cache before freeing the memory
     torch.cuda.empty_cache()
     return ms
 
@@ -249,8 +248,9 @@ def main():
     with torch.no_grad():
         for bs in args.decode_bs:
             batch = make_batch(runner, sp.ForwardMode.DECODE, [args.context - 1] * bs, [1] * bs)
+            reduce_overhead = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
             modes = {"eager": model, "sgl_piecewise": compiled, "piecewise_graphs": graphs,
-                     "reduce_overhead": torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)}  # fmt: skip
+                     "reduce_overhead": reduce_overhead}  # fmt: skip
             r = time_modes(runner, modes, batch, decode_graphs)
             r["floor_ms"] = 1e3 * (read_bytes + bs * args.context * kv_per_token) / info["copy_rate_Bps"]
             if not args.skip_hf:

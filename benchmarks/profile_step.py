@@ -12,12 +12,11 @@ import io
 import pstats
 
 import torch
+from bench_steps import build, cuda_median_ms, make_batch, step_fn  # noqa: E402
 
 import sgl_piecewise as sp
 from sgl_piecewise.compile import CompileOptions
 from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
-
-from bench_steps import QWEN_05B, build, cuda_median_ms, make_batch, step_fn  # noqa: E402
 
 
 def main():

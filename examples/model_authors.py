@@ -22,7 +22,9 @@ class Attention(torch.nn.Module):
         heads, kv_heads, head_dim = self.shape
         q, k, v = self.qkv_proj(x).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
         o = sgl_piecewise.ops.unified_attention(  # q [T, Hq, D], k/v [T, Hkv, D] -> o [T, Hq, D]
-            q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim),
+            q.view(-1, heads, head_dim),
+            k.view(-1, kv_heads, head_dim),
+            v.view(-1, kv_heads, head_dim),
             layer_id=self.layer_id,
         )
         return self.o_proj(o.flatten(1))

@@ -87,8 +87,7 @@ def _check_host_lengths(batch: ForwardBatch, max_context_len: int) -> tuple[List
     if seq_cpu.tolist() != want:
         meaning = "the prefix" if mode.seq_lens_exclude_new_tokens() else "prefix + new tokens"
         raise InvalidInputError(
-            f"seq_lens_cpu: expected {meaning} per request in {mode.name} ({want[:8]}), "
-            f"got {seq_cpu.tolist()[:8]}"
+            f"seq_lens_cpu: expected {meaning} per request in {mode.name} ({want[:8]}), got {seq_cpu.tolist()[:8]}"
         )
     return prefix, extend
 
@@ -127,9 +126,7 @@ def _check_mode_widths(batch: ForwardBatch, extend: List[int]) -> None:
         spec = batch.spec_info
         width = spec.num_tokens_per_req if spec is not None else None
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-            raise InvalidInputError(
-                f"{mode.name}: expected spec_info.num_tokens_per_req, an int >= 1, got {width!r}"
-            )
+            raise InvalidInputError(f"{mode.name}: expected spec_info.num_tokens_per_req, an int >= 1, got {width!r}")
     else:
         return
     at_most = mode.is_draft_extend_v2()
@@ -163,9 +160,7 @@ def _check_tensors(batch: ForwardBatch, device: torch.device, num_tokens: int) -
         if not same_device(t.device, device):
             raise InvalidInputError(f"{name}: expected device {device} (the KV pool's), got {t.device}")
     if token_rows < num_tokens:
-        raise InvalidInputError(
-            f"input_ids: expected at least the batch's {num_tokens} new tokens, got {token_rows}"
-        )
+        raise InvalidInputError(f"input_ids: expected at least the batch's {num_tokens} new tokens, got {token_rows}")
 
 
 def _check_rows(rows: torch.Tensor, req_pool: "ReqToTokenPool") -> None:
@@ -173,8 +168,7 @@ def _check_rows(rows: torch.Tensor, req_pool: "ReqToTokenPool") -> None:
     bad = [r for r in values if not req_pool.is_allocated(r)]
     if bad:
         raise InvalidInputError(
-            f"req_pool_indices: expected rows allocated in the request table [0, {req_pool.max_reqs}), "
-            f"got {bad[:8]}"
+            f"req_pool_indices: expected rows allocated in the request table [0, {req_pool.max_reqs}), got {bad[:8]}"
         )
     if len(set(values)) != len(values):
         raise InvalidInputError(f"req_pool_indices: expected distinct rows, got {values[:16]}")

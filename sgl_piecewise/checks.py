@@ -30,13 +30,9 @@ def check_tensor(
     if not isinstance(value, torch.Tensor):
         raise InvalidTypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     if shape is not None:
-        ok = value.dim() == len(shape) and all(
-            want is None or want == got for want, got in zip(shape, value.shape)
-        )
+        ok = value.dim() == len(shape) and all(want is None or want == got for want, got in zip(shape, value.shape))
         if not ok:
-            raise InvalidInputError(
-                f"{name}: expected shape {_fmt_shape(shape)}, got {list(value.shape)}"
-            )
+            raise InvalidInputError(f"{name}: expected shape {_fmt_shape(shape)}, got {list(value.shape)}")
     if dtype is not None:
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if value.dtype not in allowed:
@@ -56,9 +52,7 @@ def same_device(a: torch.device, b: torch.device) -> bool:
         return False
     if a.type == "cuda":
         current = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        return (a.index if a.index is not None else current) == (
-            b.index if b.index is not None else current
-        )
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
     return a.index == b.index or a.index is None or b.index is None
 
 

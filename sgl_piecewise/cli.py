@@ -67,14 +67,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """What both commands run on: the model, where, and its attention backend."""
-    p.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: embedded config, random weights)")
+    p.add_argument(
+        "--model", default=None, help="local Hugging Face checkpoint dir (default: embedded config, random weights)"
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--backend", default="torch",
                    help="attention backend: torch (graph-safe PyTorch), triton, flashinfer, or reference "
                         "(the oracle; no graph hooks: not for decode-graphs or verify)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-v", "--verbose", action="store_true", help="log what the library decides (KV pool size, fallbacks)")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="log what the library decides (KV pool size, fallbacks)"
+    )
 
 
 def _check_backend(name: str, needs_graphs: Sequence[str]) -> None:
@@ -117,11 +121,11 @@ def _prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> List[Li
 
 
 def _run_mode(mode: str, model, args, prompts) -> ModeResult:
-    from sgl_piecewise.runners.whole_model import CudaGraphRunner
-    from sgl_piecewise.compile.options import CompileOptions
     from sgl_piecewise.compile import CompiledModel
-    from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
+    from sgl_piecewise.compile.options import CompileOptions
     from sgl_piecewise.runner import ModelRunner
+    from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
+    from sgl_piecewise.runners.whole_model import CudaGraphRunner
 
     context = max(len(p) for p in prompts) + args.new_tokens
     runner = ModelRunner(
@@ -162,9 +166,8 @@ def _agreement(results: Sequence[ModeResult]) -> List[str]:
 
 
 def bench(args: argparse.Namespace, console: Console) -> int:
-    from sgl_piecewise.models.loader import load_model_or_default
-
     from sgl_piecewise.checks import check_positive_int
+    from sgl_piecewise.models.loader import load_model_or_default
 
     for name in ("batch_size", "prompt_len", "new_tokens", "max_capture_size"):
         check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))

@@ -218,7 +218,9 @@ def token_positions(prefix_lens: torch.Tensor, extend_lens: torch.Tensor) -> tor
     n = int(extend.sum())
     starts = torch.cumsum(extend, 0) - extend  # first token row of each request
     offset = prefix_lens.to(torch.int64) - starts  # position minus token row, per request
-    return torch.arange(n, dtype=torch.int64, device=extend.device) + torch.repeat_interleave(offset, extend, output_size=n)
+    return torch.arange(n, dtype=torch.int64, device=extend.device) + torch.repeat_interleave(
+        offset, extend, output_size=n
+    )
 
 
 @dataclass

@@ -31,9 +31,7 @@ class ReqToTokenPool:
         self.max_context_len = check_positive_int("max_context_len", max_context_len)
         self.device = torch.device(device)
         # Unused entries point at the dummy slot, so a stray read is harmless.
-        self.req_to_token = torch.full(
-            (max_reqs, max_context_len), DUMMY_SLOT, dtype=torch.int32, device=self.device
-        )
+        self.req_to_token = torch.full((max_reqs, max_context_len), DUMMY_SLOT, dtype=torch.int32, device=self.device)
         self._free: List[int] = list(range(max_reqs))
         self._allocated = [False] * max_reqs
 
@@ -76,8 +74,7 @@ class ReqToTokenPool:
         end = start + slots.shape[0]
         if end > self.max_context_len:
             raise InvalidInputError(
-                f"request too long: expected at most {self.max_context_len} tokens "
-                f"of context, got {end}"
+                f"request too long: expected at most {self.max_context_len} tokens of context, got {end}"
             )
         self.req_to_token[row, start:end] = slots.to(self.req_to_token)
 
@@ -86,8 +83,7 @@ class ReqToTokenPool:
         in one indexed write rather than a loop over requests."""
         if positions and max(positions) >= self.max_context_len:
             raise InvalidInputError(
-                f"request too long: expected at most {self.max_context_len} tokens "
-                f"of context, got {max(positions) + 1}"
+                f"request too long: expected at most {self.max_context_len} tokens of context, got {max(positions) + 1}"
             )
         cols = torch.tensor(list(positions), dtype=torch.int64, device=self.device)
         self.req_to_token[rows.to(self.device), cols] = slots.to(self.req_to_token)
@@ -219,8 +215,7 @@ class KVPool:
             return
         if slots.min() < 1 or slots.max() > self.num_slots:
             raise InvalidInputError(
-                f"free: expected slots in [1, {self.num_slots}], got "
-                f"min {int(slots.min())}, max {int(slots.max())}"
+                f"free: expected slots in [1, {self.num_slots}], got min {int(slots.min())}, max {int(slots.max())}"
             )
         held = self.is_allocated(slots)
         if not bool(held.all()):
@@ -235,9 +230,7 @@ class KVPool:
 
     def check_layer(self, layer_id: int) -> None:
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.num_layers:
-            raise InvalidInputError(
-                f"layer_id: expected an int in [0, {self.num_layers}), got {layer_id!r}"
-            )
+            raise InvalidInputError(f"layer_id: expected an int in [0, {self.num_layers}), got {layer_id!r}")
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k, v [n, num_kv_heads, head_dim]`` at slots ``loc [n]`` (int64).

@@ -24,8 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from sgl_piecewise.backends.base import AttentionBackend
-from sgl_piecewise.backends.reference import ReferenceBackend
 from sgl_piecewise.backends.factory import backend_names, create_backend
+from sgl_piecewise.backends.reference import ReferenceBackend
 from sgl_piecewise.batch_checks import check_batch
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.compiled_model import mark_token_axis
@@ -134,9 +134,7 @@ class ModelRunner:
         (at most every request at full length)."""
         if num_slots is not None:
             if kv_cache_gib is not None:
-                raise InvalidInputError(
-                    f"expected num_slots or kv_cache_gib, got both ({num_slots}, {kv_cache_gib})"
-                )
+                raise InvalidInputError(f"expected num_slots or kv_cache_gib, got both ({num_slots}, {kv_cache_gib})")
             return check_positive_int("num_slots", num_slots)
         budget, source = self._kv_budget(kv_cache_gib)
         full = max_reqs * context
@@ -225,9 +223,7 @@ class ModelRunner:
                 prefix = [n + step - 1 for n in lens]  # tokens cached before this one
                 loc = self._alloc_decode_slots(rows, prefix)
                 held.append(loc)
-                batch = ForwardBatch.build(
-                    ForwardMode.DECODE, next_ids, rows, prefix, [1] * bs, loc
-                )
+                batch = ForwardBatch.build(ForwardMode.DECODE, next_ids, rows, prefix, [1] * bs, loc)
                 next_ids = self.forward_step(batch).argmax(dim=-1)
                 for seq, t in zip(out, next_ids.tolist()):
                     seq.append(t)
@@ -250,31 +246,21 @@ class ModelRunner:
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> List[List[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise InvalidTypeError(
-                f"prompts: expected a list of lists of token ids, got {type(prompts).__name__}"
-            )
+            raise InvalidTypeError(f"prompts: expected a list of lists of token ids, got {type(prompts).__name__}")
         if not prompts:
             raise InvalidInputError("prompts: expected at least one prompt, got an empty list")
         vocab = self.config.vocab_size
         checked = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-                raise InvalidTypeError(
-                    f"prompts[{i}]: expected a list of int token ids, got {type(prompt).__name__}"
-                )
+                raise InvalidTypeError(f"prompts[{i}]: expected a list of int token ids, got {type(prompt).__name__}")
             if not prompt:
-                raise InvalidInputError(
-                    f"prompts[{i}]: expected at least one token, got an empty prompt"
-                )
+                raise InvalidInputError(f"prompts[{i}]: expected at least one token, got an empty prompt")
             for t in prompt:
                 if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                    raise InvalidTypeError(
-                        f"prompts[{i}]: expected int token ids, got {t!r} ({type(t).__name__})"
-                    )
+                    raise InvalidTypeError(f"prompts[{i}]: expected int token ids, got {t!r} ({type(t).__name__})")
                 if not 0 <= t < vocab:
-                    raise InvalidInputError(
-                        f"prompts[{i}]: expected token ids in [0, {vocab}), got {t}"
-                    )
+                    raise InvalidInputError(f"prompts[{i}]: expected token ids in [0, {vocab}), got {t}")
             checked.append([int(t) for t in prompt])
         return checked
 

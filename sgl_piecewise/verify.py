@@ -21,13 +21,13 @@ from tqdm.auto import tqdm
 from sgl_piecewise.backends.base import AttentionBackend
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.counters import counters
-from sgl_piecewise.runners.whole_model import CudaGraphRunner
 from sgl_piecewise.compile.options import CompileOptions, default_capture_sizes
-from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.forward import ForwardMode
 from sgl_piecewise.memory import KVPool, ReqToTokenPool
 from sgl_piecewise.runner import ModelRunner
+from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
+from sgl_piecewise.runners.whole_model import CudaGraphRunner
 from sgl_piecewise.testing import random_batch, release_batch
 
 # |graph - eager| <= atol + rtol * |eager| on the logits. Graphs run the

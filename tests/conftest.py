@@ -15,9 +15,7 @@ if not torch.cuda.is_available():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
-    config.addinivalue_line(
-        "markers", "triton_cpu: runs Triton on CPU tensors; needs TRITON_INTERPRET=1"
-    )
+    config.addinivalue_line("markers", "triton_cpu: runs Triton on CPU tensors; needs TRITON_INTERPRET=1")
 
 
 def _runs_triton_on_cpu_tensors(item) -> bool:

@@ -10,19 +10,6 @@ import sys
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from sgl_piecewise import ForwardMode, InvalidInputError, SpecInfo, UnsupportedModeError
-from sgl_piecewise.backends import (
-    BackendUnavailableError,
-    CompositeBackend,
-    ReferenceBackend,
-    TorchGraphBackend,
-    backend_names,
-    create_backend,
-    get_backend_class,
-)
-from sgl_piecewise.backends.base import ALL_MODES
 from test_backends_differential import (
     CASES,
     FLASHINFER_ON_GPU,
@@ -43,6 +30,19 @@ from test_backends_differential import (
     random_qkv,
     replay,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sgl_piecewise import ForwardMode, InvalidInputError, SpecInfo, UnsupportedModeError
+from sgl_piecewise.backends import (
+    BackendUnavailableError,
+    CompositeBackend,
+    ReferenceBackend,
+    TorchGraphBackend,
+    backend_names,
+    create_backend,
+    get_backend_class,
+)
+from sgl_piecewise.backends.base import ALL_MODES
 
 GRAPH_BACKENDS = ["torch", "triton"]
 # FlashInfer runs only on CUDA (bf16, a head size it ships). Its replay hook
@@ -257,8 +257,14 @@ def test_replay_rejects_a_tree_mask_the_capture_did_not_have():
         replay(backend, draw_batch(pools, CASE["verify_tree_mask"], 2, rng))
     with pytest.raises(InvalidInputError, match="expected 3 tokens per request"):
         backend.init_forward_metadata_replay_cuda_graph(
-            2, torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int32), 2, None,
-            ForwardMode.TARGET_VERIFY, SpecInfo(num_tokens_per_req=2), None,
+            2,
+            torch.zeros(2, dtype=torch.int64),
+            torch.ones(2, dtype=torch.int32),
+            2,
+            None,
+            ForwardMode.TARGET_VERIFY,
+            SpecInfo(num_tokens_per_req=2),
+            None,
         )
 
 

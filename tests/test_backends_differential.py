@@ -220,15 +220,26 @@ def eager(backend, batch: ForwardBatch, qkv) -> List[torch.Tensor]:
 
 def capture(backend, batch: ForwardBatch) -> None:
     backend.init_forward_metadata_capture_cuda_graph(
-        batch.batch_size, batch.num_tokens, batch.req_pool_indices, batch.seq_lens,
-        None, batch.forward_mode, batch.spec_info,
+        batch.batch_size,
+        batch.num_tokens,
+        batch.req_pool_indices,
+        batch.seq_lens,
+        None,
+        batch.forward_mode,
+        batch.spec_info,
     )
 
 
 def replay(backend, batch: ForwardBatch, with_seq_lens_cpu: bool = False) -> None:
     backend.init_forward_metadata_replay_cuda_graph(
-        batch.batch_size, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_sum, None,
-        batch.forward_mode, batch.spec_info, batch.seq_lens_cpu if with_seq_lens_cpu else None,
+        batch.batch_size,
+        batch.req_pool_indices,
+        batch.seq_lens,
+        batch.seq_lens_sum,
+        None,
+        batch.forward_mode,
+        batch.spec_info,
+        batch.seq_lens_cpu if with_seq_lens_cpu else None,
     )
 
 
@@ -245,8 +256,9 @@ def assert_close(got: List[torch.Tensor], want: List[torch.Tensor], atol: float)
         assert err <= atol, f"layer {layer}: max abs error {err:.3g} > {atol}"
 
 
-def graph_step(backend, ref, pools: Pools, case: Case, padded_bs: int, rng: random.Random,
-               with_seq_lens_cpu: bool = False):
+def graph_step(
+    backend, ref, pools: Pools, case: Case, padded_bs: int, rng: random.Random, with_seq_lens_cpu: bool = False
+):
     """Capture with one batch, replay with a fresh one; ``(got, want)`` for the
     replayed batch's real tokens (``want`` from the reference, eager)."""
     gen = torch.Generator().manual_seed(rng.randrange(2**31))

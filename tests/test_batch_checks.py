@@ -123,7 +123,11 @@ def test_seq_lens_shorter_than_the_new_tokens_are_refused(runner):
     batch = extend_batch(runner)
     short = torch.tensor([1, 1, 1], dtype=torch.int32)
     bad = dataclasses.replace(batch, seq_lens=short, seq_lens_cpu=short.clone())
-    assert_refused(runner, bad, r"seq_lens_cpu: expected prefix \+ new tokens per request in EXTEND \(\[8, 4, 10\]\), got \[1, 1, 1\]")
+    assert_refused(
+        runner,
+        bad,
+        r"seq_lens_cpu: expected prefix \+ new tokens per request in EXTEND \(\[8, 4, 10\]\), got \[1, 1, 1\]",
+    )
 
 
 def test_host_lengths_that_disagree_with_the_device_tensors_are_refused(runner):
@@ -172,7 +176,11 @@ def test_a_prefix_past_the_context_is_refused(runner):
     prefix[0] = CONTEXT
     seq = torch.tensor([p + e for p, e in zip(prefix, batch.extend_seq_lens_cpu)], dtype=torch.int32)
     bad = dataclasses.replace(batch, extend_prefix_lens_cpu=prefix, seq_lens_cpu=seq)
-    assert_refused(runner, bad, f"request 0: expected prefix \\+ new tokens <= max_context_len \\({CONTEXT}\\), got {CONTEXT} \\+ 3")
+    assert_refused(
+        runner,
+        bad,
+        f"request 0: expected prefix \\+ new tokens <= max_context_len \\({CONTEXT}\\), got {CONTEXT} \\+ 3",
+    )
 
 
 def test_a_batch_size_that_disagrees_with_the_lengths_is_refused(runner):
@@ -203,7 +211,9 @@ def test_the_runner_still_runs_a_correct_step_after_refusing_one(runner):
     want = runner.forward_step(batch)
     loc = batch.out_cache_loc.clone()
     loc[0] = runner.kv_pool.num_slots + 1
-    assert_refused(runner, dataclasses.replace(batch, out_cache_loc=loc, out_cache_loc_cpu=loc.clone()), "out_cache_loc")
+    assert_refused(
+        runner, dataclasses.replace(batch, out_cache_loc=loc, out_cache_loc_cpu=loc.clone()), "out_cache_loc"
+    )
     assert torch.equal(runner.forward_step(batch), want)
 
 

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 from sgl_piecewise.runners.buffer_registry import (
     CudaGraphBufferRegistry,
     FillContext,
@@ -20,7 +21,6 @@ from sgl_piecewise.runners.buffer_registry import (
     PaddingPolicy,
 )
 from sgl_piecewise.runners.input_registries import build_decode_registry
-from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 
 P = PaddingPolicy
 COPYING = [P.KEEP_PAD, P.FILL_SENTINEL, P.ZERO, P.FOREACH_COPY]

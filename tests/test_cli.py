@@ -35,8 +35,14 @@ def test_bench_rejects_non_positive_sizes_with_the_reason(flag, capsys):
 
 @pytest.fixture
 def tiny_checkpoint(tmp_path):
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, vocab_size=64, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     return tmp_path
 
@@ -74,7 +80,10 @@ def test_a_backend_without_graph_hooks_is_refused_before_the_model_loads(capsys,
     assert "--backend reference: expected a backend with graph hooks for decode-graphs" in capsys.readouterr().out
     assert main(["verify", "--device", "cpu", "--backend", "reference"]) == 2
     assert main(["verify", "--device", "cpu", "--backend", "turbo"]) == 2
-    assert "--backend: expected one of ['reference', 'torch', 'triton', 'flashinfer'], got 'turbo'" in capsys.readouterr().out
+    assert (
+        "--backend: expected one of ['reference', 'torch', 'triton', 'flashinfer'], got 'turbo'"
+        in capsys.readouterr().out
+    )
 
 
 def test_one_new_token_prints_no_nan(capsys):

@@ -7,14 +7,13 @@ import torch
 
 import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend
-from sgl_piecewise.compile import CompileOptions, counters, default_capture_sizes, register_splitting_op
+from sgl_piecewise.compile import CompiledModel, CompileOptions, counters, default_capture_sizes, register_splitting_op
 from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StepState
-from sgl_piecewise.compile import CompiledModel
-from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 from sgl_piecewise.compile.split import split_graph, to_out_variant
 from sgl_piecewise.errors import InvalidInputError, SglPiecewiseError
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.runner import ModelRunner
+from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 from sgl_piecewise.testing import random_batch
 
 LAYERS = 3
@@ -55,7 +54,9 @@ def model_and_pools(arch="LlamaForCausalLM"):
 
 def step(model_fn, backend, prefix, extend, vocab_size=256):
     """One EXTEND step of a fresh random batch; returns the hidden states."""
-    batch = random_batch(sp.ForwardMode.EXTEND, backend.req_to_token_pool, backend.kv_pool, prefix, extend, vocab_size=vocab_size)
+    batch = random_batch(
+        sp.ForwardMode.EXTEND, backend.req_to_token_pool, backend.kv_pool, prefix, extend, vocab_size=vocab_size
+    )
     backend.init_forward_metadata(batch)
     with torch.no_grad(), sp.forward_context(batch, backend):
         return batch, model_fn(batch.input_ids, batch.positions)
@@ -64,7 +65,9 @@ def step(model_fn, backend, prefix, extend, vocab_size=256):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_shipped_models_trace_without_graph_breaks(arch):
     model, backend = model_and_pools(arch)
-    batch = random_batch(sp.ForwardMode.EXTEND, backend.req_to_token_pool, backend.kv_pool, [0, 3], [4, 2], vocab_size=256)
+    batch = random_batch(
+        sp.ForwardMode.EXTEND, backend.req_to_token_pool, backend.kv_pool, [0, 3], [4, 2], vocab_size=256
+    )
     backend.init_forward_metadata(batch)
     with torch.no_grad(), sp.forward_context(batch, backend):
         explanation = torch._dynamo.explain(model)(batch.input_ids, batch.positions)
@@ -114,7 +117,9 @@ def test_graphed_generation_equals_eager_over_changing_batches(arch, piece_compi
     prompts = [[5, 9, 2, 7, 1], [3], [8, 8, 1, 4, 4, 4, 2, 9, 9, 10, 11]]
     eager = ModelRunner(model, max_reqs=4, max_context_len=64).generate(prompts, 6)
     runner = ModelRunner(model, max_reqs=4, max_context_len=64)
-    options = CompileOptions(cudagraphs=True, capture_sizes=(1, 2, 4, 8, 16, 32), piece_compiler=piece_compiler, debug_checks=True)
+    options = CompileOptions(
+        cudagraphs=True, capture_sizes=(1, 2, 4, 8, 16, 32), piece_compiler=piece_compiler, debug_checks=True
+    )
     graphs = PiecewiseCudaGraphRunner(runner, options)
     graphs.capture(progress=False)
     assert runner.generate(prompts, 6) == eager

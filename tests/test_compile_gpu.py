@@ -6,8 +6,7 @@ import torch
 
 import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend
-from sgl_piecewise.compile import CompileOptions, counters
-from sgl_piecewise.compile import CompiledModel
+from sgl_piecewise.compile import CompiledModel, CompileOptions, counters
 from sgl_piecewise.models import build_random_model, default_config
 from sgl_piecewise.testing import random_batch
 
@@ -26,7 +25,9 @@ def _setup():
 
 
 def _step(fn, backend, prefix, extend, vocab):
-    batch = random_batch(sp.ForwardMode.EXTEND, backend.req_to_token_pool, backend.kv_pool, prefix, extend, vocab_size=vocab)
+    batch = random_batch(
+        sp.ForwardMode.EXTEND, backend.req_to_token_pool, backend.kv_pool, prefix, extend, vocab_size=vocab
+    )
     backend.init_forward_metadata(batch)
     with torch.no_grad(), sp.forward_context(batch, backend):
         out = fn(batch.input_ids, batch.positions)
@@ -64,4 +65,3 @@ def test_graph_replay_equals_eager_for_every_size_and_between(piece_compiler):
             backend.req_to_token_pool.free(batch.req_pool_indices.tolist())  # 8 rows; slots suffice
     assert counters.graphs_captured == len(SIZES) * counters.pieces_seen
     assert not counters.eager_fallbacks
-

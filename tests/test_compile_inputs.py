@@ -9,12 +9,11 @@ import textwrap
 import pytest
 import torch
 
-from sgl_piecewise.compile import CompileOptions, counters
-from sgl_piecewise.compile import mark_token_axis
-from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
+from sgl_piecewise.compile import CompileOptions, counters, mark_token_axis
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models import build_random_model, default_config
 from sgl_piecewise.runner import ModelRunner
+from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7]]
 
@@ -53,15 +52,18 @@ def test_backend_name_works_in_a_fresh_process_with_or_without_importing_the_pac
 
 
 # ---- options --------------------------------------------------------------------
-@pytest.mark.parametrize("options, match", [
-    ({"capture_sizes": 8}, r"capture_sizes: expected a list of token counts .*got 8"),
-    ({"capture_sizes": []}, "capture_sizes: expected at least one token count, got an empty list"),
-    ({"capture_sizes": [4, 0]}, r"capture_sizes: expected positive ints, got \[0\]"),
-    ({"capture_sizes": [2, True]}, r"capture_sizes: expected positive ints, got \[True\]"),
-    ({"cudagraphs": "false"}, "cudagraphs: expected True or False, got 'false'"),
-    ({"debug_checks": 1}, "debug_checks: expected True or False, got 1"),
-    ({"max_capture_size": True}, "max_capture_size: expected an int >= 1, got True"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"capture_sizes": 8}, r"capture_sizes: expected a list of token counts .*got 8"),
+        ({"capture_sizes": []}, "capture_sizes: expected at least one token count, got an empty list"),
+        ({"capture_sizes": [4, 0]}, r"capture_sizes: expected positive ints, got \[0\]"),
+        ({"capture_sizes": [2, True]}, r"capture_sizes: expected positive ints, got \[True\]"),
+        ({"cudagraphs": "false"}, "cudagraphs: expected True or False, got 'false'"),
+        ({"debug_checks": 1}, "debug_checks: expected True or False, got 1"),
+        ({"max_capture_size": True}, "max_capture_size: expected an int >= 1, got True"),
+    ],
+)
 def test_bad_options_are_refused_with_the_reason(options, match):
     with pytest.raises(InvalidInputError, match=match):
         CompileOptions.from_compile_args(None, options)

@@ -19,7 +19,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 def code_after_docstring(path: Path) -> str:
     text = path.read_text()
     match = re.match(r'"""(?:.|\n)*?"""\n\n', text)
-    return text[match.end():] if match else text
+    return text[match.end() :] if match else text
 
 
 def run(path: Path) -> str:

@@ -131,12 +131,15 @@ def test_allocate_requests_refuses_a_request_longer_than_the_context_before_taki
     assert pool.available == 200 and table.available == 4
 
 
-@pytest.mark.parametrize("prefix, extend, match", [
-    ([0], [-1], "extend_lens: expected ints >= 0"),
-    ([-2], [3], "prefix_lens: expected ints >= 0"),
-    ([0, 1], [3], "one entry per request"),
-    ([0], [2.0], "extend_lens: expected ints >= 0"),
-])
+@pytest.mark.parametrize(
+    "prefix, extend, match",
+    [
+        ([0], [-1], "extend_lens: expected ints >= 0"),
+        ([-2], [3], "prefix_lens: expected ints >= 0"),
+        ([0, 1], [3], "one entry per request"),
+        ([0], [2.0], "extend_lens: expected ints >= 0"),
+    ],
+)
 def test_allocate_requests_refuses_bad_lengths_and_takes_nothing(prefix, extend, match):
     table = ReqToTokenPool(max_reqs=4, max_context_len=32)
     pool = KVPool(num_slots=64, num_layers=1, num_kv_heads=1, head_dim=4)

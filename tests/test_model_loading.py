@@ -149,8 +149,7 @@ def test_unknown_rope_type_is_rejected_in_both_config_spellings():
 
 def test_transformers_4_and_5_rope_spellings_give_the_same_config():
     base = {"architectures": ["LlamaForCausalLM"], **TINY}
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
     v4 = {**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}}
     v5 = {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}}
     a, b = ModelConfig.from_hf_dict(v4), ModelConfig.from_hf_dict(v5)
@@ -170,9 +169,17 @@ def test_kv_heads_that_do_not_divide_q_heads_are_rejected():
 
 def test_qwen2_without_qkv_bias_is_rejected():
     with pytest.raises(InvalidInputError, match="qkv_bias: expected True for Qwen2ForCausalLM"):
-        ModelConfig(architecture="Qwen2ForCausalLM", hidden_size=32, intermediate_size=48,
-                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                    vocab_size=64, max_position_embeddings=64, qkv_bias=False)
+        ModelConfig(
+            architecture="Qwen2ForCausalLM",
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+            max_position_embeddings=64,
+            qkv_bias=False,
+        )
 
 
 def test_directory_without_config_or_weights_gets_a_clear_error(tmp_path, llama_copy):
@@ -216,6 +223,7 @@ def test_load_model_or_default_without_a_path_gives_the_default_random_model():
 def test_tied_checkpoint_that_also_stores_lm_head_loads_and_keeps_the_tie(tmp_path):
     config = transformers.Qwen2Config(**TINY, tie_word_embeddings=True)
     transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+
     def add_head_copy(t):
         t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
 
@@ -321,9 +329,18 @@ def test_llama_attention_bias_means_q_k_v_and_o_proj_bias_but_qwen2_has_no_o_pro
 
 def test_qwen2_with_o_proj_bias_is_rejected():
     with pytest.raises(InvalidInputError, match="o_proj_bias: expected False for Qwen2ForCausalLM"):
-        ModelConfig(architecture="Qwen2ForCausalLM", hidden_size=32, intermediate_size=48,
-                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                    vocab_size=64, max_position_embeddings=64, qkv_bias=True, o_proj_bias=True)
+        ModelConfig(
+            architecture="Qwen2ForCausalLM",
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+            max_position_embeddings=64,
+            qkv_bias=True,
+            o_proj_bias=True,
+        )
 
 
 def test_llama_attention_bias_checkpoint_loads_its_o_proj_bias(tmp_path):

@@ -145,9 +145,7 @@ def test_greedy_generate_matches_hf_generate_token_for_token(hf_and_dir):
     for prompt, tokens in zip(prompts, got):
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
-            )
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
         assert tokens == out[0, len(prompt) :].tolist()
 
 

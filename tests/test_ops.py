@@ -110,14 +110,20 @@ def test_outside_a_forward_context_raises():
 
 def test_unknown_layer_id_raises(setup):
     batch, backend = setup
-    with forward_context(batch, backend), pytest.raises(InvalidInputError, match=r"layer_id: expected an int in \[0, 2\), got 7"):
+    with (
+        forward_context(batch, backend),
+        pytest.raises(InvalidInputError, match=r"layer_id: expected an int in \[0, 2\), got 7"),
+    ):
         unified_attention(*qkv(batch.num_tokens), layer_id=7)
 
 
 def test_wrong_rank_raises(setup):
     batch, backend = setup
     q, k, v = qkv(batch.num_tokens)
-    with forward_context(batch, backend), pytest.raises(InvalidInputError, match=r"q: expected shape \[\*, \*, \*\], got"):
+    with (
+        forward_context(batch, backend),
+        pytest.raises(InvalidInputError, match=r"q: expected shape \[\*, \*, \*\], got"),
+    ):
         unified_attention(q.flatten(1), k, v, layer_id=0)
 
 
@@ -144,7 +150,10 @@ def test_heads_not_divisible_raise(setup):
 
 def test_dtype_other_than_the_pool_raises(setup):
     batch, backend = setup
-    with forward_context(batch, backend), pytest.raises(InvalidInputError, match="k: expected dtype torch.float32, got torch.bfloat16"):
+    with (
+        forward_context(batch, backend),
+        pytest.raises(InvalidInputError, match="k: expected dtype torch.float32, got torch.bfloat16"),
+    ):
         unified_attention(*qkv(batch.num_tokens, torch.bfloat16), layer_id=0)
 
 
@@ -161,7 +170,10 @@ def test_device_other_than_the_pool_raises(setup):
     meta_pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=HKV, head_dim=D, device="meta")
     # check=False: reach the op's own check (the context would refuse the batch first).
     backend = ReferenceBackend(table, meta_pool)
-    with forward_context(batch, backend, check=False), pytest.raises(InvalidInputError, match="k: expected device meta, got cpu"):
+    with (
+        forward_context(batch, backend, check=False),
+        pytest.raises(InvalidInputError, match="k: expected device meta, got cpu"),
+    ):
         unified_attention(*qkv(batch.num_tokens), layer_id=0)
     with pytest.raises(InvalidInputError, match="input_ids: expected device meta"), forward_context(batch, backend):
         pass

@@ -103,9 +103,7 @@ def test_backend_factory_gets_the_runner_pools(model):
 
     runner = _runner(model, backend=factory)
     assert made == [(runner.req_to_token_pool, runner.kv_pool)]
-    assert runner.generate(_prompts([4]), max_new_tokens=2) == _runner(model).generate(
-        _prompts([4]), max_new_tokens=2
-    )
+    assert runner.generate(_prompts([4]), max_new_tokens=2) == _runner(model).generate(_prompts([4]), max_new_tokens=2)
 
 
 def test_compiled_model_forward_traces_one_graph_and_never_recompiles(model):
@@ -210,11 +208,14 @@ def test_backend_can_be_named_and_gets_the_model_head_count(model):
     assert runner.generate(prompts, 4) == reference.generate(prompts, 4)
 
 
-@pytest.mark.parametrize("backend, err, match", [
-    ("tensorrt", InvalidInputError, r"backend: expected one of \['reference', 'torch', 'triton', 'flashinfer'\]"),
-    (42, InvalidTypeError, "backend: expected a backend name or a factory"),
-    (lambda table, pool: "torch", InvalidTypeError, "backend factory: expected an AttentionBackend, got str"),
-])
+@pytest.mark.parametrize(
+    "backend, err, match",
+    [
+        ("tensorrt", InvalidInputError, r"backend: expected one of \['reference', 'torch', 'triton', 'flashinfer'\]"),
+        (42, InvalidTypeError, "backend: expected a backend name or a factory"),
+        (lambda table, pool: "torch", InvalidTypeError, "backend factory: expected an AttentionBackend, got str"),
+    ],
+)
 def test_a_backend_that_is_neither_a_name_nor_a_factory_is_refused(model, backend, err, match):
     with pytest.raises(err, match=match):
         _runner(model, backend=backend)
@@ -251,11 +252,14 @@ def test_a_request_that_does_not_fit_the_budget_gets_the_pool_error(model):
     assert _pool_state(runner) == (10, 4)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"kv_cache_gib": 1.0, "num_slots": 64}, "expected num_slots or kv_cache_gib, got both"),
-    ({"kv_cache_gib": 0}, "kv_cache_gib: expected a positive number, got 0"),
-    ({"kv_cache_gib": 1e-12}, "KV budget: expected room for at least one token"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"kv_cache_gib": 1.0, "num_slots": 64}, "expected num_slots or kv_cache_gib, got both"),
+        ({"kv_cache_gib": 0}, "kv_cache_gib: expected a positive number, got 0"),
+        ({"kv_cache_gib": 1e-12}, "KV budget: expected room for at least one token"),
+    ],
+)
 def test_bad_kv_budgets_are_refused_with_the_reason(model, kwargs, match):
     with pytest.raises(InvalidInputError, match=match):
         _runner(model, **kwargs)

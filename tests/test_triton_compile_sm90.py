@@ -61,6 +61,7 @@ for dtype, hq, hkv, d in [(torch.bfloat16, 32, 8, 128), (torch.bfloat16, 8, 1, 2
 
 def _have_nvidia_ptxas() -> bool:
     import os
+
     import triton
 
     root = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -76,8 +77,7 @@ def test_kernels_compile_for_sm90_without_spills_or_smem_overflow():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     if proc.stdout.startswith("SKIP"):
         pytest.skip(proc.stdout[5:].strip())

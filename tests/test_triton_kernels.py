@@ -58,8 +58,18 @@ def _indptr(lens: List[int], device) -> torch.Tensor:
     return out.to(device)
 
 
-def make_batch(q_lens, kv_lens, num_q_heads, num_kv_heads, head_dim, dtype,
-               device=CPU, dv=None, index_dtype=torch.int32, q_padded_heads=0) -> PagedBatch:
+def make_batch(
+    q_lens,
+    kv_lens,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    dtype,
+    device=CPU,
+    dv=None,
+    index_dtype=torch.int32,
+    q_padded_heads=0,
+) -> PagedBatch:
     """Random batch; ``q_padded_heads`` > 0 makes q a strided view (as from a fused qkv)."""
     dv = dv or head_dim
     total_kv = sum(kv_lens)
@@ -72,9 +82,14 @@ def make_batch(q_lens, kv_lens, num_q_heads, num_kv_heads, head_dim, dtype,
     t = sum(q_lens)
     q_full = torch.randn(t, num_q_heads + q_padded_heads, head_dim, device=device).to(dtype)
     return PagedBatch(
-        q=q_full[:, :num_q_heads], k_cache=k_cache, v_cache=v_cache,
-        qo_indptr=_indptr(q_lens, device), kv_indptr=_indptr(kv_lens, device),
-        kv_indices=kv_indices, q_lens=list(q_lens), kv_lens=list(kv_lens),
+        q=q_full[:, :num_q_heads],
+        k_cache=k_cache,
+        v_cache=v_cache,
+        qo_indptr=_indptr(q_lens, device),
+        kv_indptr=_indptr(kv_lens, device),
+        kv_indices=kv_indices,
+        q_lens=list(q_lens),
+        kv_lens=list(kv_lens),
     )
 
 
@@ -94,7 +109,7 @@ def tree_visible(q_len: int, kv_len: int, rng: random.Random) -> torch.Tensor:
         vis[i, prefix + i] = True
         if i > 0:
             parent = rng.randrange(i)
-            vis[i, prefix:prefix + i] = vis[parent, prefix:prefix + i]
+            vis[i, prefix : prefix + i] = vis[parent, prefix : prefix + i]
     return vis
 
 
@@ -104,10 +119,10 @@ def reference(b: PagedBatch, scale: float, visible: List[torch.Tensor]) -> torch
     outs = []
     for r, (ql, kl) in enumerate(zip(b.q_lens, b.kv_lens)):
         q0, k0 = int(b.qo_indptr[r]), int(b.kv_indptr[r])
-        slots = b.kv_indices[k0:k0 + kl].long()
+        slots = b.kv_indices[k0 : k0 + kl].long()
         k = b.k_cache[slots].double().repeat_interleave(group, dim=1)
         v = b.v_cache[slots].double().repeat_interleave(group, dim=1)
-        s = torch.einsum("ihd,jhd->hij", b.q[q0:q0 + ql].double(), k) * scale
+        s = torch.einsum("ihd,jhd->hij", b.q[q0 : q0 + ql].double(), k) * scale
         s = s.masked_fill(~visible[r].to(s.device)[None], float("-inf"))
         p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
         outs.append(torch.einsum("hij,jhd->ihd", p, v))
@@ -132,8 +147,20 @@ def run_decode(b: PagedBatch, max_kv_splits: int, num_splits: torch.Tensor, laun
     # Scratch with stale NaNs: unused splits must never be read.
     logits = torch.full((bs + 2, num_q_heads, max_kv_splits + 1, dv), float("nan"), device=b.q.device)
     lse = torch.full((bs + 2, num_q_heads, max_kv_splits + 1), float("nan"), device=b.q.device)
-    decode_attention(b.q, b.k_cache, b.v_cache, out, b.kv_indptr, b.kv_indices, logits, lse,
-                     num_splits, max_kv_splits, b.q.shape[2] ** -0.5, launch)
+    decode_attention(
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        out,
+        b.kv_indptr,
+        b.kv_indices,
+        logits,
+        lse,
+        num_splits,
+        max_kv_splits,
+        b.q.shape[2] ** -0.5,
+        launch,
+    )
     return out
 
 
@@ -258,13 +285,33 @@ def test_decode_rejects_mismatched_shapes():
     b = make_batch([1, 1], [3, 4], 4, 2, 32, torch.float32)
     bad_out = torch.empty(2, 4, 16)
     with pytest.raises(InvalidInputError, match="out"):
-        decode_attention(b.q, b.k_cache, b.v_cache, bad_out, b.kv_indptr, b.kv_indices,
-                         torch.empty(2, 4, 2, 32), torch.empty(2, 4, 2),
-                         torch.ones(2, dtype=torch.int32), 2, 0.1)
+        decode_attention(
+            b.q,
+            b.k_cache,
+            b.v_cache,
+            bad_out,
+            b.kv_indptr,
+            b.kv_indices,
+            torch.empty(2, 4, 2, 32),
+            torch.empty(2, 4, 2),
+            torch.ones(2, dtype=torch.int32),
+            2,
+            0.1,
+        )
     with pytest.raises(InvalidInputError, match="scratch"):
-        decode_attention(b.q, b.k_cache, b.v_cache, torch.empty(2, 4, 32), b.kv_indptr, b.kv_indices,
-                         torch.empty(2, 4, 1, 32), torch.empty(2, 4, 1),
-                         torch.ones(2, dtype=torch.int32), 2, 0.1)
+        decode_attention(
+            b.q,
+            b.k_cache,
+            b.v_cache,
+            torch.empty(2, 4, 32),
+            b.kv_indptr,
+            b.kv_indices,
+            torch.empty(2, 4, 1, 32),
+            torch.empty(2, 4, 1),
+            torch.ones(2, dtype=torch.int32),
+            2,
+            0.1,
+        )
 
 
 # ---------------------------------------------------------------- extend
@@ -273,8 +320,19 @@ def test_decode_rejects_mismatched_shapes():
 def run_extend(b: PagedBatch, max_q_len: int, mask=None, mask_indptr=None) -> torch.Tensor:
     t, num_q_heads = b.q.shape[0], b.q.shape[1]
     out = torch.full((t, num_q_heads, b.v_cache.shape[2]), float("nan"), dtype=b.q.dtype, device=b.q.device)
-    extend_attention(b.q, b.k_cache, b.v_cache, out, b.qo_indptr, b.kv_indptr, b.kv_indices,
-                     max_q_len, b.q.shape[2] ** -0.5, custom_mask=mask, mask_indptr=mask_indptr)
+    extend_attention(
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        out,
+        b.qo_indptr,
+        b.kv_indptr,
+        b.kv_indices,
+        max_q_len,
+        b.q.shape[2] ** -0.5,
+        custom_mask=mask,
+        mask_indptr=mask_indptr,
+    )
     return out
 
 
@@ -292,7 +350,7 @@ def test_extend_causal_matches_reference(num_q_heads, num_kv_heads, dtype):
     q_lens = [q for q, _ in shapes]
     kv_lens = [q + p for q, p in shapes]
     b = make_batch(q_lens, kv_lens, num_q_heads, num_kv_heads, 64, dtype)
-    ref = reference(b, 64 ** -0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
+    ref = reference(b, 64**-0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
     assert_close(run_extend(b, max(q_lens)), ref, dtype)
 
 
@@ -300,7 +358,7 @@ def test_extend_causal_matches_reference(num_q_heads, num_kv_heads, dtype):
 def test_extend_handles_head_dims(head_dim, dv):
     q_lens, kv_lens = [5, 20], [5, 44]
     b = make_batch(q_lens, kv_lens, 4, 2, head_dim, torch.float32, dv=dv)
-    ref = reference(b, head_dim ** -0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
+    ref = reference(b, head_dim**-0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
     assert_close(run_extend(b, max(q_lens)), ref, torch.float32)
 
 
@@ -308,7 +366,7 @@ def test_extend_static_grid_larger_than_batch_and_strided_q():
     # max_q_len is a static bound (a captured size): spare programs must exit.
     q_lens, kv_lens = [3, 1, 6], [3, 11, 30]
     b = make_batch(q_lens, kv_lens, 8, 4, 32, torch.float32, index_dtype=torch.int64, q_padded_heads=3)
-    ref = reference(b, 32 ** -0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
+    ref = reference(b, 32**-0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
     assert_close(run_extend(b, 64), ref, torch.float32)
 
 
@@ -321,7 +379,7 @@ def test_extend_tree_mask_matches_reference(num_q_heads, num_kv_heads, dtype):
     visible = [tree_visible(q, k, rng) for q, k in zip(q_lens, kv_lens)]
     b = make_batch(q_lens, kv_lens, num_q_heads, num_kv_heads, 64, dtype)
     mask, indptr = flat_mask(visible)
-    assert_close(run_extend(b, 8, mask, indptr), reference(b, 64 ** -0.5, visible), dtype)
+    assert_close(run_extend(b, 8, mask, indptr), reference(b, 64**-0.5, visible), dtype)
 
 
 def test_extend_random_mask_uint8_int64_indptr_and_blind_rows():
@@ -332,15 +390,25 @@ def test_extend_random_mask_uint8_int64_indptr_and_blind_rows():
     b = make_batch(q_lens, kv_lens, 6, 2, 32, torch.float32)
     mask, indptr = flat_mask(visible, torch.uint8, torch.int64)
     out = run_extend(b, 17, mask, indptr)
-    assert_close(out, reference(b, 32 ** -0.5, visible), torch.float32)
+    assert_close(out, reference(b, 32**-0.5, visible), torch.float32)
     assert torch.equal(out[3 + 5], torch.zeros_like(out[3 + 5]))
 
 
 def test_extend_rejects_mask_without_indptr():
     b = make_batch([2], [2], 2, 2, 16, torch.float32)
     with pytest.raises(InvalidInputError, match="mask_indptr"):
-        extend_attention(b.q, b.k_cache, b.v_cache, torch.empty(2, 2, 16), b.qo_indptr,
-                         b.kv_indptr, b.kv_indices, 2, 0.25, custom_mask=torch.ones(4, dtype=torch.bool))
+        extend_attention(
+            b.q,
+            b.k_cache,
+            b.v_cache,
+            torch.empty(2, 2, 16),
+            b.qo_indptr,
+            b.kv_indptr,
+            b.kv_indices,
+            2,
+            0.25,
+            custom_mask=torch.ones(4, dtype=torch.bool),
+        )
 
 
 # ---------------------------------------------------------------- GPU
@@ -370,12 +438,12 @@ def test_gpu_extend_bf16_model_sizes(num_q_heads, num_kv_heads, head_dim):
     kv_lens = [q + p for q, p in zip(q_lens, [0, 0] + _random_lengths(rng, 6, 0, 2000))]
     cuda = torch.device("cuda")
     b = make_batch(q_lens, kv_lens, num_q_heads, num_kv_heads, head_dim, torch.bfloat16, device=cuda)
-    ref = reference(b, head_dim ** -0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
+    ref = reference(b, head_dim**-0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
     assert_close(run_extend(b, max(q_lens)), ref, torch.bfloat16)
     visible = [tree_visible(q, k, rng) for q, k in zip(q_lens, kv_lens)]
     mask, indptr = flat_mask(visible)
     out = run_extend(b, max(q_lens), mask.to(cuda), indptr.to(cuda))
-    assert_close(out, reference(b, head_dim ** -0.5, visible), torch.bfloat16)
+    assert_close(out, reference(b, head_dim**-0.5, visible), torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -384,11 +452,12 @@ def test_gpu_fp32_uses_accurate_dots():
     cuda = torch.device("cuda")
     q_lens, kv_lens = [1, 64, 200], [900, 64, 1200]
     b = make_batch(q_lens, kv_lens, 8, 2, 128, torch.float32, device=cuda)
-    ref = reference(b, 128 ** -0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
+    ref = reference(b, 128**-0.5, [causal_visible(q, k) for q, k in zip(q_lens, kv_lens)])
     assert_close(run_extend(b, 200), ref, torch.float32)
     d = make_batch([1] * 3, kv_lens, 8, 2, 128, torch.float32, device=cuda)
-    assert_close(run_decode(d, 8, torch.full((3,), 8, dtype=torch.int32, device=cuda)),
-                 decode_reference(d), torch.float32)
+    assert_close(
+        run_decode(d, 8, torch.full((3,), 8, dtype=torch.int32, device=cuda)), decode_reference(d), torch.float32
+    )
 
 
 @pytest.mark.gpu
@@ -414,9 +483,10 @@ def test_gpu_decode_and_extend_replay_in_a_cuda_graph_with_new_lengths():
 
     def step():
         choose_num_kv_splits(kv_lens_buf, max_splits, splits)
-        decode_attention(q_dec, k_cache, v_cache, out_dec, kv_indptr, kv_indices, logits, lse,
-                         splits, max_splits, d ** -0.5)
-        extend_attention(q_ext, k_cache, v_cache, out_ext, qo_indptr, kv_indptr, kv_indices, 2, d ** -0.5)
+        decode_attention(
+            q_dec, k_cache, v_cache, out_dec, kv_indptr, kv_indices, logits, lse, splits, max_splits, d**-0.5
+        )
+        extend_attention(q_ext, k_cache, v_cache, out_ext, qo_indptr, kv_indptr, kv_indices, 2, d**-0.5)
 
     def load(b: PagedBatch):
         n = int(b.kv_indptr[-1])
@@ -436,15 +506,19 @@ def test_gpu_decode_and_extend_replay_in_a_cuda_graph_with_new_lengths():
     # Fewer keys in all than the first batch, so the first batch's pool holds them.
     second_lens = [max(2, n - rng.randint(0, 300)) for n in reversed(first.kv_lens)]
     second = PagedBatch(
-        q=torch.randn(2 * bs, hq, d, device=cuda).to(torch.bfloat16), k_cache=k_cache, v_cache=v_cache,
-        qo_indptr=qo_indptr.clone(), kv_indptr=_indptr(second_lens, cuda),
+        q=torch.randn(2 * bs, hq, d, device=cuda).to(torch.bfloat16),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        qo_indptr=qo_indptr.clone(),
+        kv_indptr=_indptr(second_lens, cuda),
         kv_indices=(torch.randperm(k_cache.shape[0] - 1, device=cuda)[: sum(second_lens)] + 1).to(torch.int32),
-        q_lens=[2] * bs, kv_lens=second_lens,
+        q_lens=[2] * bs,
+        kv_lens=second_lens,
     )
     load(second)
     graph.replay()
     torch.cuda.synchronize()
-    ext_ref = reference(second, d ** -0.5, [causal_visible(2, k) for k in second_lens])
+    ext_ref = reference(second, d**-0.5, [causal_visible(2, k) for k in second_lens])
     assert_close(out_ext, ext_ref, torch.bfloat16)
     # Decode row r is the second query token of request r: it sees every key.
     assert_close(out_dec, ext_ref[1::2], torch.bfloat16)

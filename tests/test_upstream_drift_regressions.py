@@ -17,10 +17,6 @@ import random
 
 import pytest
 import torch
-
-from sgl_piecewise import ForwardMode, SpecInfo
-from sgl_piecewise.backends import CompositeBackend, ReferenceBackend
-from sgl_piecewise.testing import random_batch
 from test_backends_differential import (
     CASES,
     FLASHINFER_ON_GPU,
@@ -43,12 +39,16 @@ from test_backends_differential import (
     tolerance_for,
 )
 
+from sgl_piecewise import ForwardMode, SpecInfo
+from sgl_piecewise.backends import CompositeBackend, ReferenceBackend
+from sgl_piecewise.testing import random_batch
+
 GRAPH_BACKENDS = ["torch", "triton", FLASHINFER_ON_GPU]
 CASE = {c.id: c for c in CASES}
 
 
 def _scale(pools) -> float:
-    return pools.kv.head_dim ** -0.5
+    return pools.kv.head_dim**-0.5
 
 
 def _prefix_only_attention(pools, batch, q, layer_id, scale):
@@ -58,13 +58,14 @@ def _prefix_only_attention(pools, batch, q, layer_id, scale):
     k_cache, v_cache = pools.kv.k_buffers[layer_id], pools.kv.v_buffers[layer_id]
     group = q.shape[1] // k_cache.shape[1]
     start = 0
-    for row, prefix, new in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu.tolist(),
-                                batch.extend_seq_lens_cpu):
+    for row, prefix, new in zip(
+        batch.req_pool_indices.tolist(), batch.seq_lens_cpu.tolist(), batch.extend_seq_lens_cpu
+    ):
         slots = pools.req.req_to_token[row, :prefix].long()
         keys = k_cache[slots].repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, prefix, D]
         vals = v_cache[slots].repeat_interleave(group, dim=1).transpose(0, 1)
-        logits = q[start:start + new].transpose(0, 1) @ keys.transpose(1, 2) * scale
-        out[start:start + new] = (logits.softmax(-1) @ vals).transpose(0, 1)
+        logits = q[start : start + new].transpose(0, 1) @ keys.transpose(1, 2) * scale
+        out[start : start + new] = (logits.softmax(-1) @ vals).transpose(0, 1)
         start += new
     return out
 
@@ -102,8 +103,9 @@ def test_eager_draft_extend_v2_key_extent_is_the_per_request_maximum(name):
     """Skewed ragged V2 step: ``max_seq_len_k = max_i(prefix_i + new_i) = 51``,
     not ``max(prefix) + max(new) = 54``; results still match the reference."""
     pools = pools_for(name)
-    batch = random_batch(ForwardMode.DRAFT_EXTEND_V2, pools.req, pools.kv, [50, 2], [1, 4],
-                         spec_info=SpecInfo(num_tokens_per_req=4))
+    batch = random_batch(
+        ForwardMode.DRAFT_EXTEND_V2, pools.req, pools.kv, [50, 2], [1, 4], spec_info=SpecInfo(num_tokens_per_req=4)
+    )
     backend, ref = make_backend(name, pools), ReferenceBackend(pools.req, pools.kv)
     qkv = random_qkv(batch.num_tokens, pools, torch.Generator().manual_seed(3))
     assert_close(eager(backend, batch, qkv), eager(ref, batch, qkv), tolerance_for(name))

@@ -7,14 +7,14 @@ from __future__ import annotations
 from functools import partial
 
 import pytest
+from test_whole_model_runner import CONFIG
 
 from sgl_piecewise.backends import create_backend
 from sgl_piecewise.cli import main
-from sgl_piecewise.runners.whole_model import CudaGraphRunner
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models import build_random_model
+from sgl_piecewise.runners.whole_model import CudaGraphRunner
 from sgl_piecewise.verify import verify
-from test_whole_model_runner import CONFIG
 
 
 def _verify(**kw):

@@ -17,12 +17,11 @@ import torch
 
 from sgl_piecewise import ForwardMode
 from sgl_piecewise.backends import ReferenceBackend, create_backend
-from sgl_piecewise.compile import CompileOptions, counters
-from sgl_piecewise.runners.whole_model import CudaGraphRunner
-from sgl_piecewise.compile import CompiledModel
+from sgl_piecewise.compile import CompiledModel, CompileOptions, counters
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.runner import ModelRunner
+from sgl_piecewise.runners.whole_model import CudaGraphRunner
 from sgl_piecewise.testing import random_batch, release_batch
 
 VOCAB = 101

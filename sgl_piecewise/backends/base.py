@@ -62,8 +62,7 @@ class AttentionBackend(ABC):
     def check_supported(self, mode: ForwardMode) -> None:
         if not self.supports(mode):
             raise UnsupportedModeError(
-                f"{self.name} backend: expected one of "
-                f"{sorted(m.name for m in self.supported_modes)}, got {mode.name}"
+                f"{self.name} backend: expected one of {sorted(m.name for m in self.supported_modes)}, got {mode.name}"
             )
 
     # ---- eager ------------------------------------------------------------

@@ -65,9 +65,7 @@ class CompositeBackend(AttentionBackend):
                 )
         fills = {m.name: m.get_cuda_graph_seq_len_fill_value() for m in self.members}
         if len(set(fills.values())) > 1:
-            raise InvalidInputError(
-                f"composite: expected one seq_lens fill value for padded requests, got {fills}"
-            )
+            raise InvalidInputError(f"composite: expected one seq_lens fill value for padded requests, got {fills}")
         for layer, child in self.layer_routes.items():
             if not isinstance(layer, int) or not isinstance(child, int) or not 0 <= child < len(self.children):
                 raise InvalidInputError(
@@ -93,12 +91,25 @@ class CompositeBackend(AttentionBackend):
             )
 
     def init_forward_metadata_replay_cuda_graph(
-        self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info,
+        self,
+        bs,
+        req_pool_indices,
+        seq_lens,
+        seq_lens_sum,
+        encoder_lens,
+        forward_mode,
+        spec_info,
         seq_lens_cpu=None,
     ) -> None:
         for member in self.members:
             member.init_forward_metadata_replay_cuda_graph(
-                bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info,
+                bs,
+                req_pool_indices,
+                seq_lens,
+                seq_lens_sum,
+                encoder_lens,
+                forward_mode,
+                spec_info,
                 seq_lens_cpu,
             )
 

@@ -30,9 +30,7 @@ def backend_names() -> Tuple[str, ...]:
 def get_backend_class(name: str) -> Type[AttentionBackend]:
     """The class registered as ``name``; imports its module now."""
     if name not in _BACKENDS:
-        raise InvalidInputError(
-            f"attention backend: expected one of {list(_BACKENDS)}, got {name!r}"
-        )
+        raise InvalidInputError(f"attention backend: expected one of {list(_BACKENDS)}, got {name!r}")
     module_name, class_name = _BACKENDS[name]
     try:
         module = importlib.import_module(module_name)

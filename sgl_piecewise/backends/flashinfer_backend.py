@@ -91,8 +91,14 @@ class FlashInferBackend(StaticGraphBackend):
 
     name = "flashinfer"
 
-    def __init__(self, req_to_token_pool, kv_pool, num_q_heads: Optional[int] = None,
-                 *, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES):
+    def __init__(
+        self,
+        req_to_token_pool,
+        kv_pool,
+        num_q_heads: Optional[int] = None,
+        *,
+        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+    ):
         super().__init__(req_to_token_pool, kv_pool, num_q_heads)
         self._flashinfer = import_flashinfer()
         if kv_pool.device.type != "cuda":
@@ -125,25 +131,33 @@ class FlashInferBackend(StaticGraphBackend):
         mode on ``views``' fixed buffers (batch size fixed for its lifetime)."""
         fi = self._flashinfer
         if decode:
-            graph = {} if views is None else dict(
-                use_cuda_graph=True,
-                paged_kv_indptr_buffer=views.kv_indptr,
-                paged_kv_indices_buffer=views.kv_indices,
-                paged_kv_last_page_len_buffer=views.last_page_len,
+            graph = (
+                {}
+                if views is None
+                else dict(
+                    use_cuda_graph=True,
+                    paged_kv_indptr_buffer=views.kv_indptr,
+                    paged_kv_indices_buffer=views.kv_indices,
+                    paged_kv_last_page_len_buffer=views.last_page_len,
+                )
             )
             kernels = PREFILL_KERNELS if self._decode_tensor_cores else "auto"
             return fi.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, "NHD", use_tensor_cores=self._decode_tensor_cores, backend=kernels, **graph
             )
-        graph = {} if views is None else dict(
-            use_cuda_graph=True,
-            qo_indptr_buf=views.qo_indptr,
-            paged_kv_indptr_buf=views.kv_indptr,
-            paged_kv_indices_buf=views.kv_indices,
-            paged_kv_last_page_len_buf=views.last_page_len,
-            # FlashInfer packs our bool mask into these at plan() time.
-            custom_mask_buf=views.packed_mask,
-            mask_indptr_buf=self._buffers["packed_mask_indptr"][: views.bs + 1] if views.masked else None,
+        graph = (
+            {}
+            if views is None
+            else dict(
+                use_cuda_graph=True,
+                qo_indptr_buf=views.qo_indptr,
+                paged_kv_indptr_buf=views.kv_indptr,
+                paged_kv_indices_buf=views.kv_indices,
+                paged_kv_last_page_len_buf=views.last_page_len,
+                # FlashInfer packs our bool mask into these at plan() time.
+                custom_mask_buf=views.packed_mask,
+                mask_indptr_buf=self._buffers["packed_mask_indptr"][: views.bs + 1] if views.masked else None,
+            )
         )
         return fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend=PREFILL_KERNELS, **graph)
 
@@ -157,9 +171,14 @@ class FlashInferBackend(StaticGraphBackend):
         q_cpu, kv_cpu = host_lengths(batch)
         masked = has_custom_mask(batch.spec_info)
         return FlashInferMetadata(
-            forward_mode=mode, bs=bs, max_q_len=int(q_cpu.max()) if bs else 0,
+            forward_mode=mode,
+            bs=bs,
+            max_q_len=int(q_cpu.max()) if bs else 0,
             num_tokens=batch.num_tokens,
-            q_lens=new(bs), kv_lens=new(bs), qo_indptr=new(bs + 1), kv_indptr=new(bs + 1),
+            q_lens=new(bs),
+            kv_lens=new(bs),
+            qo_indptr=new(bs + 1),
+            kv_indptr=new(bs + 1),
             masked=masked,  # FlashInfer derives the mask offsets from the indptrs
             kv_indices=new(int(kv_cpu.sum())),
             last_page_len=new(bs),
@@ -214,8 +233,14 @@ class FlashInferBackend(StaticGraphBackend):
             meta.wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.last_page_len, *heads, **common)
             return
         meta.wrapper.plan(
-            meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.last_page_len, *heads,
-            custom_mask=meta.custom_mask, causal=not meta.masked, **common,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.last_page_len,
+            *heads,
+            custom_mask=meta.custom_mask,
+            causal=not meta.masked,
+            **common,
         )
 
     # ---- attention -------------------------------------------------------

@@ -53,8 +53,7 @@ class ReferenceBackend(AttentionBackend):
             expected = sum(ql * kl for ql, kl in zip(q_lens, kv))
             if spec.custom_mask.numel() != expected:
                 raise InvalidInputError(
-                    f"custom_mask: expected {expected} elements (sum of q_len*kv_len), "
-                    f"got {spec.custom_mask.numel()}"
+                    f"custom_mask: expected {expected} elements (sum of q_len*kv_len), got {spec.custom_mask.numel()}"
                 )
         self.metadata = ReferenceMetadata(
             q_starts=starts,

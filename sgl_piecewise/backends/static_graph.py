@@ -149,8 +149,7 @@ class StaticGraphBackend(AttentionBackend):
         width = self._check_graph_batch(bs, forward_mode, spec_info)
         if not forward_mode.is_idle() and num_tokens != bs * width:
             raise InvalidInputError(
-                f"capture: expected num_tokens = bs * {width} = {bs * width} for "
-                f"{forward_mode.name}, got {num_tokens}"
+                f"capture: expected num_tokens = bs * {width} = {bs * width} for {forward_mode.name}, got {num_tokens}"
             )
         # Pattern A: bind and store first, so replay (and any composite child's
         # replay) finds this batch size; then replay fills the runtime values.
@@ -161,12 +160,25 @@ class StaticGraphBackend(AttentionBackend):
             self._graph_metadata[key] = self._bind_metadata(bs, width, forward_mode, spec_info)
         self._check_bound(self._graph_metadata[key], bs, width, spec_info)
         self.init_forward_metadata_replay_cuda_graph(
-            bs, req_pool_indices, seq_lens, SEQ_LENS_SUM_UNKNOWN, encoder_lens,
-            forward_mode, spec_info, seq_lens_cpu=None,
+            bs,
+            req_pool_indices,
+            seq_lens,
+            SEQ_LENS_SUM_UNKNOWN,
+            encoder_lens,
+            forward_mode,
+            spec_info,
+            seq_lens_cpu=None,
         )
 
     def init_forward_metadata_replay_cuda_graph(
-        self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info,
+        self,
+        bs,
+        req_pool_indices,
+        seq_lens,
+        seq_lens_sum,
+        encoder_lens,
+        forward_mode,
+        spec_info,
         seq_lens_cpu=None,
     ) -> None:
         # seq_lens_cpu may be None (capture passes None): it is never read here.
@@ -185,9 +197,7 @@ class StaticGraphBackend(AttentionBackend):
         # not arise). The capture's spec_info carries the real mask kind, so
         # tree-masked verify delegates to replay like every other mode.
         extend_lens = lengths.uniform_query_lens(bs, width, seq_lens.device)
-        self._fill_metadata(
-            meta, bs, req_pool_indices[:bs], seq_lens[:bs], extend_lens, forward_mode, spec_info
-        )
+        self._fill_metadata(meta, bs, req_pool_indices[:bs], seq_lens[:bs], extend_lens, forward_mode, spec_info)
         self.forward_metadata = meta
 
     @staticmethod

@@ -84,9 +84,16 @@ class TorchGraphBackend(StaticGraphBackend):
         ragged = any(n != width for n in batch.extend_seq_lens_cpu)
         masked = has_custom_mask(batch.spec_info)
         return TorchGraphMetadata(
-            forward_mode=batch.forward_mode, bs=bs, max_q_len=width, num_tokens=tokens,
-            q_lens=new(bs), kv_lens=new(bs), qo_indptr=new(bs + 1), kv_indptr=new(bs + 1),
-            masked=masked, mask_indptr=new(bs + 1, dtype=torch.int64) if masked else None,
+            forward_mode=batch.forward_mode,
+            bs=bs,
+            max_q_len=width,
+            num_tokens=tokens,
+            q_lens=new(bs),
+            kv_lens=new(bs),
+            qo_indptr=new(bs + 1),
+            kv_indptr=new(bs + 1),
+            masked=masked,
+            mask_indptr=new(bs + 1, dtype=torch.int64) if masked else None,
             page_table=new(bs, keys, dtype=torch.int64),
             allowed=new(bs, width, keys, dtype=torch.bool),
             q_rows=new(bs * width, dtype=torch.int64) if ragged else None,

@@ -86,8 +86,14 @@ class TritonBackend(StaticGraphBackend):
 
     name = "triton"
 
-    def __init__(self, req_to_token_pool, kv_pool, num_q_heads: Optional[int] = None,
-                 *, max_kv_splits: int = DEFAULT_MAX_KV_SPLITS):
+    def __init__(
+        self,
+        req_to_token_pool,
+        kv_pool,
+        num_q_heads: Optional[int] = None,
+        *,
+        max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
+    ):
         super().__init__(req_to_token_pool, kv_pool, num_q_heads)
         _check_kernels_can_run_on(kv_pool.device)
         if not isinstance(num_q_heads, int) or num_q_heads <= 0 or num_q_heads % kv_pool.num_kv_heads:
@@ -109,10 +115,16 @@ class TritonBackend(StaticGraphBackend):
         masked = has_custom_mask(batch.spec_info)
         hq, dv, splits = self.num_q_heads, self.kv_pool.head_dim, self._grid_splits(bs)
         return TritonMetadata(
-            forward_mode=mode, bs=bs, max_q_len=int(q_cpu.max()) if bs else 0,
+            forward_mode=mode,
+            bs=bs,
+            max_q_len=int(q_cpu.max()) if bs else 0,
             num_tokens=batch.num_tokens,
-            q_lens=new(bs), kv_lens=new(bs), qo_indptr=new(bs + 1), kv_indptr=new(bs + 1),
-            masked=masked, mask_indptr=new(bs + 1, dtype=torch.int64) if masked else None,
+            q_lens=new(bs),
+            kv_lens=new(bs),
+            qo_indptr=new(bs + 1),
+            kv_indptr=new(bs + 1),
+            masked=masked,
+            mask_indptr=new(bs + 1, dtype=torch.int64) if masked else None,
             kv_indices=new(int(kv_cpu.sum())),
             num_kv_splits=new(bs) if decode else None,
             attn_logits=new(bs, hq, splits, dv, dtype=torch.float32) if decode else None,
@@ -168,15 +180,31 @@ class TritonBackend(StaticGraphBackend):
     def forward_decode(self, q, k, v, out, layer_id, batch, scale) -> None:
         meta = self._current_metadata(q, batch)
         decode_attention(
-            q, self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id], out,
-            meta.kv_indptr, meta.kv_indices, meta.attn_logits, meta.attn_lse,
-            meta.num_kv_splits, self.max_kv_splits, scale,
+            q,
+            self.kv_pool.k_buffers[layer_id],
+            self.kv_pool.v_buffers[layer_id],
+            out,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.attn_logits,
+            meta.attn_lse,
+            meta.num_kv_splits,
+            self.max_kv_splits,
+            scale,
         )
 
     def forward_extend(self, q, k, v, out, layer_id, batch, scale) -> None:
         meta = self._current_metadata(q, batch)
         extend_attention(
-            q, self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id], out,
-            meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.max_q_len, scale,
-            custom_mask=meta.custom_mask, mask_indptr=meta.mask_indptr,
+            q,
+            self.kv_pool.k_buffers[layer_id],
+            self.kv_pool.v_buffers[layer_id],
+            out,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.max_q_len,
+            scale,
+            custom_mask=meta.custom_mask,
+            mask_indptr=meta.mask_indptr,
         )

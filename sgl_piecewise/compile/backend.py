@@ -229,9 +229,8 @@ class PiecewiseModule:
     def _num_tokens(self, args) -> int:
         counts = {args[i].shape[0] for i in self.token_axis.tensor_inputs}
         if len(counts) != 1:
-            raise InvalidInputError(
-                f"token-axis inputs {list(self.token_axis.tensor_inputs)}: expected one token count, got {sorted(counts)}"
-            )
+            inputs = list(self.token_axis.tensor_inputs)
+            raise InvalidInputError(f"token-axis inputs {inputs}: expected one token count, got {sorted(counts)}")
         return counts.pop()
 
     def _pad(self, args, n: int, padded: int) -> list:

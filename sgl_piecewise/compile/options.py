@@ -54,10 +54,12 @@ class CompileOptions:
             if not isinstance(value, bool):
                 raise InvalidInputError(f"{name}: expected True or False, got {value!r}")
         if self.piece_compiler not in PIECE_COMPILERS:
-            raise InvalidInputError(
-                f"piece_compiler: expected one of {PIECE_COMPILERS}, got {self.piece_compiler!r}"
-            )
-        if isinstance(self.max_capture_size, bool) or not isinstance(self.max_capture_size, int) or self.max_capture_size < 1:
+            raise InvalidInputError(f"piece_compiler: expected one of {PIECE_COMPILERS}, got {self.piece_compiler!r}")
+        if (
+            isinstance(self.max_capture_size, bool)
+            or not isinstance(self.max_capture_size, int)
+            or self.max_capture_size < 1
+        ):
             raise InvalidInputError(f"max_capture_size: expected an int >= 1, got {self.max_capture_size!r}")
         sizes = default_capture_sizes(self.max_capture_size) if self.capture_sizes is None else self.capture_sizes
         object.__setattr__(self, "capture_sizes", _check_capture_sizes(sizes))
@@ -88,9 +90,7 @@ class CompileOptions:
 def _check_capture_sizes(sizes: Any) -> Tuple[int, ...]:
     """Sorted unique token counts; a non-empty sequence of ints >= 1."""
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
-        raise InvalidInputError(
-            f"capture_sizes: expected a list of token counts such as [1, 2, 4, 8], got {sizes!r}"
-        )
+        raise InvalidInputError(f"capture_sizes: expected a list of token counts such as [1, 2, 4, 8], got {sizes!r}")
     if not sizes:
         raise InvalidInputError(
             "capture_sizes: expected at least one token count, got an empty list; leave it out "

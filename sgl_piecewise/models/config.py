@@ -42,9 +42,7 @@ class Llama3RopeScaling:
         _check_positive_float("rope_scaling.factor", self.factor)
         _check_positive_float("rope_scaling.low_freq_factor", self.low_freq_factor)
         _check_positive_float("rope_scaling.high_freq_factor", self.high_freq_factor)
-        check_positive_int(
-            "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings
-        )
+        check_positive_int("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings)
         # The smoothing step divides by (high - low).
         if not self.high_freq_factor > self.low_freq_factor:
             raise InvalidInputError(
@@ -77,8 +75,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise InvalidInputError(
-                f"architecture: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}, "
-                f"got {self.architecture!r}"
+                f"architecture: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}, got {self.architecture!r}"
             )
         for name in (
             "hidden_size",
@@ -100,9 +97,7 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
-            raise InvalidInputError(
-                f"head_dim: expected an even size (rotary pairs its halves), got {self.head_dim}"
-            )
+            raise InvalidInputError(f"head_dim: expected an even size (rotary pairs its halves), got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise InvalidInputError(
                 f"num_key_value_heads: expected a divisor of num_attention_heads "
@@ -112,13 +107,11 @@ class ModelConfig:
         _check_positive_float("rope_theta", self.rope_theta)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
             raise InvalidTypeError(
-                f"rope_scaling: expected None or Llama3RopeScaling, got "
-                f"{type(self.rope_scaling).__name__}"
+                f"rope_scaling: expected None or Llama3RopeScaling, got {type(self.rope_scaling).__name__}"
             )
         if self.architecture == "Qwen2ForCausalLM" and not self.qkv_bias:
             raise InvalidInputError(
-                "qkv_bias: expected True for Qwen2ForCausalLM (Qwen2 always has q/k/v bias), "
-                "got False"
+                "qkv_bias: expected True for Qwen2ForCausalLM (Qwen2 always has q/k/v bias), got False"
             )
         if self.architecture == "Qwen2ForCausalLM" and self.o_proj_bias:
             raise InvalidInputError(
@@ -189,18 +182,14 @@ def read_json_object(path: str) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidInputError(f"{label}: expected valid JSON, got {exc}") from exc
     if not isinstance(value, dict):
-        raise InvalidInputError(
-            f"{label}: expected a JSON object at the top level, got {type(value).__name__}"
-        )
+        raise InvalidInputError(f"{label}: expected a JSON object at the top level, got {type(value).__name__}")
     return value
 
 
 def _architecture(d: Mapping[str, Any]) -> str:
     archs = d.get("architectures") or []
     if len(archs) != 1:
-        raise InvalidInputError(
-            f"architectures: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}, got {archs!r}"
-        )
+        raise InvalidInputError(f"architectures: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}, got {archs!r}")
     return archs[0]
 
 
@@ -212,9 +201,7 @@ def _reject_unsupported_features(d: Mapping[str, Any]) -> None:
     if d.get("mlp_bias", False):
         raise InvalidInputError("mlp_bias: expected false (no MLP bias is implemented), got true")
     if d.get("use_sliding_window", False):
-        raise InvalidInputError(
-            "use_sliding_window: expected false (full attention only), got true"
-        )
+        raise InvalidInputError("use_sliding_window: expected false (full attention only), got true")
 
 
 def _rope_settings(d: Mapping[str, Any]) -> tuple[float, Optional[Llama3RopeScaling]]:
@@ -228,9 +215,7 @@ def _rope_settings(d: Mapping[str, Any]) -> tuple[float, Optional[Llama3RopeScal
         scaling = d.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise InvalidInputError(
-            f"rope type: expected one of {', '.join(SUPPORTED_ROPE_TYPES)}, got {rope_type!r}"
-        )
+        raise InvalidInputError(f"rope type: expected one of {', '.join(SUPPORTED_ROPE_TYPES)}, got {rope_type!r}")
     partial = scaling.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise InvalidInputError(f"partial_rotary_factor: expected 1.0, got {partial!r}")
@@ -239,7 +224,5 @@ def _rope_settings(d: Mapping[str, Any]) -> tuple[float, Optional[Llama3RopeScal
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in keys if k not in scaling]
     if missing:
-        raise InvalidInputError(
-            f"llama3 rope scaling: expected keys {missing}, got {sorted(scaling)}"
-        )
+        raise InvalidInputError(f"llama3 rope scaling: expected keys {missing}, got {sorted(scaling)}")
     return theta, Llama3RopeScaling(**{k: scaling[k] for k in keys})

@@ -29,12 +29,8 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device):
         super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device)
-        )
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-        )
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -63,16 +59,14 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(
-    head_dim: int, theta: float, scaling: Optional[Llama3RopeScaling]
-) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Llama3RopeScaling]) -> torch.Tensor:
     """Inverse frequencies ``[head_dim / 2]`` float32, Llama-3 scaled if asked.
 
     Computed in float32 with the same operations as transformers, so the
     rotary angles (and thus logits) agree with it exactly in float32.
     """
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponent)
+    inv_freq = 1.0 / (theta**exponent)
     if scaling is None:
         return inv_freq
     old_len = scaling.original_max_position_embeddings
@@ -82,9 +76,7 @@ def rope_inv_freq(
     # Long wavelengths are stretched by `factor`, short ones kept, the band
     # between them interpolated smoothly.
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
@@ -107,9 +99,7 @@ class RotaryEmbedding(nn.Module):
         cache = cache.to(device=device, dtype=dtype)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]
@@ -148,14 +138,10 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scaling = self.head_dim**-0.5
         h = config.hidden_size
-        self.qkv_proj = Linear(
-            h, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype, device=device
-        )
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype, device=device)
         self.o_proj = Linear(self.q_size, h, bias=config.o_proj_bias, dtype=dtype, device=device)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         # x: [T, H]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -177,9 +163,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
         self.mlp = GatedMLP(config, dtype, device)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         # x: [T, H]
         x = x + self.self_attn(positions, self.input_layernorm(x), rotary)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -29,9 +29,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
         self.rotary_emb = RotaryEmbedding(config, dtype, device)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -59,9 +57,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, dtype, device)
-        self.lm_head = Linear(
-            config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device
-        )
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
         if config.tie_word_embeddings:
             # One Parameter in two places: `named_parameters()` lists it once,
             # as model.embed_tokens.weight.

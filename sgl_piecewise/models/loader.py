@@ -19,6 +19,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from safetensors import SafetensorError, safe_open
+
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 from sgl_piecewise.models.config import ModelConfig, read_json_object
 from sgl_piecewise.models.layers import RMSNorm
@@ -36,9 +37,7 @@ _TIED_HEAD = "lm_head.weight"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def new_model(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device | str
-) -> LlamaForCausalLM:
+def new_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
     """The model class of ``config.architecture``, parameters uninitialised."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InvalidTypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
@@ -57,23 +56,27 @@ def hf_weight_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
         shapes[_TIED_HEAD] = (v, h)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (f, h),
+                p + "mlp.up_proj.weight": (f, h),
+                p + "mlp.down_proj.weight": (h, f),
+            }
+        )
         if config.qkv_bias:
-            shapes.update({
-                p + "self_attn.q_proj.bias": (q,),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.bias": (kv,),
-            })
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (q,),
+                    p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,),
+                }
+            )
         if config.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
     return shapes
@@ -89,9 +92,7 @@ def check_hf_weights(config: ModelConfig, tensors: Dict[str, torch.Tensor]) -> N
     unexpected = sorted(set(tensors) - set(expected) - ignorable)
     if missing or unexpected:
         found = [
-            f"{what} {_abbrev(names)}"
-            for what, names in (("missing", missing), ("unexpected", unexpected))
-            if names
+            f"{what} {_abbrev(names)}" for what, names in (("missing", missing), ("unexpected", unexpected)) if names
         ]
         raise InvalidInputError(
             f"checkpoint weights for {config.architecture}: expected exactly the tensors "
@@ -103,9 +104,7 @@ def check_hf_weights(config: ModelConfig, tensors: Dict[str, torch.Tensor]) -> N
         if tuple(tensors[n].shape) != shape
     ]
     if bad:
-        raise InvalidInputError(
-            "checkpoint weight shapes do not match config.json: " + "; ".join(bad[:8])
-        )
+        raise InvalidInputError("checkpoint weight shapes do not match config.json: " + "; ".join(bad[:8]))
 
 
 def _abbrev(names: List[str], limit: int = 8) -> str:
@@ -113,9 +112,7 @@ def _abbrev(names: List[str], limit: int = 8) -> str:
     return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > limit else ''}]"
 
 
-def fuse_hf_weights(
-    config: ModelConfig, tensors: Dict[str, torch.Tensor]
-) -> Dict[str, torch.Tensor]:
+def fuse_hf_weights(config: ModelConfig, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Checked checkpoint tensors -> our parameter names (fused projections)."""
     ours = {n: t for n, t in tensors.items() if n in hf_weight_shapes(config)}
     for i in range(config.num_hidden_layers):
@@ -137,15 +134,11 @@ def checkpoint_files(model_dir: str) -> List[str]:
         files = sorted({_shard_path(model_dir, index_path, s, t) for t, s in weight_map.items()})
         absent = [p for p in files if not os.path.isfile(p)]
         if absent:
-            raise InvalidInputError(
-                f"{INDEX_FILE}: expected its shards on disk, got {absent} missing"
-            )
+            raise InvalidInputError(f"{INDEX_FILE}: expected its shards on disk, got {absent} missing")
         return files
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
-        raise InvalidInputError(
-            f"model_dir: expected model.safetensors or {INDEX_FILE} in {model_dir!r}, got neither"
-        )
+        raise InvalidInputError(f"model_dir: expected model.safetensors or {INDEX_FILE} in {model_dir!r}, got neither")
     return files
 
 
@@ -188,9 +181,7 @@ def read_safetensors(files: Iterable[str]) -> Dict[str, torch.Tensor]:
     for path in files:
         for name, tensor in _read_safetensors_file(path).items():
             if name in tensors:
-                raise InvalidInputError(
-                    f"{name}: expected in one shard, got it twice (in {path})"
-                )
+                raise InvalidInputError(f"{name}: expected in one shard, got it twice (in {path})")
             tensors[name] = tensor
     return tensors
 

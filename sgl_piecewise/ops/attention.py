@@ -128,9 +128,7 @@ def attention_with_output_direct(q, k, v, output, layer_id: int, scale: Optional
 
 
 def _check_output(q: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> None:
-    check_tensor(
-        "output", output, shape=tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device=q.device
-    )
+    check_tensor("output", output, shape=tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device=q.device)
 
 
 def unified_attention(

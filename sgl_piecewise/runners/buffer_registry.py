@@ -36,12 +36,12 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
-from typing import Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from sgl_piecewise.checks import check_positive_int, check_tensor, same_device
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 from sgl_piecewise.runners.graph_slot import (  # noqa: F401 (AXES, check_count: re-exported)
     AXES,
     FillContext,
@@ -56,7 +56,6 @@ from sgl_piecewise.runners.graph_slot import (  # noqa: F401 (AXES, check_count:
     canonical_device,
     check_count,
 )
-from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 
 if TYPE_CHECKING:  # pragma: no cover
     from sgl_piecewise.runners.input_registries import SharedBufferPool
@@ -107,8 +106,7 @@ def _check_source(slot: GraphSlot, src: object, raw: int) -> None:
     buf = slot.buffer
     if not same_device(src.device, buf.device):
         raise InvalidInputError(
-            f"{where}: expected device {buf.device}, got {src.device}; "
-            f"move the batch to the graph's device first"
+            f"{where}: expected device {buf.device}, got {src.device}; move the batch to the graph's device first"
         )
     # Widening only: int64 -> int32 is a "safe" cast to torch, but values
     # past 2**31 would wrap silently.
@@ -122,9 +120,7 @@ def _check_source(slot: GraphSlot, src: object, raw: int) -> None:
     else:
         want, why = (raw, *buf.shape[1:]), f"raw {slot.axis} count {raw}"
     if tuple(src.shape) != want:
-        raise InvalidInputError(
-            f"{where}: expected shape {list(want)} ({why}), got {list(src.shape)}"
-        )
+        raise InvalidInputError(f"{where}: expected shape {list(want)} ({why}), got {list(src.shape)}")
 
 
 class CudaGraphBufferRegistry:
@@ -181,8 +177,7 @@ class CudaGraphBufferRegistry:
         """Add a declared slot (``slot.buffer`` set: adopt it); return the registered slot."""
         if slot.name in self._slots:
             raise InvalidInputError(
-                f"slot {slot.name!r}: expected a new name, got a duplicate "
-                f"(registered: {list(self._slots)})"
+                f"slot {slot.name!r}: expected a new name, got a duplicate (registered: {list(self._slots)})"
             )
         device = canonical_device(slot.device if slot.device is not None else self.device)
         buffer = self._allocate(slot, device) if slot.buffer is None else self._adopt(slot, device)
@@ -196,9 +191,7 @@ class CudaGraphBufferRegistry:
     def _shape(self, slot: GraphSlot) -> Tuple[int, ...]:
         shape = tuple(slot.shape_fn(self.max_bs, self.max_num_tokens))
         if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise InvalidInputError(
-                f"slot {slot.name!r}: shape_fn: expected a tuple of ints >= 0, got {shape!r}"
-            )
+            raise InvalidInputError(f"slot {slot.name!r}: shape_fn: expected a tuple of ints >= 0, got {shape!r}")
         need = self._rows_needed(slot.axis)
         if need is not None and (not shape or shape[0] < need):
             raise InvalidInputError(
@@ -369,4 +362,3 @@ class CudaGraphBufferRegistry:
         logger.log(level, "registry: copying %d tensors one by one: %s", len(dsts), reason)
         for dst, src in zip(dsts, srcs):
             dst.copy_(src)
-

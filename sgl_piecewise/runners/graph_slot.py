@@ -77,9 +77,7 @@ class FillContext:
         for name in ("raw_bs", "padded_bs", "raw_num_tokens", "padded_num_tokens"):
             check_count(f"FillContext.{name}", getattr(self, name))
         if self.raw_bs > self.padded_bs:
-            raise InvalidInputError(
-                f"FillContext: expected raw_bs <= padded_bs, got {self.raw_bs} > {self.padded_bs}"
-            )
+            raise InvalidInputError(f"FillContext: expected raw_bs <= padded_bs, got {self.raw_bs} > {self.padded_bs}")
         if self.raw_num_tokens > self.padded_num_tokens:
             raise InvalidInputError(
                 f"FillContext: expected raw_num_tokens <= padded_num_tokens, "
@@ -158,8 +156,7 @@ class GraphSlot:
         policy = self.padding_policy
         if self.axis == "none" and policy is not PaddingPolicy.KEEP_PAD:
             raise InvalidInputError(
-                f"{where}: an axis='none' slot has no padded tail: expected "
-                f"padding_policy KEEP_PAD, got {policy.name}"
+                f"{where}: an axis='none' slot has no padded tail: expected padding_policy KEEP_PAD, got {policy.name}"
             )
         if policy is PaddingPolicy.FILL_ONCE and (self.copy_from_fb or self.post_fill is not None):
             raise InvalidInputError(
@@ -178,8 +175,7 @@ class GraphSlot:
         rows = padded_bs if self.axis == "bs" else padded_num_tokens
         if not 0 <= rows <= buf.shape[0]:
             raise InvalidInputError(
-                f"slot {self.name!r}: expected at most {buf.shape[0]} rows along "
-                f"{self.axis}, got {rows}"
+                f"slot {self.name!r}: expected at most {buf.shape[0]} rows along {self.axis}, got {rows}"
             )
         return buf[:rows]
 

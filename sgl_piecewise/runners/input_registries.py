@@ -25,6 +25,8 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 
 from sgl_piecewise.checks import check_positive_int
+from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.memory import DUMMY_SLOT
 from sgl_piecewise.runners.buffer_registry import (
     CudaGraphBufferRegistry,
     FillContext,
@@ -32,11 +34,9 @@ from sgl_piecewise.runners.buffer_registry import (
     MissingSource,
     PaddingPolicy,
     PostFill,
-    check_count,
     canonical_device,
+    check_count,
 )
-from sgl_piecewise.errors import InvalidInputError
-from sgl_piecewise.memory import DUMMY_SLOT
 
 Device = Union[torch.device, str]
 
@@ -67,9 +67,7 @@ class SharedBufferPool:
     def __init__(self) -> None:
         self._buffers: Dict[Tuple[str, int, torch.dtype, torch.device], torch.Tensor] = {}
 
-    def share_input_buffer(
-        self, name: str, numel: int, dtype: torch.dtype, device: Device
-    ) -> torch.Tensor:
+    def share_input_buffer(self, name: str, numel: int, dtype: torch.dtype, device: Device) -> torch.Tensor:
         """The 1-D buffer of ``numel`` elements for this key, zeroed when first created."""
         key = (name, check_count("numel", numel), dtype, canonical_device(device))
         buf = self._buffers.get(key)
@@ -86,9 +84,7 @@ class SharedBufferPool:
 def _check_attn_tp(attn_tp_size: int, attn_tp_rank: int) -> None:
     check_positive_int("attn_tp_size", attn_tp_size)
     if not isinstance(attn_tp_rank, int) or not 0 <= attn_tp_rank < attn_tp_size:
-        raise InvalidInputError(
-            f"attn_tp_rank: expected an int in [0, {attn_tp_size}), got {attn_tp_rank!r}"
-        )
+        raise InvalidInputError(f"attn_tp_rank: expected an int in [0, {attn_tp_size}), got {attn_tp_rank!r}")
 
 
 def compute_local_num_token_non_padded(
@@ -121,9 +117,7 @@ def compute_local_num_token_non_padded(
 
 def num_token_non_padded_for(ctx: FillContext, attn_tp_size: int = 1, attn_tp_rank: int = 0) -> int:
     """The value capture and replay both write for a fill of ``ctx``'s sizes."""
-    return compute_local_num_token_non_padded(
-        ctx.raw_num_tokens, ctx.padded_num_tokens, attn_tp_size, attn_tp_rank
-    )
+    return compute_local_num_token_non_padded(ctx.raw_num_tokens, ctx.padded_num_tokens, attn_tp_size, attn_tp_rank)
 
 
 def num_token_non_padded_hook(attn_tp_size: int = 1, attn_tp_rank: int = 0) -> PostFill:
@@ -233,9 +227,7 @@ def build_decode_registry(
     _check_attn_tp(attn_tp_size, attn_tp_rank)
     names = DECODE_SLOTS + (DECODE_OPTIONAL_SLOTS if with_accept_lengths else ())
     max_num_tokens = check_positive_int("max_bs", max_bs) * w
-    reg = CudaGraphBufferRegistry(
-        max_bs, max_num_tokens, device, pool=pool, poison_tails=poison_tails
-    )
+    reg = CudaGraphBufferRegistry(max_bs, max_num_tokens, device, pool=pool, poison_tails=poison_tails)
     declare = _declarer(reg, bind, names)
     _declare_common(declare, fill, attn_tp_size, attn_tp_rank)
     declare("extend_seq_lens", "bs", torch.int32, PaddingPolicy.FILL_SENTINEL, w)
@@ -268,9 +260,7 @@ def build_prefill_registry(
     """
     fill = check_count("seq_len_fill_value", seq_len_fill_value)
     _check_attn_tp(attn_tp_size, attn_tp_rank)
-    reg = CudaGraphBufferRegistry(
-        max_bs, max_num_tokens, device, pool=pool, poison_tails=poison_tails
-    )
+    reg = CudaGraphBufferRegistry(max_bs, max_num_tokens, device, pool=pool, poison_tails=poison_tails)
     declare = _declarer(reg, bind, PREFILL_SLOTS)
     _declare_common(declare, fill, attn_tp_size, attn_tp_rank)
     declare("extend_seq_lens", "bs", torch.int32, PaddingPolicy.ZERO)

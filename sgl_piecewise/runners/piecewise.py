@@ -19,9 +19,9 @@ import torch
 from sgl_piecewise.compile.compiled_model import CompiledModel
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.errors import InvalidInputError
-from sgl_piecewise.runners.capture import shared_capture
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
 from sgl_piecewise.memory import DUMMY_SLOT
+from sgl_piecewise.runners.capture import shared_capture
 
 
 class PiecewiseCudaGraphRunner:

@@ -65,9 +65,13 @@ class CudaGraphRunner:
 
     mode = ForwardMode.DECODE
 
-    def __init__(self, model_runner, capture_bs: Optional[Sequence[int]] = None,
-                 forward: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
-                 capture: Optional[GraphCapture] = None):
+    def __init__(
+        self,
+        model_runner,
+        capture_bs: Optional[Sequence[int]] = None,
+        forward: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+        capture: Optional[GraphCapture] = None,
+    ):
         backend = model_runner.backend
         if not backend.supports_cuda_graph:
             raise UnsupportedModeError(
@@ -159,7 +163,9 @@ class CudaGraphRunner:
         padded = self.padded_bs(batch)
         if padded is None:
             if batch.forward_mode == self.mode and self._static:
-                counters.fallback(f"decode graphs: batch of {batch.batch_size} above the largest captured {self.max_bs}")
+                counters.fallback(
+                    f"decode graphs: batch of {batch.batch_size} above the largest captured {self.max_bs}"
+                )
             return None
         if batch.batch_size == 0:
             return None  # nothing to run: the eager path handles an empty step

@@ -96,6 +96,7 @@ FP32_DECODE_LAUNCH = DecodeLaunch(block_n=32, num_warps=4, num_stages=2)
 def default_decode_launch(dtype: torch.dtype) -> DecodeLaunch:
     return FP32_DECODE_LAUNCH if dtype == torch.float32 else DEFAULT_DECODE_LAUNCH
 
+
 _LOG2E = 1.4426950408889634
 
 
@@ -128,7 +129,8 @@ def load_rows(base, slots, row_stride, offs, mask_rows, mask_cols):
     """
     return tl.load(
         base + slots[:, None] * row_stride + offs[None, :],
-        mask=mask_rows[:, None] & mask_cols[None, :], other=0.0,
+        mask=mask_rows[:, None] & mask_cols[None, :],
+        other=0.0,
     )
 
 
@@ -164,14 +166,38 @@ def _split_range(kv_len, num_splits, split_id, GRANULE: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, num_splits_ptr,
-    part_ptr, lse_ptr, qk_scale,
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, max_splits,
-    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    GRANULE: tl.constexpr, F32X3: tl.constexpr, UPCAST: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    num_splits_ptr,
+    part_ptr,
+    lse_ptr,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    max_splits,
+    GROUP: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GRANULE: tl.constexpr,
+    F32X3: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # Grid: (bs, num_kv_heads * HEAD_BLOCKS, max_splits).
     req = tl.program_id(0)
@@ -198,7 +224,8 @@ def _decode_split_kernel(
 
     q = tl.load(
         q_ptr + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :], other=0.0,
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
     )
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -230,9 +257,22 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    out_ptr, part_ptr, lse_ptr, kv_indptr_ptr, num_splits_ptr,
-    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, max_splits,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, GRANULE: tl.constexpr,
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    kv_indptr_ptr,
+    num_splits_ptr,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    max_splits,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    GRANULE: tl.constexpr,
 ):
     # Grid: (bs, num_q_heads).
     req = tl.program_id(0)
@@ -264,8 +304,7 @@ def _decode_reduce_kernel(
     # l_i == 0: no key carried weight, so zeros, not 0/0. Not `l_i > 0`: a NaN
     # l_i fails that too, and NaN must reach the output (see softmax_step).
     result = tl.where(l_i == 0, 0.0, acc / l_i)
-    tl.store(out_ptr + req * stride_ob + head * stride_oh + offs_dv,
-             result.to(out_ptr.dtype.element_ty), mask=mask_dv)
+    tl.store(out_ptr + req * stride_ob + head * stride_oh + offs_dv, result.to(out_ptr.dtype.element_ty), mask=mask_dv)
 
 
 # Under TRITON_INTERPRET=1, triton.jit yields an interpreter object instead of
@@ -299,8 +338,7 @@ def choose_num_kv_splits(
         )
     if out.shape != kv_lens.shape:
         raise InvalidInputError(
-            f"choose_num_kv_splits: expected out of shape {list(kv_lens.shape)}, "
-            f"got {list(out.shape)}"
+            f"choose_num_kv_splits: expected out of shape {list(kv_lens.shape)}, got {list(out.shape)}"
         )
     splits = torch.div(kv_lens + (tokens_per_split - 1), tokens_per_split, rounding_mode="floor")
     out.copy_(splits.clamp_(1, max_kv_splits))
@@ -325,8 +363,13 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def grid_kv_splits(
-    bs: int, num_q_heads: int, num_kv_heads: int, dtype: torch.dtype, max_kv_splits: int,
-    device: torch.device, launch: Optional[DecodeLaunch] = None,
+    bs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    max_kv_splits: int,
+    device: torch.device,
+    launch: Optional[DecodeLaunch] = None,
 ) -> int:
     """Split axis of the stage-1 grid (and of the scratch it writes) for a
     batch of ``bs``: the fewest splits that give ``launch.programs_per_sm``
@@ -357,7 +400,11 @@ def grid_kv_splits(
 
 @functools.lru_cache(maxsize=256)
 def decode_kernel_meta(
-    num_q_heads: int, num_kv_heads: int, head_dim: int, dv: int, dtype: torch.dtype,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dv: int,
+    dtype: torch.dtype,
     launch: Optional[DecodeLaunch] = None,
 ) -> tuple[dict, dict]:
     """Compile-time arguments (constexprs, num_warps, num_stages) of the split
@@ -369,16 +416,26 @@ def decode_kernel_meta(
     group = num_q_heads // num_kv_heads
     block_h = decode_block_h(group, dtype)
     split_meta = dict(
-        GROUP=group, HEAD_BLOCKS=triton.cdiv(group, block_h),
-        D=head_dim, DV=dv, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_DV=triton.next_power_of_2(dv), BLOCK_H=block_h, BLOCK_N=launch.block_n,
-        GRANULE=SPLIT_GRANULE, F32X3=dtype == torch.float32,
+        GROUP=group,
+        HEAD_BLOCKS=triton.cdiv(group, block_h),
+        D=head_dim,
+        DV=dv,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_DV=triton.next_power_of_2(dv),
+        BLOCK_H=block_h,
+        BLOCK_N=launch.block_n,
+        GRANULE=SPLIT_GRANULE,
+        F32X3=dtype == torch.float32,
         UPCAST=_INTERPRETED and dtype == torch.bfloat16,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     reduce_meta = dict(
-        DV=dv, BLOCK_DV=triton.next_power_of_2(dv), GRANULE=SPLIT_GRANULE,
-        num_warps=REDUCE_NUM_WARPS, num_stages=REDUCE_NUM_STAGES,
+        DV=dv,
+        BLOCK_DV=triton.next_power_of_2(dv),
+        GRANULE=SPLIT_GRANULE,
+        num_warps=REDUCE_NUM_WARPS,
+        num_stages=REDUCE_NUM_STAGES,
     )
     return split_meta, reduce_meta
 
@@ -424,11 +481,16 @@ def _check_decode_args(q, k_cache, v_cache, out, attn_logits, attn_lse, max_kv_s
     # grid_kv_splits checks max_kv_splits.
     splits = grid_kv_splits(bs, num_q_heads, k_cache.shape[1], q.dtype, max_kv_splits, q.device, launch)
     ok_logits = (
-        attn_logits.dim() == 4 and attn_logits.shape[0] >= bs and attn_logits.shape[1] == num_q_heads
-        and attn_logits.shape[2] >= splits and attn_logits.shape[3] >= dv
+        attn_logits.dim() == 4
+        and attn_logits.shape[0] >= bs
+        and attn_logits.shape[1] == num_q_heads
+        and attn_logits.shape[2] >= splits
+        and attn_logits.shape[3] >= dv
     )
     ok_lse = (
-        attn_lse.dim() == 3 and attn_lse.shape[0] >= bs and attn_lse.shape[1] == num_q_heads
+        attn_lse.dim() == 3
+        and attn_lse.shape[0] >= bs
+        and attn_lse.shape[1] == num_q_heads
         and attn_lse.shape[2] >= splits
     )
     if not (ok_logits and ok_lse) or attn_logits.dtype != torch.float32 or attn_lse.dtype != torch.float32:
@@ -494,18 +556,42 @@ def decode_attention(
     split_meta, reduce_meta = decode_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, launch)
     head_programs = num_kv_heads * split_meta["HEAD_BLOCKS"]
     _decode_split_kernel[(bs, head_programs, grid_splits)](
-        q, k_cache, v_cache, kv_indptr, kv_indices, num_kv_splits,
-        attn_logits, attn_lse, sm_scale * _LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
-        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
-        attn_lse.stride(0), attn_lse.stride(1), grid_splits,
+        q,
+        k_cache,
+        v_cache,
+        kv_indptr,
+        kv_indices,
+        num_kv_splits,
+        attn_logits,
+        attn_lse,
+        sm_scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        attn_logits.stride(0),
+        attn_logits.stride(1),
+        attn_logits.stride(2),
+        attn_lse.stride(0),
+        attn_lse.stride(1),
+        grid_splits,
         **split_meta,
     )
     _decode_reduce_kernel[(bs, num_q_heads)](
-        out, attn_logits, attn_lse, kv_indptr, num_kv_splits,
-        out.stride(0), out.stride(1),
-        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
-        attn_lse.stride(0), attn_lse.stride(1), grid_splits,
+        out,
+        attn_logits,
+        attn_lse,
+        kv_indptr,
+        num_kv_splits,
+        out.stride(0),
+        out.stride(1),
+        attn_logits.stride(0),
+        attn_logits.stride(1),
+        attn_logits.stride(2),
+        attn_lse.stride(0),
+        attn_lse.stride(1),
+        grid_splits,
         **reduce_meta,
     )

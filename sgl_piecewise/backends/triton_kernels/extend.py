@@ -28,7 +28,6 @@ with the host.
 from __future__ import annotations
 
 import functools
-
 from typing import Optional
 
 import torch
@@ -80,12 +79,34 @@ def _mm_acc(a, b, acc, F32X3: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-    mask_ptr, mask_indptr_ptr, qk_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_MASK: tl.constexpr, F32X3: tl.constexpr, UPCAST: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    qo_indptr_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    mask_ptr,
+    mask_indptr_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_MASK: tl.constexpr,
+    F32X3: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # Grid: (bs, num_kv_heads, cdiv(max_q_len * GROUP, BLOCK_M)).
     req = tl.program_id(0)
@@ -111,7 +132,8 @@ def _extend_kernel(
 
     q = tl.load(
         q_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_m[:, None] & mask_d[None, :], other=0.0,
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
     )
     if USE_MASK:
         key_end = kv_len
@@ -137,10 +159,14 @@ def _extend_kernel(
         k = load_rows(k_base, slots, stride_kt, offs_d, mask_n, mask_d)
         # Logits in the exp2 domain (qk_scale = sm_scale * log2(e)).
         if USE_MASK:
-            visible = tl.load(
-                mask_base + mask_row[:, None] + keys[None, :],
-                mask=mask_m[:, None] & mask_n[None, :], other=0,
-            ) != 0
+            visible = (
+                tl.load(
+                    mask_base + mask_row[:, None] + keys[None, :],
+                    mask=mask_m[:, None] & mask_n[None, :],
+                    other=0,
+                )
+                != 0
+            )
             # The mask enters as the dot's -inf/0 accumulator: masking after
             # the dot made Triton keep the softmax in two register layouts
             # and spill on sm_90 (seen in the compiled kernel).
@@ -171,8 +197,13 @@ _INTERPRETED = not isinstance(_extend_kernel, JITFunction)
 
 @functools.lru_cache(maxsize=256)
 def extend_kernel_meta(
-    num_q_heads: int, num_kv_heads: int, head_dim: int, dv: int, dtype: torch.dtype,
-    max_q_len: int, use_mask: bool,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dv: int,
+    dtype: torch.dtype,
+    max_q_len: int,
+    use_mask: bool,
 ) -> dict:
     """Compile-time arguments (constexprs, num_warps, num_stages) of the
     kernel; one place, shared by the launcher and the sm_90 compile test.
@@ -192,11 +223,18 @@ def extend_kernel_meta(
         block_m, block_n = LARGE_HEAD_BLOCK_M, LARGE_HEAD_BLOCK_N
     block_m = min(block_m, max(MIN_BLOCK_M, triton.next_power_of_2(max_q_len * group)))
     return dict(
-        GROUP=group, D=head_dim, DV=dv,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_DV=triton.next_power_of_2(dv),
-        BLOCK_M=block_m, BLOCK_N=block_n, USE_MASK=use_mask,
-        F32X3=dtype == torch.float32, UPCAST=_INTERPRETED and dtype == torch.bfloat16,
-        num_warps=4 if padded <= 64 or block_m < 64 else 8, num_stages=EXTEND_NUM_STAGES,
+        GROUP=group,
+        D=head_dim,
+        DV=dv,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_DV=triton.next_power_of_2(dv),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        USE_MASK=use_mask,
+        F32X3=dtype == torch.float32,
+        UPCAST=_INTERPRETED and dtype == torch.bfloat16,
+        num_warps=4 if padded <= 64 or block_m < 64 else 8,
+        num_stages=EXTEND_NUM_STAGES,
     )
 
 
@@ -205,8 +243,7 @@ def _check_extend_args(q, k_cache, v_cache, out, custom_mask, mask_indptr) -> No
     check_attention_args("extend_attention", "T", q, k_cache, v_cache, out)
     if (custom_mask is None) != (mask_indptr is None):
         raise InvalidInputError(
-            "extend_attention: expected custom_mask and mask_indptr together, got only one; "
-            "pass both or neither"
+            "extend_attention: expected custom_mask and mask_indptr together, got only one; pass both or neither"
         )
     if custom_mask is not None and (custom_mask.dim() != 1 or custom_mask.dtype not in (torch.bool, torch.uint8)):
         raise InvalidInputError(
@@ -259,12 +296,24 @@ def extend_attention(
     meta = extend_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, max_q_len, custom_mask is not None)
     grid = (bs, num_kv_heads, triton.cdiv(max_q_len * meta["GROUP"], meta["BLOCK_M"]))
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
         # Unused pointers when there is no mask: any tensor will do.
         kv_indptr if custom_mask is None else custom_mask,
         kv_indptr if mask_indptr is None else mask_indptr,
         sm_scale * _LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
         **meta,
     )
