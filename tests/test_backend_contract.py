@@ -62,8 +62,19 @@ def test_registry_names_every_backend_and_builds_it_by_name():
     assert backend_names() == ("reference", "torch", "triton", "flashinfer")
     pools = make_pools()
     for name in ("reference", "torch", "triton"):
+        if name == "triton" and not triton_runs_on_cpu_tensors():
+            # CPU pools, and the kernels were not loaded under the interpreter.
+            with pytest.raises(BackendUnavailableError, match="expected TRITON_INTERPRET=1"):
+                make_backend(name, pools)
+            continue
         backend = make_backend(name, pools)
         assert type(backend) is get_backend_class(name) and backend.name == name
+
+
+def triton_runs_on_cpu_tensors() -> bool:
+    from sgl_piecewise.backends.triton_kernels.decode import _INTERPRETED
+
+    return _INTERPRETED
 
 
 def test_registry_rejects_an_unknown_name_listing_the_known_ones():
@@ -103,6 +114,7 @@ def test_flashinfer_refuses_head_sizes_its_kernels_do_not_serve():
         create_backend("flashinfer", cpu.req, cpu.kv, num_q_heads=HQ)
 
 
+@pytest.mark.triton_cpu  # a triton backend over CPU pools
 def test_triton_backend_requires_query_heads_that_group_the_kv_heads():
     pytest.importorskip("triton")
     pools = make_pools()
@@ -247,6 +259,7 @@ def test_graph_hooks_reject_misuse_with_actionable_errors():
         )
 
 
+@pytest.mark.triton_cpu  # a triton backend over CPU pools
 def test_replay_rejects_a_tree_mask_the_capture_did_not_have():
     rng = random.Random("mask-kind")
     pools = make_pools()

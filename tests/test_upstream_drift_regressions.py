@@ -157,6 +157,7 @@ def test_replay_never_reads_seq_lens_cpu(name):
         assert torch.equal(t, b.cuda_graph_buffers()[key]), key
 
 
+@pytest.mark.triton_cpu  # a triton child over CPU pools
 @pytest.mark.parametrize("case", [CASE["decode"], CASE["verify_tree_mask"]], ids=lambda c: c.id)
 def test_composite_capture_hook_works_for_sizes_never_replayed(case):
     rng = random.Random(f"pr26665-composite-{case.id}")

@@ -259,3 +259,17 @@ def test_gpu_two_runners_on_one_model_runner_both_replay_like_eager(name):
     _check_fresh_batches(eager, graphs, random.Random("gpu-first"), (4, 1, 3), 5e-2)
     graphs.step_graphs = second
     _check_fresh_batches(eager, graphs, random.Random("gpu-second"), (8, 5, 2), 5e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_a_new_runner_captures_after_every_earlier_graph_is_gone():
+    """The shared capture core's pool outlives the graphs captured into it:
+    the allocator refuses a capture into a pool whose graphs are all gone."""
+    import gc
+
+    for seed in ("first", "second"):
+        eager, graphs, runner = _runners("torch", "cuda", torch.bfloat16, GPU_CONFIG, max_reqs=24)
+        runner.capture(progress=False)
+        _check_fresh_batches(eager, graphs, random.Random(seed), (2,), 5e-2)
+        del eager, graphs, runner
+        gc.collect()

@@ -99,6 +99,23 @@ class GraphCapture:
         self.use_cuda = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.use_cuda else None
         self.stream = torch.cuda.Stream(self.device) if self.use_cuda else None
+        self._anchor = self._anchor_pool() if self.use_cuda else None
+
+    def _anchor_pool(self) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """A one-element graph that keeps the pool alive as long as this core.
+
+        The allocator releases a private pool once every graph captured into
+        it is gone, and refuses a later capture into the same handle (an
+        internal assert); runners come and go, the shared core stays.
+        """
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                kept = torch.zeros(1, device=self.device)
+            finally:
+                graph.capture_end()
+        return graph, kept
 
     def warmup(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` once on the capture stream, ordered after the work issued so far."""
