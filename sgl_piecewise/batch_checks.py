@@ -174,16 +174,26 @@ def _check_rows(rows: torch.Tensor, req_pool: "ReqToTokenPool") -> None:
         raise InvalidInputError(f"req_pool_indices: expected distinct rows, got {values[:16]}")
 
 
+# Up to this many new tokens the slot checks run on Python lists: a few
+# microseconds, where each torch op on a small host tensor costs several.
+_SMALL_SLOT_COUNT = 1024
+
+
 def _check_slots(slots: torch.Tensor, kv_pool: "KVPool") -> None:
-    if not slots.numel():
+    n = slots.numel()
+    if not n:
         return
-    held = kv_pool.is_allocated(slots)
-    if not bool(held.all()):
+    small = n <= _SMALL_SLOT_COUNT
+    values = slots.tolist() if small else None
+    lo, hi = (min(values), max(values)) if small else (int(slots.min()), int(slots.max()))
+    if lo < 1 or hi > kv_pool.num_slots or not kv_pool.all_allocated(slots):
+        held = kv_pool.is_allocated(slots)
         raise InvalidInputError(
             f"out_cache_loc: expected allocated KV slots in [1, {kv_pool.num_slots}] for the real "
             f"tokens (not the dummy slot 0), got {slots[~held][:8].tolist()}"
         )
-    if torch.unique(slots).numel() != slots.numel():
+    distinct = len(set(values)) if small else torch.unique(slots).numel()
+    if distinct != n:
         raise InvalidInputError("out_cache_loc: expected a distinct slot per new token, got a slot twice")
 
 

@@ -203,6 +203,10 @@ class KVPool:
         in_range = (slots >= 0) & (slots <= self.num_slots)
         return in_range & self._allocated[slots.clamp(0, self.num_slots)]
 
+    def all_allocated(self, slots: torch.Tensor) -> bool:
+        """Every host slot id in ``slots`` (already known to lie in the pool) is held."""
+        return bool(self._allocated[slots].all())
+
     def free(self, slots: torch.Tensor) -> None:
         """Release ``slots`` (all or none: a bad slot leaves the pool as it was).
 

@@ -242,3 +242,17 @@ def test_gpu_a_slot_past_the_pool_is_refused_and_the_context_survives(model):
     assert_refused(runner, bad, "out_cache_loc: expected allocated KV slots")
     torch.cuda.synchronize()  # a device-side assert would surface here
     assert torch.equal(runner.forward_step(batch), want)
+
+
+def test_slots_of_a_long_prefill_are_checked_too(model):
+    """Past 1024 new tokens the slot checks take the vectorised path."""
+    runner = ModelRunner(model, max_reqs=2, max_context_len=1200, backend="torch")
+    batch = extend_batch(runner, prefix=(0,), extend=(1100,))
+    check_batch(batch, runner.req_to_token_pool, runner.kv_pool)
+    loc = batch.out_cache_loc.clone()
+    loc[1050] = loc[3]
+    bad = dataclasses.replace(batch, out_cache_loc=loc, out_cache_loc_cpu=loc.clone())
+    assert_refused(runner, bad, "out_cache_loc: expected a distinct slot per new token")
+    loc[1050] = 0
+    bad = dataclasses.replace(batch, out_cache_loc=loc, out_cache_loc_cpu=loc.clone())
+    assert_refused(runner, bad, "out_cache_loc: expected allocated KV slots")
