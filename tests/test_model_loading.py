@@ -167,19 +167,23 @@ def test_kv_heads_that_do_not_divide_q_heads_are_rejected():
         ModelConfig.from_hf_dict(d)
 
 
+def tiny_qwen2_config(**biases) -> ModelConfig:
+    return ModelConfig(
+        architecture="Qwen2ForCausalLM",
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=64,
+        **biases,
+    )
+
+
 def test_qwen2_without_qkv_bias_is_rejected():
     with pytest.raises(InvalidInputError, match="qkv_bias: expected True for Qwen2ForCausalLM"):
-        ModelConfig(
-            architecture="Qwen2ForCausalLM",
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=64,
-            max_position_embeddings=64,
-            qkv_bias=False,
-        )
+        tiny_qwen2_config(qkv_bias=False)
 
 
 def test_directory_without_config_or_weights_gets_a_clear_error(tmp_path, llama_copy):
@@ -329,18 +333,7 @@ def test_llama_attention_bias_means_q_k_v_and_o_proj_bias_but_qwen2_has_no_o_pro
 
 def test_qwen2_with_o_proj_bias_is_rejected():
     with pytest.raises(InvalidInputError, match="o_proj_bias: expected False for Qwen2ForCausalLM"):
-        ModelConfig(
-            architecture="Qwen2ForCausalLM",
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=64,
-            max_position_embeddings=64,
-            qkv_bias=True,
-            o_proj_bias=True,
-        )
+        tiny_qwen2_config(qkv_bias=True, o_proj_bias=True)
 
 
 def test_llama_attention_bias_checkpoint_loads_its_o_proj_bias(tmp_path):
