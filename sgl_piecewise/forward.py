@@ -22,7 +22,7 @@ import contextlib
 import enum
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, List, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional
 
 import torch
 
@@ -230,6 +230,10 @@ class ForwardContext:
     debug_checks: bool = False  # check every attention call's arguments, not the step's first only
     num_tokens: int = 0  # the batch's real tokens, summed once per step
     args_checked: bool = False  # an attention call of this step has had its arguments checked
+    # Set by the breakable runner while it captures or checks a step
+    # (runners/breakable.py): the attention ops hand each call to it instead
+    # of attending. None on every other path, where the ops pay one check.
+    breakable: Optional[Callable[..., None]] = None
 
 
 _local = threading.local()

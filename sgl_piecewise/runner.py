@@ -1,15 +1,19 @@
 """``ModelRunner``: the KV pool, an attention backend and a model, driven step
 by step; ``generate`` runs greedy decoding for a batch of token-id prompts.
 
-The runner calls ``self.model_forward(input_ids, positions)`` for the hidden
-states. It starts as the model itself; a caller may replace it with any
-callable of the same signature (a ``torch.compile``d model, a graph runner)
-and every step goes through it, with the batch's forward context entered and
-the inputs' token axis marked dynamic (``compile.mark_token_axis``), so a
-``torch.compile``d model traces once for every token count.
-A whole-step graph runner (``runners.whole_model.CudaGraphRunner``)
-installs itself as ``step_graphs`` instead: it prepares the attention
-metadata and replays the step when a captured graph fits the batch.
+``graphs=`` picks a graph policy ("auto", "full", "piecewise", "breakable",
+"none"); ``capture_graphs()`` captures what it needs, and every step then
+takes the fastest path that serves it (``runners/dispatch.py``): whole-model
+graphs (``step_graphs``), token-axis graphs (``token_graphs``: piecewise or
+breakable), else the eager path, counted in ``counters.step_paths``.
+
+The eager path calls ``self.model_forward(input_ids, positions)`` for the
+hidden states. It starts as the model itself; a caller may replace it with
+any callable of the same signature (a ``torch.compile``d model) and every
+eager step goes through it, with the batch's forward context entered and the
+inputs' token axis marked dynamic (``compile.mark_token_axis``), so a
+``torch.compile``d model traces once for every token count. Graph runners
+built by hand install themselves as ``step_graphs`` or ``token_graphs``.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from sgl_piecewise.backends.reference import ReferenceBackend
 from sgl_piecewise.batch_checks import check_batch
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.compiled_model import mark_token_axis
+from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, KVPoolExhaustedError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
 from sgl_piecewise.memory import KVPool, ReqToTokenPool, allocate_requests
+from sgl_piecewise.runners.dispatch import CaptureReport, capture_graphs, check_policy, graph_step
 
 BackendFactory = Callable[[ReqToTokenPool, KVPool], AttentionBackend]
 logger = logging.getLogger("sgl_piecewise")
@@ -52,13 +58,24 @@ class StepGraphs(Protocol):
         """Hidden states ``[num_tokens, H]`` from a graph, or None to run eagerly."""
 
 
+class TokenGraphs(Protocol):
+    name: str
+
+    def padded_size(self, num_tokens: int) -> Optional[int]:
+        """The captured token count a step of ``num_tokens`` replays at, or None."""
+
+    def replay(self, batch: ForwardBatch, padded: int) -> torch.Tensor:
+        """Hidden states ``[num_tokens, H]`` through the graphs of ``padded`` tokens."""
+
+
 class StepStat(NamedTuple):
-    """Wall time of one ``forward_step`` (logits included)."""
+    """Wall time of one ``forward_step`` (logits included), and its path."""
 
     mode: str
     batch_size: int
     num_tokens: int
     seconds: float
+    path: str = "eager"  # whole_model, piecewise, breakable, eager or model_forward
 
 
 class ModelRunner:
@@ -76,6 +93,9 @@ class ModelRunner:
     never takes more than ``max_reqs * max_context_len`` slots (every request
     at full length). The size taken is logged (logger ``sgl_piecewise``);
     requests that do not fit are refused before anything is allocated.
+
+    ``graphs``: the graph policy (``runners.dispatch.POLICIES``); nothing is
+    captured until ``capture_graphs()``. Default ``"none"``: every step eager.
     """
 
     def __init__(
@@ -88,7 +108,9 @@ class ModelRunner:
         kv_cache_gib: Optional[float] = None,
         backend: Union[str, BackendFactory] = ReferenceBackend,
         debug_checks: bool = False,
+        graphs: str = "none",
     ):
+        self.graphs = check_policy(graphs)
         config = model.config
         if max_context_len is None:
             max_context_len = config.max_position_embeddings
@@ -116,7 +138,8 @@ class ModelRunner:
         self.backend = _make_backend(backend, config, self.req_to_token_pool, self.kv_pool)
         self.debug_checks = bool(debug_checks)
         self.model_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = model
-        self.step_graphs: Optional[StepGraphs] = None
+        self.step_graphs: Optional[StepGraphs] = None  # whole-model graphs, asked first
+        self.token_graphs: Optional[TokenGraphs] = None  # piecewise or breakable graphs
         self.step_stats: Deque[StepStat] = collections.deque(maxlen=STEP_STATS_MAXLEN)
 
     @property
@@ -161,27 +184,51 @@ class ModelRunner:
             return free * DEFAULT_KV_FREE_FRACTION, f"{DEFAULT_KV_FREE_FRACTION:.0%} of the {free / 2**30:.1f} GiB free"
         return DEFAULT_CPU_KV_GIB * 2**30, f"default {DEFAULT_CPU_KV_GIB} GiB on {self.device.type}"
 
+    def capture_graphs(
+        self,
+        progress: bool = True,
+        *,
+        capture_bs: Optional[Sequence[int]] = None,
+        capture_sizes: Optional[Sequence[int]] = None,
+        piece_compiler: str = "inductor",
+    ) -> CaptureReport:
+        """Capture the graphs the policy needs, largest sizes first; say what was built.
+
+        ``capture_bs``: batch sizes of the whole-model graphs (default:
+        SGLang's schedule up to 160, capped by ``max_reqs``);
+        ``capture_sizes``: token counts of the piecewise or breakable graphs
+        (default: the piecewise schedule up to 512, capped by what one step
+        can hold); ``piece_compiler``: what compiles the pieces.
+        """
+        return capture_graphs(self, progress=progress, capture_bs=capture_bs, capture_sizes=capture_sizes,
+                              piece_compiler=piece_compiler)  # fmt: skip
+
     @torch.no_grad()
     def forward_step(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step; return ``[bs, vocab]`` float32 logits of each request's last new token."""
         start = time.perf_counter()
         check_batch(batch, self.req_to_token_pool, self.kv_pool, debug_checks=self.debug_checks)
-        hidden = self.step_graphs.try_replay(batch) if self.step_graphs is not None else None
+        hidden, path, why = graph_step(self, batch)
         if hidden is None:
-            self.backend.init_forward_metadata(batch)
-            # A compiled model_forward then traces one graph for every token
-            # count (1 included) from its first call: no recompile, and the
-            # first call's graph already has a token axis to pad for graphs.
-            mark_token_axis(batch.input_ids, batch.positions)
-            with forward_context(batch, self.backend, check=False, debug_checks=self.debug_checks):
-                hidden = self.model_forward(batch.input_ids, batch.positions)  # [T, H]
+            path = "eager" if self.model_forward is self.model else "model_forward"
+            hidden = self._eager_forward(batch)
+        counters.step_paths[(path, why)] += 1
         logits = self.last_token_logits(hidden, batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # wall time of the work, not of the launches
         seconds = time.perf_counter() - start
         mode = batch.forward_mode.name
-        self.step_stats.append(StepStat(mode, batch.batch_size, batch.num_tokens, seconds))
+        self.step_stats.append(StepStat(mode, batch.batch_size, batch.num_tokens, seconds, path))
         return logits
+
+    def _eager_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.backend.init_forward_metadata(batch)
+        # A compiled model_forward then traces one graph for every token
+        # count (1 included) from its first call: no recompile, and the
+        # first call's graph already has a token axis to pad for graphs.
+        mark_token_axis(batch.input_ids, batch.positions)
+        with forward_context(batch, self.backend, check=False, debug_checks=self.debug_checks):
+            return self.model_forward(batch.input_ids, batch.positions)  # [T, H]
 
     def last_token_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``[bs, vocab]`` logits of each request's last new token from ``hidden [T, H]``."""

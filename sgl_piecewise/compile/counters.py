@@ -1,5 +1,6 @@
 """Counters of the compile backend and the graph runners: what was split,
-compiled, captured, replayed, and every eager fallback with its reason.
+compiled, captured, replayed, every eager fallback with its reason, and the
+path each ``ModelRunner`` step took (``format_step_paths`` prints them).
 
 Process-wide, like ``torch._dynamo.utils.counters``: ``torch.compile`` gives
 the caller no handle on the backend it ran, so tests and tools read these.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 from dataclasses import dataclass, field
-from typing import Counter, Dict
+from typing import Counter, Dict, Tuple
 
 logger = logging.getLogger("sgl_piecewise.compile")
 
@@ -24,6 +25,9 @@ class CompileCounters:
     graphs_captured: int = 0  # CUDA graphs captured: piece x size, and whole-model decode graphs
     replays: int = 0  # graph replays: pieces and whole-model decode steps
     eager_fallbacks: Counter[str] = field(default_factory=collections.Counter)
+    # ModelRunner steps by (path, why): path whole_model, piecewise, breakable,
+    # eager or model_forward; why: the padding taken, or why no graph served.
+    step_paths: Counter[Tuple[str, str]] = field(default_factory=collections.Counter)
 
     def fallback(self, reason: str) -> None:
         """Count a fallback; log the first of each reason at INFO, later ones at DEBUG."""
@@ -42,7 +46,23 @@ class CompileCounters:
             "graphs_captured": self.graphs_captured,
             "replays": self.replays,
             "eager_fallbacks": dict(self.eager_fallbacks),
+            "step_paths": {f"{path}: {why}": n for (path, why), n in self.step_paths.items()},
         }
+
+    def format_step_paths(self) -> str:
+        """How many ``ModelRunner`` steps took each path, and why, most first."""
+        total = sum(self.step_paths.values())
+        if not total:
+            return "no steps counted"
+        by_path: Dict[str, int] = collections.Counter()
+        for (path, _), n in self.step_paths.items():
+            by_path[path] += n
+        lines = [f"{total} steps"]
+        for path, n in sorted(by_path.items(), key=lambda item: -item[1]):
+            lines.append(f"  {path:<13} {n:>7}  {n / total:6.1%}")
+            reasons = [(why, m) for (p, why), m in self.step_paths.items() if p == path]
+            lines += [f"      {m:>7}  {why}" for why, m in sorted(reasons, key=lambda item: -item[1])]
+        return "\n".join(lines)
 
 
 counters = CompileCounters()

@@ -32,6 +32,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 from tqdm.auto import tqdm
 
+from sgl_piecewise.errors import UnsupportedModeError
+
 
 class _GcFreeze:
     """Python's gc frozen while capturing: a collection during capture would
@@ -134,18 +136,36 @@ class GraphCapture:
         outputs. Without CUDA: ``(None, fn())``."""
         if not self.use_cuda:
             return None, fn()
-        graph = torch.cuda.CUDAGraph()
-        current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)  # the capture reads what was issued before it
-        with torch.cuda.stream(self.stream):
-            cublas_workspaces_into_pool()
-            graph.capture_begin(pool=self.pool)
+        with self.on_capture_stream():
+            graph = self.begin_graph()
             try:
                 out = fn()
             finally:
                 graph.capture_end()
-        current.wait_stream(self.stream)
         return graph, out
+
+    @contextlib.contextmanager
+    def on_capture_stream(self) -> Iterator[None]:
+        """Run the body on the capture stream, ordered after the work issued so
+        far (a capture reads it), and order later work after the body."""
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            yield
+        current.wait_stream(self.stream)
+
+    def begin_graph(self) -> torch.cuda.CUDAGraph:
+        """Start capturing a new graph into the pool; call on the capture
+        stream (``on_capture_stream``) and end it with ``capture_end()``.
+
+        A graph in several segments (the breakable runner: one per stretch
+        between attention calls) begins each segment here, so every segment
+        gets its cuBLAS workspace inside the pool, as ``record`` does.
+        """
+        cublas_workspaces_into_pool()
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool)
+        return graph
 
     def largest_first(self, sizes: Sequence[int], desc: str, unit: str, progress: bool = True) -> Iterator[int]:
         """``sizes`` from the largest down, with gc frozen and a progress bar
@@ -161,6 +181,25 @@ class GraphCapture:
     def synchronize(self) -> None:
         if self.use_cuda:
             torch.cuda.synchronize(self.device)
+
+
+def explain_capture_failure(exc: BaseException, what: str) -> Optional[UnsupportedModeError]:
+    """The error to raise instead of ``exc`` when a forward waited for the
+    device while being captured (None for any other failure).
+
+    CUDA refuses a synchronisation inside a capture with a bare "operation not
+    permitted when stream is capturing"; the usual cause in model code is a
+    Python branch on a tensor's value, which no CUDA graph can hold.
+    """
+    text = str(exc)
+    if not isinstance(exc, RuntimeError) or not ("is capturing" in text or "during capture" in text):
+        return None
+    return UnsupportedModeError(
+        f"{what}: expected a forward that never waits for the device while it is captured, got "
+        f"{text.splitlines()[0]!r}; a Python branch on a tensor's value (`if t.sum() > 0`, `.item()`, "
+        f"`.tolist()`) reads the device, which no CUDA graph can hold: make it branch-free "
+        f"(torch.where) or run the model without graphs"
+    )
 
 
 _shared: Dict[torch.device, GraphCapture] = {}

@@ -7,48 +7,85 @@ runner only drives it: it compiles with the token axis marked dynamic
 model once per capture size through the capture core (``capture.py``):
 largest first — so smaller sizes reuse the pool memory the largest one
 reserved — with Python's gc frozen and a progress bar.
+
+It installs itself as the ``ModelRunner``'s ``token_graphs``: ``forward_step``
+replays through it every step whose token count a captured size holds
+(``runners/dispatch.py``); larger steps run ``model_forward`` (the eager
+model). A model with a graph break is refused at capture, naming the break:
+such a model can run through the breakable runner instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Optional
 
 import torch
 
-from sgl_piecewise.compile.compiled_model import CompiledModel
+from sgl_piecewise.compile.compiled_model import CompiledModel, mark_token_axis
 from sgl_piecewise.compile.options import CompileOptions
-from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
 from sgl_piecewise.memory import DUMMY_SLOT
 from sgl_piecewise.runners.capture import shared_capture
 
 
 class PiecewiseCudaGraphRunner:
-    """Installs the compiled model into ``model_runner.model_forward``."""
+    """The compiled model's piecewise graphs; installs itself as
+    ``model_runner.token_graphs`` (``self.compiled`` is the compiled model)."""
+
+    name = "piecewise"
 
     def __init__(self, model_runner: Any, options: Optional[CompileOptions] = None):
         self.model_runner = model_runner
         self.options = options or CompileOptions(cudagraphs=True)
+        if not self.options.cudagraphs:
+            raise InvalidInputError("options.cudagraphs: expected True (this runner captures graphs), got False")
         self.compiled = CompiledModel(model_runner.model, self.options)
-        model_runner.model_forward = self.compiled
+        self.max_size = self.options.capture_sizes[-1]
+        self.captured = False
         self.first_size_seconds = 0.0
+        model_runner.token_graphs = self
 
     def capture(self, progress: bool = True) -> float:
         """Compile and capture every size, largest first; return the seconds it took.
 
         ``self.first_size_seconds`` keeps the share of the first (largest) size,
-        which includes Dynamo's trace and the piece compiles.
+        which includes Dynamo's trace and the piece compiles. A model Dynamo
+        cannot trace as one graph raises ``UnsupportedModeError`` naming the break.
         """
         start = time.perf_counter()
         core = shared_capture(self.model_runner.device)
         sizes = core.largest_first(self.options.capture_sizes, "capturing piecewise graphs", "size", progress)
-        for i, size in enumerate(sizes):
-            self._dummy_forward(size)
-            if i == 0:
-                core.synchronize()
-                self.first_size_seconds = time.perf_counter() - start
+        with contextlib.closing(sizes):  # a failure thaws gc and closes the bar at once
+            for i, size in enumerate(sizes):
+                try:
+                    self._dummy_forward(size)
+                except UnsupportedModeError as exc:
+                    raise UnsupportedModeError(f"piecewise graphs: {exc}") from exc
+                if i == 0:
+                    core.synchronize()
+                    self.first_size_seconds = time.perf_counter() - start
+        self.captured = True
         return time.perf_counter() - start
+
+    def padded_size(self, num_tokens: int) -> Optional[int]:
+        """The captured size ``num_tokens`` replays at, or None (not captured, or above the largest)."""
+        return self.options.padded_size(num_tokens) if self.captured and num_tokens >= 1 else None
+
+    def replay(self, batch: ForwardBatch, padded: int) -> torch.Tensor:
+        """Hidden states of ``batch`` through the compiled model, which pads
+        to ``padded`` tokens itself and replays its pieces' graphs."""
+        mr = self.model_runner
+        n = batch.num_tokens
+        ids, positions = batch.input_ids[:n], batch.positions[:n]
+        mr.backend.init_forward_metadata(batch)
+        # Dynamo compiled a token axis that is dynamic; marking it on every
+        # call keeps a call of a new size (1 included) from recompiling.
+        mark_token_axis(ids, positions)
+        with forward_context(batch, mr.backend, check=False, debug_checks=mr.debug_checks):
+            return self.compiled(ids, positions)
 
     @torch.no_grad()
     def _dummy_forward(self, num_tokens: int) -> None:

@@ -1,0 +1,325 @@
+"""``BreakableCudaGraphRunner``: the eager model as CUDA graphs per token
+count, broken at every attention call; no compiler.
+
+SGLang runs such a runner next to its whole-model and piecewise ones: the
+model's own Python runs while capturing, so a model Dynamo cannot trace as one
+graph (a call it refuses, Python it breaks on) still gets graphs for all but
+attention, and nothing is compiled.
+
+Capture, per token count (largest first through the capture core: one pool,
+one capture stream, gc frozen): the registry (``build_prefill_registry``) is
+filled with no real token, so every row is padding (token 0, position 0, the
+dummy KV slot) and the step has zero real tokens; the model runs once as a
+warm-up, then again while capturing. Each attention call ends the open graph
+segment and is recorded as a *break* — its layer, scale and its q, k, v and
+output tensors, which the segment allocated in the pool at fixed addresses —
+and the next segment begins right after it. The last segment ends with the
+forward and holds its output.
+
+Replay: fill the registry with the real batch (the segments read its token
+inputs), prepare the backend's eager metadata, then replay segment 0, run
+break 0 (attention on the real tokens: their K/V written, padded rows
+zeroed), replay segment 1, and so on; return a copy of the real rows.
+
+Every recorded tensor is kept as a non-owning alias, as the piecewise pieces
+keep their outputs: once capture is over the pool may reuse the memory for
+other sizes. That is safe because a replay reproduces the capture's order —
+segment ``i`` writes q, k, v, break ``i`` reads them and writes its output,
+segment ``i + 1`` reads that — and replays of two sizes never interleave.
+
+The graphs replay the Python path taken at capture. A branch on a tensor's
+value (``if t.sum() > 0``) reads the device, which a CUDA capture refuses:
+capture then fails naming that cause. Breakable graphs are for Python that
+Dynamo refuses but whose path does not depend on the data.
+
+Without CUDA, capture records the structure (segments, and each break's
+layer) and "replay" runs the model eagerly on the padded registry inputs,
+each attention call checked against the break it stands for, so CPU tests
+exercise everything but the graphs themselves.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from sgl_piecewise.checks import check_positive_int
+from sgl_piecewise.compile.counters import counters
+from sgl_piecewise.compile.options import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
+from sgl_piecewise.compile.piece_graphs import _non_owning_alias  # one definition, shared with the pieces
+from sgl_piecewise.errors import InvalidInputError, SglPiecewiseError
+from sgl_piecewise.forward import ForwardBatch, ForwardContext, ForwardMode, forward_context
+from sgl_piecewise.ops.attention import attention_with_output_direct
+from sgl_piecewise.runners.buffer_registry import FillContext
+from sgl_piecewise.runners.capture import GraphCapture, explain_capture_failure, shared_capture
+from sgl_piecewise.runners.input_registries import build_prefill_registry
+
+TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc")
+
+
+@dataclass
+class Break:
+    """One attention call of a captured forward, run eagerly between segments."""
+
+    layer_id: int
+    scale: Optional[float]
+    tensors: Tuple[torch.Tensor, ...] = ()  # q, k, v, output: non-owning aliases into the pool (CUDA)
+
+    def run(self) -> None:
+        """Attention over the captured tensors, for the real tokens of the
+        step in the current forward context."""
+        q, k, v, out = self.tensors
+        attention_with_output_direct(q, k, v, out, self.layer_id, self.scale)
+
+
+@dataclass
+class SizeGraphs:
+    """The graphs of one token count: ``len(breaks) + 1`` segments."""
+
+    segments: List[Optional[torch.cuda.CUDAGraph]]  # None on a machine without CUDA
+    breaks: List[Break]
+    inputs: Tuple[torch.Tensor, torch.Tensor]  # registry views the segments read: input_ids, positions
+    output: Optional[torch.Tensor] = None  # non-owning alias of the forward's output (CUDA)
+
+
+def _attend_outside_capture(ctx: ForwardContext, q, k, v, out, layer_id: int, scale) -> None:
+    """Run the op's attention with the hook off (else it would call the hook again)."""
+    hook, ctx.breakable = ctx.breakable, None
+    try:
+        attention_with_output_direct(q, k, v, out, layer_id, scale)
+    finally:
+        ctx.breakable = hook
+
+
+@dataclass
+class _Recorder:
+    """``ForwardContext.breakable`` while one size is captured: each attention
+    call ends the open segment, is recorded, and the next segment begins."""
+
+    core: Optional[GraphCapture]  # None: no CUDA, nothing to capture
+    segments: List[Optional[torch.cuda.CUDAGraph]] = field(default_factory=list)
+    breaks: List[Break] = field(default_factory=list)
+    open: Optional[torch.cuda.CUDAGraph] = None
+
+    def begin(self) -> None:
+        self.open = self.core.begin_graph() if self.core is not None else None
+
+    def end(self) -> None:
+        graph, self.open = self.open, None
+        if graph is not None:
+            graph.capture_end()
+        self.segments.append(graph)
+
+    def abort(self) -> None:
+        """End an open capture after a failure, keeping the first error."""
+        graph, self.open = self.open, None
+        if graph is not None:
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass
+
+    def __call__(self, q, k, v, out, layer_id: int, scale, ctx: ForwardContext) -> None:
+        self.end()
+        tensors = tuple(_non_owning_alias(t) for t in (q, k, v, out)) if self.core is not None else ()
+        self.breaks.append(Break(layer_id, scale, tensors))
+        # Zero real tokens: this checks the arguments and zeroes the output
+        # (outside any graph), as the replay's attention will for padded rows.
+        _attend_outside_capture(ctx, q, k, v, out, layer_id, scale)
+        self.begin()
+
+
+@dataclass
+class _EagerChecker:
+    """``ForwardContext.breakable`` of a replay without CUDA: the model runs
+    eagerly, and each attention call must be the break captured at its place."""
+
+    size: int
+    breaks: List[Break]
+    seen: int = 0
+
+    def __call__(self, q, k, v, out, layer_id: int, scale, ctx: ForwardContext) -> None:
+        want = self.breaks[self.seen].layer_id if self.seen < len(self.breaks) else None
+        if want != layer_id:
+            self._mismatch(f"layer {layer_id}")
+        self.seen += 1
+        _attend_outside_capture(ctx, q, k, v, out, layer_id, scale)
+
+    def finish(self) -> None:
+        if self.seen != len(self.breaks):
+            self._mismatch("the end of the forward")
+
+    def _mismatch(self, got: str) -> None:
+        captured = [b.layer_id for b in self.breaks]
+        raise SglPiecewiseError(
+            f"breakable replay of {self.size} tokens: expected the attention calls captured "
+            f"(layers {captured}), got {got} after {self.seen}; the model's Python took another "
+            f"path than at capture, which a graph cannot follow"
+        )
+
+
+class BreakableCudaGraphRunner:
+    """Breakable graphs for a ``ModelRunner``; installs itself as the runner's
+    ``token_graphs``, so ``forward_step`` replays them for every step whose
+    token count a captured size holds (see ``runners/dispatch.py``).
+
+    Args:
+        model_runner: the ``ModelRunner`` whose model, pools and backend the
+            graphs use. Any backend works: attention runs eagerly.
+        capture_sizes: token counts to capture (default: the piecewise
+            schedule up to ``DEFAULT_MAX_CAPTURE_SIZE``).
+        capture: the capture core (pool, stream); default: the process-wide
+            one of the runner's device, shared with every other runner.
+    """
+
+    name = "breakable"
+
+    def __init__(
+        self,
+        model_runner,
+        capture_sizes: Optional[Sequence[int]] = None,
+        capture: Optional[GraphCapture] = None,
+    ):
+        self.model_runner = model_runner
+        self.capture_sizes = _check_sizes(capture_sizes)
+        self.max_size = self.capture_sizes[-1]
+        device = model_runner.device
+        self.use_cuda = device.type == "cuda"
+        # Only the token inputs reach the segments; the rest of the registry
+        # is the same declaration every token-axis graph shares.
+        self.registry = build_prefill_registry(
+            self.max_size,
+            model_runner.req_to_token_pool.max_reqs,
+            device,
+            seq_len_fill_value=model_runner.backend.get_cuda_graph_seq_len_fill_value(),
+        )
+        self.capture_core = capture if capture is not None else shared_capture(device)
+        self.graphs: Dict[int, SizeGraphs] = {}
+        self.capture_seconds = 0.0
+        model_runner.token_graphs = self
+
+    # ---- capture ----------------------------------------------------------
+    def capture(self, progress: bool = True) -> float:
+        """Capture every size, largest first; return the seconds it took."""
+        start = time.perf_counter()
+        sizes = self.capture_core.largest_first(self.capture_sizes, "capturing breakable graphs", "size", progress)
+        with torch.no_grad(), contextlib.closing(sizes):  # a failure thaws gc and closes the bar at once
+            for size in sizes:
+                self.graphs[size] = self._capture_one(size)
+        self.capture_seconds = time.perf_counter() - start
+        return self.capture_seconds
+
+    def _capture_one(self, size: int) -> SizeGraphs:
+        ctx = FillContext(raw_bs=0, padded_bs=0, raw_num_tokens=0, padded_num_tokens=size)  # all padding
+        self.registry.fill_from(self._no_rows(), ctx)
+        batch = self._capture_batch(ctx)
+        if self.use_cuda:  # first runs allocate and pick kernels, which must not happen while capturing
+            self.capture_core.warmup(lambda: self._forward(batch, None))
+        recorder = _Recorder(self.capture_core if self.use_cuda else None)
+        if self.use_cuda:
+            with self.capture_core.on_capture_stream():
+                output = self._record(recorder, batch, size)
+        else:
+            output = self._record(recorder, batch, size)
+        counters.graphs_captured += len(recorder.segments)
+        alias = _non_owning_alias(output) if self.use_cuda else None
+        return SizeGraphs(recorder.segments, recorder.breaks, (batch.input_ids, batch.positions), alias)
+
+    def _record(self, recorder: _Recorder, batch: ForwardBatch, size: int) -> torch.Tensor:
+        recorder.begin()
+        try:
+            output = self._forward(batch, recorder)
+            recorder.end()
+        except BaseException as exc:
+            recorder.abort()
+            explained = explain_capture_failure(exc, f"breakable graphs of {size} tokens")
+            if explained is not None:
+                raise explained from exc
+            raise
+        return output
+
+    def _forward(self, batch: ForwardBatch, hook: Optional[_Recorder]) -> torch.Tensor:
+        mr = self.model_runner
+        with forward_context(batch, mr.backend, check=False) as ctx:  # the padded static batch of a capture
+            ctx.breakable = hook
+            return mr.model(batch.input_ids, batch.positions)
+
+    def _no_rows(self) -> Dict[str, torch.Tensor]:
+        """Sources of a fill with no real request: zero rows of every slot."""
+        return {slot.name: slot.buffer[:0] for slot in self.registry if slot.copy_from_fb}
+
+    def _capture_batch(self, ctx: FillContext) -> ForwardBatch:
+        """A step of ``ctx.padded_num_tokens`` rows, none of them real: registry views."""
+        v = self.registry.extract(ctx)
+        return ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=0,
+            input_ids=v["input_ids"],
+            positions=v["positions"],
+            seq_lens=v["seq_lens"],
+            seq_lens_cpu=v["seq_lens_cpu"],
+            extend_seq_lens=v["extend_seq_lens"],
+            extend_prefix_lens=v["extend_prefix_lens"],
+            req_pool_indices=v["req_pool_indices"],
+            out_cache_loc=v["out_cache_loc"],
+            num_token_non_padded=v["num_token_non_padded"],
+        )
+
+    # ---- replay -----------------------------------------------------------
+    def padded_size(self, num_tokens: int) -> Optional[int]:
+        """The captured size ``num_tokens`` replays at, or None (not captured, or above the largest)."""
+        i = bisect.bisect_left(self.capture_sizes, num_tokens)
+        if num_tokens < 1 or i == len(self.capture_sizes):
+            return None
+        size = self.capture_sizes[i]
+        return size if size in self.graphs else None
+
+    def replay(self, batch: ForwardBatch, padded: int) -> torch.Tensor:
+        """Hidden states ``[num_tokens, H]`` of ``batch`` through the graphs of ``padded`` tokens."""
+        mr = self.model_runner
+        graphs = self.graphs[padded]
+        n = batch.num_tokens
+        self.registry.fill_from(_sources(batch, n), FillContext(batch.batch_size, batch.batch_size, n, padded))
+        mr.backend.init_forward_metadata(batch)
+        counters.replays += len(graphs.segments)
+        with forward_context(batch, mr.backend, check=False, debug_checks=mr.debug_checks) as ctx:
+            if graphs.output is None:
+                return self._replay_eagerly(graphs, padded, ctx)[:n]
+            for segment, brk in zip(graphs.segments, graphs.breaks):
+                segment.replay()
+                brk.run()
+            graphs.segments[-1].replay()
+        # A copy: the next replay (of any size: one pool) rewrites the output.
+        return graphs.output[:n].clone()
+
+    def _replay_eagerly(self, graphs: SizeGraphs, padded: int, ctx: ForwardContext) -> torch.Tensor:
+        """Without CUDA: the model on the padded registry inputs, each
+        attention call checked against its break."""
+        checker = _EagerChecker(padded, graphs.breaks)
+        ctx.breakable = checker
+        out = self.model_runner.model(*graphs.inputs)
+        checker.finish()
+        return out
+
+
+def _sources(batch: ForwardBatch, n: int) -> Union[ForwardBatch, Mapping[str, Any]]:
+    """The batch, or its first ``n`` token rows where a caller padded it."""
+    if all(getattr(batch, name).shape[0] == n for name in TOKEN_FIELDS):
+        return batch
+    rows = {name: getattr(batch, name)[:n] for name in TOKEN_FIELDS}
+    rest = ("seq_lens", "seq_lens_cpu", "req_pool_indices", "extend_seq_lens", "extend_prefix_lens")
+    return {**rows, **{name: getattr(batch, name) for name in rest}}
+
+
+def _check_sizes(capture_sizes: Optional[Sequence[int]]) -> List[int]:
+    if capture_sizes is None:
+        return list(default_capture_sizes(DEFAULT_MAX_CAPTURE_SIZE))
+    sizes = sorted({check_positive_int("capture_sizes", s) for s in capture_sizes})
+    if not sizes:
+        raise InvalidInputError(f"capture_sizes: expected at least one token count, got {list(capture_sizes)}")
+    return sizes

@@ -1,0 +1,222 @@
+"""One dispatcher: every step of a ``ModelRunner`` takes the fastest correct
+path by itself, and is counted by the path it took and why.
+
+A ``ModelRunner`` holds at most two graph runners:
+
+* ``step_graphs``: whole-model graphs along the batch axis
+  (``CudaGraphRunner``), asked first; it says itself which batches it serves
+  (``padded_bs(batch)``), so modes it learns to capture are served without a
+  change here;
+* ``token_graphs``: graphs along the token axis, piecewise
+  (``PiecewiseCudaGraphRunner``) or breakable (``BreakableCudaGraphRunner``),
+  for any step of 1 to its largest size tokens, whatever the mode;
+
+and the eager path, ``model_forward`` (the model itself unless replaced).
+
+``graphs=`` of ``ModelRunner`` (one of ``POLICIES``) decides what
+``capture_graphs`` builds; the routing below is the same for every policy:
+
+* ``"auto"``: whole-model graphs (where the backend has graph hooks) and
+  piecewise graphs; a model Dynamo cannot trace gets breakable graphs
+  instead of piecewise ones, and whole-model graphs of the eager model. As
+  vLLM's default (``FULL_AND_PIECEWISE``, vLLM PR 25444): uniform decode
+  batches replay one graph per step, prefill and mixed batches replay pieces,
+  and a decode batch above the largest whole-model graph replays pieces too;
+* ``"full"``: whole-model graphs of the eager model only;
+* ``"piecewise"`` / ``"breakable"``: token-axis graphs only, for every mode;
+* ``"none"``: nothing (a runner installed by hand still serves).
+
+Counted in ``counters.step_paths[(path, why)]``: path ``whole_model``,
+``piecewise``, ``breakable``, ``eager`` (``model_forward`` when it was
+replaced); why: the padding taken (``"DECODE bs 3 -> 4"``, ``"EXTEND 17 ->
+24 tokens"``) or why no graph served the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
+from sgl_piecewise.forward import ForwardBatch
+
+POLICIES = ("auto", "full", "piecewise", "breakable", "none")
+logger = logging.getLogger("sgl_piecewise")
+
+
+def check_policy(graphs: object) -> str:
+    if graphs not in POLICIES:
+        raise InvalidInputError(f"graphs: expected one of {list(POLICIES)}, got {graphs!r}")
+    return graphs  # type: ignore[return-value]
+
+
+# ---- routing ----------------------------------------------------------------
+def graph_step(model_runner, batch: ForwardBatch) -> Tuple[Optional[torch.Tensor], str, str]:
+    """``(hidden [num_tokens, H], path, why)`` from the first graph runner that
+    serves ``batch``; ``(None, "", why none did)`` for the eager path."""
+    declined: List[str] = []
+    unserved_mode = ""
+    whole = model_runner.step_graphs
+    if whole is not None:
+        hidden, why, usual = _whole_model(whole, batch)
+        if hidden is not None:
+            return hidden, "whole_model", why
+        if usual:  # a mode the whole-model graphs never serve: said only if nothing else is
+            unserved_mode = why
+        else:
+            declined.append(why)
+    tokens = model_runner.token_graphs
+    if tokens is not None:
+        n = batch.num_tokens
+        padded = tokens.padded_size(n)
+        if padded is not None:
+            why = f"{batch.forward_mode.name} {n} -> {padded} tokens"
+            return tokens.replay(batch, padded), tokens.name, "; ".join([why, *declined])
+        declined.append(_token_reason(tokens, batch))
+    if whole is None and tokens is None:
+        policy = model_runner.graphs
+        declined.append(f"graphs={policy!r}" if policy == "none" else f"graphs={policy!r} not captured yet")
+    return None, "", "; ".join(declined) or unserved_mode
+
+
+def _whole_model(runner, batch: ForwardBatch) -> Tuple[Optional[torch.Tensor], str, bool]:
+    """``(hidden or None, why, usual)``; ``usual``: a mode it never serves."""
+    mode = batch.forward_mode
+    padded_bs = getattr(runner, "padded_bs", None)
+    if padded_bs is None:  # a step_graphs with only try_replay (the ModelRunner protocol)
+        hidden = runner.try_replay(batch)
+        return hidden, f"{mode.name} bs {batch.batch_size}", hidden is None
+    padded = padded_bs(batch)
+    if padded is not None:
+        hidden = runner.try_replay(batch)
+        why = f"{mode.name} bs {batch.batch_size} -> {padded}"
+        return hidden, why if hidden is not None else f"{mode.name} bs {batch.batch_size}: declined", False
+    served = getattr(runner, "modes", None) or (getattr(runner, "mode", None),)
+    if mode not in served:
+        return None, f"{mode.name}: no whole-model graph for this mode", True
+    max_bs = getattr(runner, "max_bs", None)
+    if max_bs is not None and batch.batch_size > max_bs:
+        return None, f"{mode.name} bs above the largest whole-model graph {max_bs}", False
+    return None, "whole-model graphs not captured", False
+
+
+def _token_reason(runner, batch: ForwardBatch) -> str:
+    mode, n = batch.forward_mode.name, batch.num_tokens
+    if n < 1:
+        return f"{mode}: no tokens"
+    if n > runner.max_size:
+        return f"{mode} above the largest {runner.name} size {runner.max_size}"
+    return f"{runner.name} graphs not captured"
+
+
+# ---- capture ----------------------------------------------------------------
+@dataclass
+class CaptureReport:
+    """What ``capture_graphs`` built for a policy: per path, what it captured or why not."""
+
+    policy: str
+    seconds: float = 0.0
+    paths: Dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"graphs={self.policy!r}: captured in {self.seconds:.1f} s"]
+        lines += [f"  {path}: {what}" for path, what in self.paths.items()]
+        return "\n".join(lines)
+
+
+def capture_graphs(
+    model_runner,
+    *,
+    progress: bool = True,
+    capture_bs: Optional[Sequence[int]] = None,
+    capture_sizes: Optional[Sequence[int]] = None,
+    piece_compiler: str = "inductor",
+) -> CaptureReport:
+    """Build and capture the runners ``model_runner.graphs`` needs (module docstring)."""
+    policy = model_runner.graphs
+    report = CaptureReport(policy)
+    start = time.perf_counter()
+    sizes = _token_sizes(model_runner, capture_sizes)
+    traced = None  # does the model trace as one graph? None: not tried
+    if policy in ("auto", "piecewise"):
+        traced = _try_piecewise(model_runner, sizes, piece_compiler, progress, report, required=policy == "piecewise")
+    if policy == "breakable" or traced is False:
+        _capture_breakable(model_runner, sizes, progress, report)
+    if policy in ("auto", "full"):
+        _capture_whole_model(model_runner, capture_bs, piece_compiler if traced else None, progress, report)
+    report.seconds = time.perf_counter() - start
+    logger.info("%s", report)
+    return report
+
+
+def _token_sizes(model_runner, capture_sizes: Optional[Sequence[int]]) -> Tuple[int, ...]:
+    """Default: the piecewise schedule, up to what one step can hold (every
+    request row at full context)."""
+    from sgl_piecewise.compile.options import DEFAULT_MAX_CAPTURE_SIZE, CompileOptions
+
+    if capture_sizes is not None:
+        return CompileOptions(capture_sizes=tuple(capture_sizes)).capture_sizes
+    most = model_runner.req_to_token_pool.max_reqs * model_runner.max_context_len
+    return CompileOptions(max_capture_size=min(DEFAULT_MAX_CAPTURE_SIZE, most)).capture_sizes
+
+
+def _describe(sizes: Sequence[int], unit: str) -> str:
+    return f"{len(sizes)} sizes, {unit} {sizes[0]}..{sizes[-1]}"
+
+
+def _try_piecewise(model_runner, sizes, piece_compiler: str, progress: bool, report, *, required: bool) -> bool:
+    """Capture piecewise graphs; False where the model does not trace as one
+    graph and ``required`` is off (auto then takes breakable graphs)."""
+    from sgl_piecewise.compile.options import CompileOptions
+    from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
+
+    options = CompileOptions(cudagraphs=True, capture_sizes=sizes, piece_compiler=piece_compiler)
+    runner = PiecewiseCudaGraphRunner(model_runner, options)
+    try:
+        runner.capture(progress=progress)
+    except UnsupportedModeError as exc:
+        model_runner.token_graphs = None
+        if required:
+            raise
+        report.paths["piecewise"] = f"refused: {exc}"
+        logger.warning("graphs='auto': no piecewise graphs, breakable ones instead: %s", exc)
+        return False
+    report.paths["piecewise"] = _describe(sizes, "tokens")
+    return True
+
+
+def _capture_breakable(model_runner, sizes, progress: bool, report) -> None:
+    from sgl_piecewise.runners.breakable import BreakableCudaGraphRunner
+
+    BreakableCudaGraphRunner(model_runner, sizes).capture(progress=progress)
+    report.paths["breakable"] = _describe(sizes, "tokens")
+
+
+def _capture_whole_model(model_runner, capture_bs, piece_compiler: Optional[str], progress: bool, report) -> None:
+    """Whole-model graphs of the compiled model (``piece_compiler`` given: the
+    model traces) or of the eager one; skipped under auto without graph hooks."""
+    from sgl_piecewise.runners.whole_model import CudaGraphRunner
+
+    backend = model_runner.backend
+    if not backend.supports_cuda_graph and model_runner.graphs == "auto":
+        report.paths["whole_model"] = f"skipped: the {backend.name} backend has no graph hooks"
+        logger.info("graphs='auto': %s", report.paths["whole_model"])
+        return
+    forward = _compiled_forward(model_runner, piece_compiler) if piece_compiler else None
+    runner = CudaGraphRunner(model_runner, capture_bs, forward=forward)
+    runner.capture(progress=progress)
+    what = "compiled" if forward is not None else "eager"
+    report.paths["whole_model"] = f"{_describe(runner.capture_bs, 'bs')}, the {what} model"
+
+
+def _compiled_forward(model_runner, piece_compiler: str) -> Any:
+    """The model compiled without graphs of its own (the whole-model graph
+    holds them): its fused kernels inside the decode graphs."""
+    from sgl_piecewise.compile.compiled_model import CompiledModel
+    from sgl_piecewise.compile.options import CompileOptions
+
+    return CompiledModel(model_runner.model, CompileOptions(piece_compiler=piece_compiler))
