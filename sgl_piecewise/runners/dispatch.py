@@ -86,15 +86,17 @@ def graph_step(model_runner, batch: ForwardBatch) -> Tuple[Optional[torch.Tensor
 def _whole_model(runner, batch: ForwardBatch) -> Tuple[Optional[torch.Tensor], str, bool]:
     """``(hidden or None, why, usual)``; ``usual``: a mode it never serves."""
     mode = batch.forward_mode
+    # try_replay whatever padded_bs says: the runner counts its own declines
+    # (a batch above its largest graph) in counters.eager_fallbacks.
+    hidden = runner.try_replay(batch)
     padded_bs = getattr(runner, "padded_bs", None)
     if padded_bs is None:  # a step_graphs with only try_replay (the ModelRunner protocol)
-        hidden = runner.try_replay(batch)
         return hidden, f"{mode.name} bs {batch.batch_size}", hidden is None
     padded = padded_bs(batch)
+    if hidden is not None:
+        return hidden, f"{mode.name} bs {batch.batch_size} -> {padded}", False
     if padded is not None:
-        hidden = runner.try_replay(batch)
-        why = f"{mode.name} bs {batch.batch_size} -> {padded}"
-        return hidden, why if hidden is not None else f"{mode.name} bs {batch.batch_size}: declined", False
+        return None, f"{mode.name} bs {batch.batch_size}: declined", False
     served = getattr(runner, "modes", None) or (getattr(runner, "mode", None),)
     if mode not in served:
         return None, f"{mode.name}: no whole-model graph for this mode", True
