@@ -1,0 +1,268 @@
+"""One dispatcher: ``ModelRunner(graphs=...)`` captures what its policy needs
+and routes every step to the fastest path that serves it — whole-model
+graphs, piecewise or breakable graphs, else eager — counting each step by
+path and reason in ``counters.step_paths``."""
+
+from __future__ import annotations
+
+import collections
+from functools import partial
+
+import pytest
+import torch
+from test_breakable import CONFIG, VOCAB, BranchingModel
+
+import sgl_piecewise as sp
+from sgl_piecewise.backends import ReferenceBackend, create_backend
+from sgl_piecewise.compile import counters
+from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
+from sgl_piecewise.models import ModelConfig, build_random_model
+from sgl_piecewise.runner import ModelRunner
+from sgl_piecewise.runners import CudaGraphRunner
+from sgl_piecewise.testing import random_batch, release_batch
+
+POLICIES = ("auto", "full", "piecewise", "breakable", "none")
+CAPTURE = dict(capture_bs=(1, 2, 4), capture_sizes=(1, 2, 4, 8, 16, 32), piece_compiler="eager")
+E, D, M, IDLE = sp.ForwardMode.EXTEND, sp.ForwardMode.DECODE, sp.ForwardMode.MIXED, sp.ForwardMode.IDLE
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _model(device="cpu", dtype=torch.float32, config=CONFIG):
+    return build_random_model(config, dtype, device, seed=7, std=0.2)
+
+
+def _runner(model, graphs="none", backend="torch", **kw) -> ModelRunner:
+    if backend != "reference" and isinstance(backend, str):
+        backend = partial(create_backend, backend, num_q_heads=model.config.num_attention_heads)
+    elif backend == "reference":
+        backend = ReferenceBackend
+    return ModelRunner(model, **{"max_reqs": 8, "max_context_len": 96, "backend": backend, "graphs": graphs, **kw})
+
+
+def _captured(model, graphs, backend="torch") -> ModelRunner:
+    runner = _runner(model, graphs, backend)
+    runner.capture_graphs(progress=False, **CAPTURE)
+    return runner
+
+
+PROMPTS = [[3, 14, 15, 92], [6], [53, 58, 9, 7, 9, 3, 2]]  # 12 tokens
+
+
+@pytest.mark.parametrize(
+    "graphs, backend",
+    [(p, "torch") for p in POLICIES] + [(p, "reference") for p in ("auto", "piecewise", "breakable", "none")],
+)
+def test_every_policy_generates_the_eager_tokens(graphs, backend):
+    model = _model()
+    want = _runner(model, backend=backend).generate(PROMPTS, 8)
+    assert _captured(model, graphs, backend).generate(PROMPTS, 8) == want
+
+
+def test_each_policy_counts_every_step_of_a_generate_by_its_path():
+    """12 prompt tokens, 8 new: 1 prefill of 12 tokens, 7 decode steps of bs 3."""
+    model = _model()
+    expected = {
+        # Whole-model graphs serve decode (bs 3 pads to 4), pieces the prefill (12 pads to 16).
+        "auto": {("piecewise", "EXTEND 12 -> 16 tokens"): 1, ("whole_model", "DECODE bs 3 -> 4"): 7},
+        # No graph for the prefill: eager, saying why.
+        "full": {("eager", "EXTEND: no whole-model graph for this mode"): 1, ("whole_model", "DECODE bs 3 -> 4"): 7},
+        # Token-axis graphs serve every mode: decode of bs 3 is 3 tokens, padded to 4.
+        "piecewise": {("piecewise", "EXTEND 12 -> 16 tokens"): 1, ("piecewise", "DECODE 3 -> 4 tokens"): 7},
+        "breakable": {("breakable", "EXTEND 12 -> 16 tokens"): 1, ("breakable", "DECODE 3 -> 4 tokens"): 7},
+        "none": {("eager", "graphs='none'"): 8},
+    }
+    for graphs in POLICIES:
+        runner = _captured(model, graphs)
+        counters.reset()
+        runner.generate(PROMPTS, 8)
+        assert counters.step_paths == expected[graphs], graphs
+        assert [s.path for s in runner.step_stats] == [p for (p, _), n in expected[graphs].items() for _ in range(n)]
+
+
+def _step(runner, mode, prefix, extend, seed):
+    gen = torch.Generator().manual_seed(seed)
+    batch = random_batch(mode, runner.req_to_token_pool, runner.kv_pool, prefix, extend, vocab_size=VOCAB,
+                         generator=gen)  # fmt: skip
+    try:
+        return runner.forward_step(batch)
+    finally:
+        release_batch(runner.req_to_token_pool, runner.kv_pool, batch)
+
+
+def test_auto_routes_every_step_to_the_fastest_path_that_serves_it_and_equals_eager():
+    model = _model()
+    eager, auto = _runner(model), _captured(model, "auto")
+    steps = [
+        (E, [0, 0, 0], [5, 2, 9]),  # 16 tokens: piecewise at 16
+        (M, [7, 30, 2], [4, 1, 1]),  # prefill chunk and two decodes, 6 tokens: piecewise at 8
+        (D, [4, 9, 60], [1, 1, 1]),  # bs 3: whole-model graph of bs 4
+        (D, [1, 2, 3, 4, 5, 6], [1] * 6),  # bs 6 > 4: pieces at 8 tokens instead
+        (E, [0, 3], [20, 20]),  # 40 tokens > 32: eager
+        (M, [10, 0, 5], [1, 12, 1]),  # 14 tokens: piecewise at 16
+        (IDLE, [], []),  # no tokens: eager
+    ]
+    counters.reset()
+    for i, (mode, prefix, extend) in enumerate(steps):
+        want, got = (_step(r, mode, prefix, extend, seed=i) for r in (eager, auto))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    counted = counters.step_paths.copy()
+    for key in [k for k in counted if k[0] == "eager" and k[1] == "graphs='none'"]:
+        del counted[key]  # the eager twin's own 7 steps
+    assert counted == {
+        ("piecewise", "EXTEND 16 -> 16 tokens"): 1,
+        ("piecewise", "MIXED 6 -> 8 tokens"): 1,
+        ("whole_model", "DECODE bs 3 -> 4"): 1,
+        ("piecewise", "DECODE 6 -> 8 tokens; DECODE bs above the largest whole-model graph 4"): 1,
+        ("eager", "EXTEND above the largest piecewise size 32"): 1,
+        ("piecewise", "MIXED 14 -> 16 tokens"): 1,
+        ("eager", "IDLE: no tokens"): 1,
+    }
+    # The whole-model runner counts its own decline of the bs-6 batch.
+    assert counters.eager_fallbacks == {"decode graphs: batch of 6 above the largest captured 4": 1}
+
+
+@pytest.mark.parametrize("graphs", ["piecewise", "breakable"])
+def test_mixed_batches_through_token_graphs_equal_eager(graphs):
+    model = _model()
+    eager, runner = _runner(model), _captured(model, graphs)
+    counters.reset()
+    for i, extend in enumerate(([3, 1, 1, 7], [1, 1, 9], [1, 2], [5, 1, 1, 1, 1, 1])):
+        prefix = [(11 * j + i) % 50 for j in range(len(extend))]
+        want, got = (_step(r, M, prefix, extend, seed=i) for r in (eager, runner))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # 12, 11, 3 and 10 tokens pad to 16, 16, 4 and 16.
+    assert counters.step_paths == {
+        ("eager", "graphs='none'"): 4,
+        (graphs, "MIXED 12 -> 16 tokens"): 1,
+        (graphs, "MIXED 11 -> 16 tokens"): 1,
+        (graphs, "MIXED 3 -> 4 tokens"): 1,
+        (graphs, "MIXED 10 -> 16 tokens"): 1,
+    }
+
+
+def test_auto_gives_an_untraceable_model_breakable_graphs_and_says_why():
+    inner = _model()
+    runner = _runner(BranchingModel(inner), "auto")
+    report = runner.capture_graphs(progress=False, **CAPTURE)
+    assert report.paths["piecewise"].startswith(
+        "refused: piecewise graphs: torch.compile: expected a model Dynamo traces as one graph, "
+        "got a graph break: Data-dependent branching at "
+    )
+    assert report.paths["breakable"] == "6 sizes, tokens 1..32"
+    assert report.paths["whole_model"] == "3 sizes, bs 1..4, the eager model"
+    want = _runner(inner).generate(PROMPTS, 8)
+    counters.reset()
+    assert runner.generate(PROMPTS, 8) == want
+    assert counters.step_paths == {("breakable", "EXTEND 12 -> 16 tokens"): 1, ("whole_model", "DECODE bs 3 -> 4"): 7}
+
+
+def test_the_piecewise_policy_refuses_an_untraceable_model_naming_the_break():
+    runner = _runner(BranchingModel(_model()), "piecewise")
+    with pytest.raises(UnsupportedModeError, match=r"graph break: Data-dependent branching at .*test_breakable.py"):
+        runner.capture_graphs(progress=False, **CAPTURE)
+
+
+def test_auto_without_graph_hooks_serves_decode_through_pieces():
+    runner = _captured(_model(), "auto", backend="reference")
+    counters.reset()
+    runner.generate(PROMPTS, 3)
+    # 1 prefill of 12 tokens, 2 decode steps of 3 tokens.
+    assert counters.step_paths == {("piecewise", "EXTEND 12 -> 16 tokens"): 1, ("piecewise", "DECODE 3 -> 4 tokens"): 2}
+
+
+def test_full_without_graph_hooks_is_refused_with_the_reason():
+    runner = _runner(_model(), "full", backend="reference")
+    with pytest.raises(UnsupportedModeError, match="supports_cuda_graph=True"):
+        runner.capture_graphs(progress=False, **CAPTURE)
+
+
+def test_an_unknown_policy_is_refused_naming_the_valid_ones():
+    with pytest.raises(InvalidInputError, match=r"graphs: expected one of \['auto', 'full', 'piecewise', "
+                                                r"'breakable', 'none'\], got 'fast'"):  # fmt: skip
+        _runner(_model(), "fast")
+
+
+def test_steps_before_capture_run_eagerly_and_say_why():
+    runner = _runner(_model(), "auto")
+    runner.generate([[1, 2]], 2)
+    assert counters.step_paths == {("eager", "graphs='auto' not captured yet"): 2}
+
+
+def test_a_replaced_model_forward_is_counted_as_its_own_path():
+    model = _model()
+    runner = _runner(model)
+    runner.model_forward = lambda ids, positions: model(ids, positions)
+    runner.generate([[1, 2]], 2)
+    assert counters.step_paths == {("model_forward", "graphs='none'"): 2}
+
+
+def test_a_runner_installed_by_hand_still_serves_without_a_policy():
+    runner = _runner(_model())
+    CudaGraphRunner(runner, (1, 2, 4)).capture(progress=False)
+    runner.generate(PROMPTS, 3)
+    assert counters.step_paths == {("eager", "EXTEND: no whole-model graph for this mode"): 1,
+                                   ("whole_model", "DECODE bs 3 -> 4"): 2}  # fmt: skip
+
+
+def test_piecewise_steps_of_any_token_count_never_recompile():
+    runner = _captured(_model(), "piecewise")
+    torch.compiler.set_stance("fail_on_recompile")
+    try:  # token counts 1 (one prompt decoding), 2, 3 and prefills of 1, 4 and 12
+        for prompts in ([[5]], [[1, 2, 3, 4]], [[1], [2]], PROMPTS):
+            runner.generate(prompts, 3)
+    finally:
+        torch.compiler.set_stance("default")
+    assert counters.graphs_split == 1
+
+
+def test_step_paths_print_as_totals_per_path_and_reasons_most_first():
+    counters.step_paths.update({("whole_model", "DECODE bs 3 -> 4"): 7, ("piecewise", "EXTEND 12 -> 16 tokens"): 1,
+                                ("eager", "EXTEND above the largest piecewise size 32"): 2})  # fmt: skip
+    assert counters.format_step_paths() == (
+        "10 steps\n"
+        "  whole_model         7   70.0%\n"
+        "            7  DECODE bs 3 -> 4\n"
+        "  eager               2   20.0%\n"
+        "            2  EXTEND above the largest piecewise size 32\n"
+        "  piecewise           1   10.0%\n"
+        "            1  EXTEND 12 -> 16 tokens"
+    )
+    counters.reset()
+    assert counters.format_step_paths() == "no steps counted"
+    assert counters.as_dict()["step_paths"] == {}
+
+
+# ---- GPU: real CUDA graphs ----------------------------------------------------
+GPU_CONFIG = ModelConfig(**{**CONFIG.__dict__, "head_dim": 64, "hidden_size": 256})
+RAGGED_PROMPT_LENS = (1, 3, 7, 12, 20, 33, 50)  # 126 tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", POLICIES)
+@pytest.mark.parametrize("backend", ["torch", "triton", "flashinfer"])
+def test_gpu_every_policy_generates_the_eager_tokens_for_7_ragged_prompts(backend, graphs):
+    """64 greedy tokens; fp32 (flashinfer: bf16, its prefill kernels take
+    16-bit inputs only)."""
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    dtype = torch.bfloat16 if backend == "flashinfer" else torch.float32
+    model = _model("cuda", dtype, GPU_CONFIG)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in RAGGED_PROMPT_LENS]
+    want = _runner(model, backend=backend, max_context_len=128).generate(prompts, 64)
+    runner = _runner(model, graphs, backend, max_context_len=128)
+    runner.capture_graphs(progress=False, capture_sizes=(1, 2, 4, 8, 16, 32, 64, 128))
+    counters.reset()
+    assert runner.generate(prompts, 64) == want
+    paths = collections.Counter(s.path for s in runner.step_stats)
+    # 1 prefill of 126 tokens (pads to 128), 63 decode steps of bs 7 (pads to 8).
+    expected = {"auto": {"piecewise": 1, "whole_model": 63}, "full": {"eager": 1, "whole_model": 63},
+                "piecewise": {"piecewise": 64}, "breakable": {"breakable": 64}, "none": {"eager": 64}}  # fmt: skip
+    assert paths == expected[graphs]
