@@ -1,20 +1,22 @@
 """``sgl-piecewise`` (also ``python -m sgl_piecewise``): the command-line main job.
 
 ``sgl-piecewise bench`` runs one ragged batch of prompts through the same model
-four ways — eager; compiled by the ``sgl_piecewise`` backend; compiled with
-piecewise CUDA graphs; and piecewise graphs for the prefill with whole-model
-decode graphs (``CudaGraphRunner``) for every decode step — checks that they
-produce the same tokens, and prints a table of set-up time, prefill time and
-decode step time. On a CPU the graph capture is a pass-through (everything
-else runs as on a GPU).
+under each graph policy (``--graphs``: ``none`` eager, ``full`` whole-model
+decode graphs, ``piecewise``, ``breakable``, ``auto`` — see
+``runners/dispatch.py``), checks that they produce the same tokens, and prints
+a table of set-up time, prefill time, decode step time and the path the steps
+took. On a CPU the graph capture is a pass-through (everything else runs as on
+a GPU).
 
-``sgl-piecewise verify`` replays the graphs against eager on fresh random
-ragged batches (``sgl_piecewise.verify``) and exits non-zero on a mismatch.
+``sgl-piecewise verify`` replays the graphs of each policy against eager on
+fresh random ragged batches (``sgl_piecewise.verify``) and exits non-zero on a
+mismatch.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import random
 import sys
@@ -27,39 +29,45 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-MODES = ("eager", "compiled", "graphs", "decode-graphs")
-# What each command runs that needs a backend with graph hooks.
-GRAPH_MODES = ("decode-graphs",)
+from sgl_piecewise.runners.dispatch import POLICIES
+
+BENCH_POLICIES = ("none", "full", "piecewise", "breakable", "auto")  # the table's order: eager first
+VERIFY_POLICIES = ("auto", "breakable")
+# Policies that need a backend with graph hooks (auto goes without whole-model graphs).
+GRAPH_HOOK_POLICIES = ("full",)
 DESCRIPTION = (
     "The CUDA-graph and torch.compile layer of an LLM engine, from the command line: "
-    "bench runs one ragged batch eagerly, compiled and through graphs and checks the tokens agree; "
+    "bench runs one ragged batch under each graph policy and checks the tokens agree; "
     "verify replays graphs against eager on random ragged batches."
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
-class ModeResult:
-    mode: str
+class PolicyResult:
+    policy: str
     setup_s: float
     prefill_ms: float
     decode_ms: Optional[float]  # None: no decode step (one new token)
     tokens: List[List[int]]
+    paths: str  # how many timed steps took each path
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sgl-piecewise", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", help="eager vs compiled vs piecewise graphs on one batch")
+    b = sub.add_parser("bench", help="one batch under each graph policy: times, paths, tokens agree")
     _add_model_args(b)
     b.add_argument("--batch-size", type=int, default=4)
     b.add_argument("--prompt-len", type=int, default=48, help="longest prompt; prompts are ragged, down to half of it")
     b.add_argument("--new-tokens", type=int, default=16)
-    b.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
-    b.add_argument("--piece-compiler", default="inductor", choices=["inductor", "eager", "tensorrt"])
+    b.add_argument("--graphs", default=",".join(BENCH_POLICIES),
+                   help=f"comma-separated graph policies among {POLICIES}, run in that order")  # fmt: skip
     b.add_argument("--max-capture-size", type=int, default=64, help="largest token count captured as graphs")
     v = sub.add_parser("verify", help="graph replay vs eager on random ragged batches")
     _add_model_args(v)
+    v.add_argument("--graphs", default=",".join(VERIFY_POLICIES),
+                   help="comma-separated graph policies whose paths are checked (not none)")  # fmt: skip
     v.add_argument("--steps", type=int, default=24)
     v.add_argument("--max-bs", type=int, default=8, help="largest decode graph; prefill graphs up to 16x it tokens")
     return p
@@ -74,24 +82,34 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--backend", default="torch",
                    help="attention backend: torch (graph-safe PyTorch), triton, flashinfer, or reference "
-                        "(the oracle; no graph hooks: not for decode-graphs or verify)")  # fmt: skip
+                        "(the oracle; no graph hooks: not for --graphs full)")  # fmt: skip
+    p.add_argument("--piece-compiler", default="inductor", choices=["inductor", "eager", "tensorrt"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "-v", "--verbose", action="store_true", help="log what the library decides (KV pool size, fallbacks)"
     )
 
 
-def _check_backend(name: str, needs_graphs: Sequence[str]) -> None:
-    """Before anything is loaded: the backend exists and has graph hooks if ``needs_graphs`` names a mode."""
+def _policies(text: str, allowed: Sequence[str]) -> List[str]:
+    """``--graphs``: a comma-separated list among ``allowed``."""
+    policies = [g.strip() for g in text.split(",") if g.strip()]
+    if not policies or any(g not in allowed for g in policies):
+        raise SystemExit(f"--graphs: expected a comma-separated subset of {tuple(allowed)}, got {text!r}")
+    return policies
+
+
+def _check_backend(name: str, policies: Sequence[str]) -> None:
+    """Before anything is loaded: the backend exists and has graph hooks if a policy needs them."""
     from sgl_piecewise.backends.factory import backend_names, get_backend_class
     from sgl_piecewise.errors import InvalidInputError
 
     if name not in backend_names():
         raise InvalidInputError(f"--backend: expected one of {list(backend_names())}, got {name!r}")
-    if needs_graphs and not get_backend_class(name).supports_cuda_graph:
+    needs = [g for g in policies if g in GRAPH_HOOK_POLICIES]
+    if needs and not get_backend_class(name).supports_cuda_graph:
         raise InvalidInputError(
-            f"--backend {name}: expected a backend with graph hooks for {', '.join(needs_graphs)}, got one "
-            f"without; use torch, triton or flashinfer, or leave those modes out"
+            f"--backend {name}: expected a backend with graph hooks for --graphs {', '.join(needs)}, got one "
+            f"without; use torch, triton or flashinfer, or leave {', '.join(needs)} out"
         )
 
 
@@ -120,12 +138,9 @@ def _prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> List[Li
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
-def _run_mode(mode: str, model, args, prompts) -> ModeResult:
-    from sgl_piecewise.compile import CompiledModel
-    from sgl_piecewise.compile.options import CompileOptions
+def _run_policy(policy: str, model, args, prompts) -> PolicyResult:
+    from sgl_piecewise.compile.options import default_capture_sizes
     from sgl_piecewise.runner import ModelRunner
-    from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
-    from sgl_piecewise.runners.whole_model import CudaGraphRunner
 
     context = max(len(p) for p in prompts) + args.new_tokens
     runner = ModelRunner(
@@ -133,17 +148,11 @@ def _run_mode(mode: str, model, args, prompts) -> ModeResult:
         max_reqs=len(prompts),
         max_context_len=min(max(context, args.max_capture_size), model.config.max_position_embeddings),
         backend=_backend_factory(args.backend, model),
+        graphs=policy,
     )
     start = time.perf_counter()
-    if mode == "compiled":
-        runner.model_forward = CompiledModel(model, CompileOptions(piece_compiler=args.piece_compiler))
-    elif mode in ("graphs", "decode-graphs"):
-        options = CompileOptions(
-            cudagraphs=True, max_capture_size=args.max_capture_size, piece_compiler=args.piece_compiler
-        )
-        PiecewiseCudaGraphRunner(runner, options).capture(progress=True)
-        if mode == "decode-graphs":
-            CudaGraphRunner(runner).capture(progress=True)
+    runner.capture_graphs(progress=True, capture_sizes=default_capture_sizes(args.max_capture_size),
+                          piece_compiler=args.piece_compiler)  # fmt: skip
     # Compile, capture and warm up (kernel JIT, allocator) outside the timed run.
     runner.generate(prompts, 2)
     setup = time.perf_counter() - start
@@ -152,16 +161,17 @@ def _run_mode(mode: str, model, args, prompts) -> ModeResult:
     steps = list(runner.step_stats)
     decode = [s.seconds for s in steps[1:]]
     decode_ms = 1e3 * sum(decode) / len(decode) if decode else None
-    return ModeResult(mode, setup, steps[0].seconds * 1e3, decode_ms, tokens)
+    paths = ", ".join(f"{path} {n}" for path, n in collections.Counter(s.path for s in steps).items())
+    return PolicyResult(policy, setup, steps[0].seconds * 1e3, decode_ms, tokens, paths)
 
 
-def _agreement(results: Sequence[ModeResult]) -> List[str]:
+def _agreement(results: Sequence[PolicyResult]) -> List[str]:
     ref = results[0]
     lines = []
     for r in results[1:]:
         same = sum(a == b for ra, rb in zip(ref.tokens, r.tokens) for a, b in zip(ra, rb))
         total = sum(len(t) for t in ref.tokens)
-        lines.append(f"{r.mode} vs {ref.mode}: {same}/{total} generated tokens identical")
+        lines.append(f"{r.policy} vs {ref.policy}: {same}/{total} generated tokens identical")
     return lines
 
 
@@ -171,11 +181,8 @@ def bench(args: argparse.Namespace, console: Console) -> int:
 
     for name in ("batch_size", "prompt_len", "new_tokens", "max_capture_size"):
         check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise SystemExit(f"--modes: expected a subset of {MODES}, got {args.modes!r}")
-    _check_backend(args.backend, [m for m in modes if m in GRAPH_MODES])
+    policies = _policies(args.graphs, POLICIES)
+    _check_backend(args.backend, policies)
     device, dtype = _resolve_device_dtype(args.device, args.dtype)
     model = load_model_or_default(args.model, dtype, device, seed=args.seed)
     prompts = _prompts(args.batch_size, args.prompt_len, model.config.vocab_size, args.seed)
@@ -185,17 +192,17 @@ def bench(args: argparse.Namespace, console: Console) -> int:
         f"batch {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens"
     )
     results = []
-    for mode in modes:
-        console.print(f"[bold]{mode}[/bold] ...")
-        results.append(_run_mode(mode, model, args, prompts))
+    for policy in policies:
+        console.print(f"[bold]graphs={policy}[/bold] ...")
+        results.append(_run_policy(policy, model, args, prompts))
     table = Table(title="sgl-piecewise bench")
-    for col in ("mode", "set-up s", "prefill ms", "decode ms/step", "speed-up vs first"):
-        table.add_column(col, justify="right" if col != "mode" else "left")
+    for col in ("graphs", "set-up s", "prefill ms", "decode ms/step", "speed-up vs first", "steps by path"):
+        table.add_column(col, justify="left" if col in ("graphs", "steps by path") else "right", overflow="fold")
     for r in results:
         # --new-tokens 1 has no decode step: nothing to time or compare.
         decode = "-" if r.decode_ms is None else f"{r.decode_ms:.3f}"
         speedup = "-" if r.decode_ms is None else f"{results[0].decode_ms / r.decode_ms:.2f}x"
-        table.add_row(r.mode, f"{r.setup_s:.2f}", f"{r.prefill_ms:.2f}", decode, speedup)
+        table.add_row(r.policy, f"{r.setup_s:.2f}", f"{r.prefill_ms:.2f}", decode, speedup, r.paths)
     console.print(table)
     agree = _agreement(results)
     for line in agree:
@@ -212,24 +219,25 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
     from sgl_piecewise.models.loader import load_model_or_default
     from sgl_piecewise.verify import TOLERANCE, verify
 
-    _check_backend(args.backend, ["verify"])
+    policies = _policies(args.graphs, [g for g in POLICIES if g != "none"])
+    _check_backend(args.backend, policies)
     device, dtype = _resolve_device_dtype(args.device, args.dtype)
     model = load_model_or_default(args.model, dtype, device, seed=args.seed)
     reports = verify(
         model,
         _backend_factory(args.backend, model),
-        steps=args.steps, max_bs=args.max_bs, seed=args.seed,
-        max_context_len=min(256, model.config.max_position_embeddings),
+        graphs=policies, steps=args.steps, max_bs=args.max_bs, seed=args.seed,
+        max_context_len=min(256, model.config.max_position_embeddings), piece_compiler=args.piece_compiler,
     )  # fmt: skip
     atol, rtol = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
     table = Table(title=f"sgl-piecewise verify ({device}, {dtype}, backend {args.backend}, "
-                        f"tolerance {atol:g} + {rtol:g}·|eager|)")  # fmt: skip
-    for col in ("mode", "steps", "batch sizes", "eager fallbacks", "max |graph - eager|", "verdict"):
+                        f"graphs {','.join(policies)}, tolerance {atol:g} + {rtol:g}·|eager|)")  # fmt: skip
+    for col in ("mode", "path", "steps", "batch sizes", "max |graph - eager|", "verdict"):
         # Fold, never cut: every batch size drawn is shown, however narrow the terminal.
-        table.add_column(col, justify="left" if col in ("mode", "batch sizes") else "right", overflow="fold")
-    for r in reports.values():
+        table.add_column(col, justify="left" if col in ("mode", "path", "batch sizes") else "right", overflow="fold")
+    for _, r in sorted(reports.items()):
         sizes = ",".join(map(str, sorted(set(r.sizes)))) or "-"
-        table.add_row(r.mode, str(r.steps), sizes, str(r.fallbacks), f"{r.worst:.3g}",
+        table.add_row(r.mode, r.path, str(r.steps), sizes, f"{r.worst:.3g}",
                       "ok" if r.ok else "[red]MISMATCH[/red]")  # fmt: skip
     console.print(table)
     return 0 if all(r.ok for r in reports.values()) else 1

@@ -195,7 +195,7 @@ class ModelRunner:
         """Capture the graphs the policy needs, largest sizes first; say what was built.
 
         ``capture_bs``: batch sizes of the whole-model graphs (default:
-        SGLang's schedule up to 160, capped by ``max_reqs``);
+        SGLang's schedule up to 160 or ``max_reqs``, and that size itself);
         ``capture_sizes``: token counts of the piecewise or breakable graphs
         (default: the piecewise schedule up to 512, capped by what one step
         can hold); ``piece_compiler``: what compiles the pieces.

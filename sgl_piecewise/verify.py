@@ -1,33 +1,35 @@
 """``verify``: graph replay against eager on fresh random ragged batches.
 
-Two ``ModelRunner`` s share one model: one runs every step eagerly, the other
-through the graph runners (piecewise graphs for EXTEND, whole-model graphs
-for DECODE). Each step draws a batch — a random size, skewed prefixes (empty,
-one token, long), ragged new tokens for EXTEND, now and then one request more
-than the largest decode graph so the eager fallback runs too — lays it out
-identically in both runners' pools (same seed: same random K/V prefixes) and
-compares the logits. The debugging entry (docs/ARCHITECTURE.md, "Debugging").
+An eager ``ModelRunner`` and one per graph policy (default ``auto`` and
+``breakable``) share one model; the graph runners capture what their policy
+needs, and every step goes through the dispatcher, so each path a policy
+offers runs: piecewise graphs for EXTEND and MIXED, whole-model graphs for
+DECODE (``auto``); breakable graphs for every mode; and eager for the steps
+no graph holds. Each step draws a batch — a random size, skewed prefixes
+(empty, one token, long), ragged new tokens for EXTEND, prefill chunks next
+to single decode tokens for MIXED, now and then one request more than the
+largest decode graph — lays it out identically in every runner's pools
+(same seed: same random K/V prefixes) and compares the logits. Reports are
+per (mode, path taken). The debugging entry (docs/ARCHITECTURE.md, "Debugging").
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 from tqdm.auto import tqdm
 
 from sgl_piecewise.backends.base import AttentionBackend
 from sgl_piecewise.checks import check_positive_int
-from sgl_piecewise.compile.counters import counters
-from sgl_piecewise.compile.options import CompileOptions, default_capture_sizes
+from sgl_piecewise.compile.options import default_capture_sizes
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.forward import ForwardMode
 from sgl_piecewise.memory import KVPool, ReqToTokenPool
 from sgl_piecewise.runner import ModelRunner
-from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
-from sgl_piecewise.runners.whole_model import CudaGraphRunner
+from sgl_piecewise.runners.dispatch import POLICIES
 from sgl_piecewise.testing import random_batch, release_batch
 
 # |graph - eager| <= atol + rtol * |eager| on the logits. Graphs run the
@@ -35,17 +37,19 @@ from sgl_piecewise.testing import random_batch, release_batch
 # bf16 that reorders roundings (max |Δ| 0.1-0.16 on logits of ~10, measured).
 TOLERANCE = {torch.float32: (1e-3, 1e-3), torch.float16: (5e-2, 5e-2), torch.bfloat16: (5e-2, 5e-2)}
 MAX_NEW_TOKENS_PER_EXTEND = 16
+MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED)
+DEFAULT_POLICIES = ("auto", "breakable")
 
 
 @dataclass
-class ModeReport:
-    """What ``verify`` saw for one forward mode."""
+class PathReport:
+    """What ``verify`` saw for one forward mode on one path."""
 
     mode: str
+    path: str  # whole_model, piecewise, breakable or eager (no graph held the step)
     steps: int = 0
     worst: float = 0.0  # max |graph - eager| over every logit
     worst_excess: float = float("-inf")  # max (|Δ| - tolerance): > 0 is a failure
-    fallbacks: int = 0  # steps that ran eagerly in the graph runner (counted)
     sizes: List[int] = field(default_factory=list)
 
     @property
@@ -57,17 +61,19 @@ def verify(
     model: torch.nn.Module,
     backend: Callable[[ReqToTokenPool, KVPool], AttentionBackend],
     *,
+    graphs: Sequence[str] = DEFAULT_POLICIES,
     steps: int = 24,
     max_bs: int = 8,
     max_context_len: int = 256,
     seed: int = 0,
+    piece_compiler: str = "inductor",
     progress: bool = True,
-) -> Dict[str, ModeReport]:
-    """Replay against eager for ``steps`` random steps; one report per mode.
+) -> Dict[Tuple[str, str], PathReport]:
+    """Replay against eager for ``steps`` random steps; one report per (mode, path).
 
-    ``backend`` builds the attention backend of each runner (it must support
-    CUDA graphs). Decode graphs cover batch sizes up to ``max_bs``; prefill
-    graphs, token counts up to ``max_bs * MAX_NEW_TOKENS_PER_EXTEND``.
+    ``backend`` builds the attention backend of each runner. Whole-model
+    graphs cover batch sizes up to ``max_bs``; token-axis graphs, token
+    counts up to ``max_bs * MAX_NEW_TOKENS_PER_EXTEND``.
     """
     check_positive_int("steps", steps)
     check_positive_int("max_bs", max_bs)
@@ -76,42 +82,51 @@ def verify(
             f"max_context_len: expected at least {MAX_NEW_TOKENS_PER_EXTEND + 2} (a long prefix "
             f"and {MAX_NEW_TOKENS_PER_EXTEND} new tokens), got {max_context_len}"
         )
-    eager, graphs = _twin_runners(model, backend, max_bs, max_context_len)
-    reports = {m.name: ModeReport(m.name) for m in (ForwardMode.EXTEND, ForwardMode.DECODE)}
+    bad = [g for g in graphs if g not in POLICIES or g == "none"]
+    if bad or not graphs:
+        raise InvalidInputError(f"graphs: expected policies among {list(POLICIES[:-1])}, got {list(graphs)}")
+    eager, runners = _runners(model, backend, graphs, max_bs, max_context_len, piece_compiler)
+    reports: Dict[Tuple[str, str], PathReport] = {}
     rng = random.Random(seed)
-    atol, rtol = TOLERANCE.get(graphs.dtype, TOLERANCE[torch.float32])
+    atol, rtol = TOLERANCE.get(eager.dtype, TOLERANCE[torch.float32])
     for _ in tqdm(range(steps), desc="verify", disable=not progress, unit="step"):
         mode, prefix, extend = _draw_step(rng, max_bs, max_context_len)
         step_seed = rng.randrange(2**31)
-        fallbacks = sum(counters.eager_fallbacks.values())
-        want, got = (_step(r, mode, prefix, extend, step_seed) for r in (eager, graphs))
-        diff = (got - want).abs()
-        report = reports[mode.name]
-        report.steps += 1
-        report.sizes.append(len(prefix))
-        report.worst = max(report.worst, float(diff.max()))
-        report.worst_excess = max(report.worst_excess, float((diff - atol - rtol * want.abs()).max()))
-        report.fallbacks += sum(counters.eager_fallbacks.values()) - fallbacks
+        want = _step(eager, mode, prefix, extend, step_seed)
+        for runner in runners:
+            diff = (_step(runner, mode, prefix, extend, step_seed) - want).abs()
+            path = runner.step_stats[-1].path
+            report = reports.setdefault((mode.name, path), PathReport(mode.name, path))
+            report.steps += 1
+            report.sizes.append(len(prefix))
+            report.worst = max(report.worst, float(diff.max()))
+            report.worst_excess = max(report.worst_excess, float((diff - atol - rtol * want.abs()).max()))
     return reports
 
 
-def _twin_runners(model, backend, max_bs: int, max_context_len: int) -> Tuple[ModelRunner, ModelRunner]:
-    # One request more than the largest decode graph: the fallback path runs too.
+def _runners(model, backend, graphs, max_bs: int, max_context_len: int, piece_compiler: str):
+    """An eager runner and one captured runner per policy."""
+    # One request more than the largest decode graph: the other paths run too.
     kwargs = dict(max_reqs=max_bs + 1, max_context_len=max_context_len, backend=backend)
-    eager, graphs = ModelRunner(model, **kwargs), ModelRunner(model, **kwargs)
-    max_tokens = max_bs * MAX_NEW_TOKENS_PER_EXTEND
-    PiecewiseCudaGraphRunner(graphs, CompileOptions(cudagraphs=True, max_capture_size=max_tokens)).capture(False)
-    CudaGraphRunner(graphs, default_capture_sizes(max_bs)).capture(progress=False)
-    return eager, graphs
+    eager = ModelRunner(model, **kwargs)
+    runners = []
+    for policy in graphs:
+        runner = ModelRunner(model, graphs=policy, **kwargs)
+        runner.capture_graphs(progress=False, capture_bs=default_capture_sizes(max_bs),
+                              capture_sizes=default_capture_sizes(max_bs * MAX_NEW_TOKENS_PER_EXTEND),
+                              piece_compiler=piece_compiler)  # fmt: skip
+        runners.append(runner)
+    return eager, runners
 
 
 def _draw_step(rng: random.Random, max_bs: int, max_context_len: int):
-    mode = rng.choice((ForwardMode.EXTEND, ForwardMode.DECODE))
+    mode = rng.choice(MODES)
     bs = max_bs + 1 if rng.random() < 0.1 else rng.randint(1, max_bs)
     if mode == ForwardMode.DECODE:
         extend = [1] * bs
-    else:
-        extend = [rng.randint(1, MAX_NEW_TOKENS_PER_EXTEND) for _ in range(bs)]
+    else:  # MIXED: about half the requests decode (one new token), the others prefill a chunk
+        one = 0.5 if mode == ForwardMode.MIXED else 0.0
+        extend = [1 if rng.random() < one else rng.randint(1, MAX_NEW_TOKENS_PER_EXTEND) for _ in range(bs)]
     # Skewed prefixes: empty, one token, or long (up to what the context holds).
     prefix = [rng.choice((0, 1, rng.randint(2, max_context_len - e))) for e in extend]
     return mode, prefix, extend

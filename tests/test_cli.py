@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import transformers
 from safetensors.torch import load_file, save_file
@@ -11,20 +13,26 @@ from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models import load_model
 
 
-def test_bench_runs_every_mode_and_they_agree(capsys):
+def test_bench_runs_every_policy_and_they_agree(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per line
     argv = ["bench", "--device", "cpu", "--batch-size", "3", "--prompt-len", "10",
-            "--new-tokens", "4", "--max-capture-size", "16"]  # fmt: skip
+            "--new-tokens", "4", "--max-capture-size", "16", "--piece-compiler", "eager"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for mode in ("eager", "compiled", "graphs", "decode-graphs"):
-        assert mode in out
-    assert "decode-graphs vs eager: 12/12 generated tokens identical" in out
+    for policy in ("full", "piecewise", "breakable", "auto"):
+        assert f"{policy} vs none: 12/12 generated tokens identical" in out
+    # 3 prompts of 8, 8 and 5 tokens (seed 0), 4 new tokens: 1 prefill of 21
+    # tokens (above the largest token graph, 16: eager), 3 decode steps of bs 3.
+    expected = {"none": "eager 4", "full": "eager 1, whole_model 3", "piecewise": "eager 1, piecewise 3",
+                "breakable": "eager 1, breakable 3", "auto": "eager 1, whole_model 3"}  # fmt: skip
+    for policy, paths in expected.items():
+        assert re.search(rf"│ {policy} .*│ {paths} ", out), policy
     assert "check: outputs agree" in out
 
 
-def test_bench_rejects_unknown_modes_naming_the_valid_ones():
-    with pytest.raises(SystemExit, match=r"--modes: expected a subset of .*decode-graphs"):
-        main(["bench", "--device", "cpu", "--modes", "eager,turbo"])
+def test_bench_rejects_unknown_policies_naming_the_valid_ones():
+    with pytest.raises(SystemExit, match=r"--graphs: expected a comma-separated subset of .*'breakable'"):
+        main(["bench", "--device", "cpu", "--graphs", "none,turbo"])
 
 
 @pytest.mark.parametrize("flag", ["--batch-size", "--prompt-len", "--new-tokens", "--max-capture-size"])
@@ -76,9 +84,9 @@ def test_a_backend_without_graph_hooks_is_refused_before_the_model_loads(capsys,
         raise AssertionError("the model was loaded before the backend was checked")
 
     monkeypatch.setattr(loader, "load_model_or_default", must_not_load)
-    assert main(["bench", "--device", "cpu", "--backend", "reference", "--modes", "eager,decode-graphs"]) == 2
-    assert "--backend reference: expected a backend with graph hooks for decode-graphs" in capsys.readouterr().out
-    assert main(["verify", "--device", "cpu", "--backend", "reference"]) == 2
+    assert main(["bench", "--device", "cpu", "--backend", "reference", "--graphs", "none,full"]) == 2
+    assert "--backend reference: expected a backend with graph hooks for --graphs full" in capsys.readouterr().out
+    assert main(["verify", "--device", "cpu", "--backend", "reference", "--graphs", "full"]) == 2
     assert main(["verify", "--device", "cpu", "--backend", "turbo"]) == 2
     assert (
         "--backend: expected one of ['reference', 'torch', 'triton', 'flashinfer'], got 'turbo'"
@@ -88,7 +96,7 @@ def test_a_backend_without_graph_hooks_is_refused_before_the_model_loads(capsys,
 
 def test_one_new_token_prints_no_nan(capsys):
     argv = ["bench", "--device", "cpu", "--batch-size", "2", "--prompt-len", "6", "--new-tokens", "1",
-            "--modes", "eager,graphs", "--max-capture-size", "16", "--piece-compiler", "eager"]  # fmt: skip
+            "--graphs", "none,piecewise", "--max-capture-size", "16", "--piece-compiler", "eager"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "nan" not in out.lower() and "check: outputs agree" in out

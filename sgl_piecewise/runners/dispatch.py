@@ -209,10 +209,20 @@ def _capture_whole_model(model_runner, capture_bs, piece_compiler: Optional[str]
         logger.info("graphs='auto': %s", report.paths["whole_model"])
         return
     forward = _compiled_forward(model_runner, piece_compiler) if piece_compiler else None
-    runner = CudaGraphRunner(model_runner, capture_bs, forward=forward)
+    runner = CudaGraphRunner(model_runner, capture_bs or _default_bs(model_runner), forward=forward)
     runner.capture(progress=progress)
     what = "compiled" if forward is not None else "eager"
     report.paths["whole_model"] = f"{_describe(runner.capture_bs, 'bs')}, the {what} model"
+
+
+def _default_bs(model_runner) -> Tuple[int, ...]:
+    """SGLang's schedule up to 160 and the request table's size: a full
+    table (3 requests, say, off the schedule) gets a graph of its own."""
+    from sgl_piecewise.compile.options import default_capture_sizes
+    from sgl_piecewise.runners.whole_model import DEFAULT_MAX_DECODE_BS
+
+    most = min(model_runner.req_to_token_pool.max_reqs, DEFAULT_MAX_DECODE_BS)
+    return tuple(sorted({*default_capture_sizes(most), most}))
 
 
 def _compiled_forward(model_runner, piece_compiler: str) -> Any:
