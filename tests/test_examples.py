@@ -52,11 +52,28 @@ def test_compile_users_example_traces_once_and_replays_its_prefill():
     # middle ones shared, last). Sizes used: 8 (the 5-token prefill) and 2
     # (decode): 2 x 5 captures. Replays: run 1 replays 14 decode steps (its
     # prefill and first decode step captured), run 2 replays its prefill and
-    # 15 decode steps: (14 + 16) x 5 = 150.
+    # 15 decode steps: (14 + 16) x 5 = 150. Every one of the 2 x 16 steps
+    # ran the compiled model installed as model_forward (no graph policy).
     assert counters == {"graphs_split": 1, "pieces_seen": 5, "pieces_compiled": 3, "graphs_captured": 10,
-                        "replays": 150, "eager_fallbacks": {}}  # fmt: skip
+                        "replays": 150, "eager_fallbacks": {},
+                        "step_paths": {"model_forward: graphs='none'": 32}}  # fmt: skip
 
 
-def test_engine_builders_example_generates_64_tokens_per_prompt():
-    tokens = ast.literal_eval(run(ROOT / "examples" / "engine_builders.py").strip().splitlines()[-1])
+def test_engine_builders_example_routes_every_step_and_generates_64_tokens_per_prompt():
+    lines = run(ROOT / "examples" / "engine_builders.py").strip().splitlines()
+    assert lines[:3] == [
+        lines[0],
+        "  piecewise: 36 sizes, tokens 1..256",
+        "  whole_model: 12 sizes, bs 1..64, the compiled model",
+    ]
+    (tokens,) = [ast.literal_eval(line) for line in lines if line.startswith("[[")]
     assert [len(t) for t in tokens] == [64, 64]
+    # 2 prompts of 3 and 2 tokens: one prefill of 5 tokens (pads to 8), then
+    # 63 decode steps of bs 2 (a whole-model graph of its own).
+    assert lines[-5:] == [
+        "64 steps",
+        "  whole_model        63   98.4%",
+        "           63  DECODE bs 2 -> 2",
+        "  piecewise           1    1.6%",
+        "            1  EXTEND 5 -> 8 tokens",
+    ]

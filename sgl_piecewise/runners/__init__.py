@@ -7,7 +7,11 @@
 * ``whole_model``: ``CudaGraphRunner``, one graph per batch size with
   attention inside;
 * ``piecewise``: ``PiecewiseCudaGraphRunner``, the compiled model's pieces
-  captured per token count, attention eager between them.
+  captured per token count, attention eager between them;
+* ``breakable``: ``BreakableCudaGraphRunner``, the eager model captured per
+  token count in segments broken at every attention call, no compiler;
+* ``dispatch``: the graph policies of ``ModelRunner(graphs=...)``, their
+  capture, and the routing of every step to the fastest path that serves it.
 
 Names are imported on first use: the compile backend imports the capture
 core and the registry from here, and the piecewise runner imports the
@@ -20,6 +24,9 @@ from typing import Any
 _PUBLIC = {
     "CudaGraphRunner": "sgl_piecewise.runners.whole_model",
     "PiecewiseCudaGraphRunner": "sgl_piecewise.runners.piecewise",
+    "BreakableCudaGraphRunner": "sgl_piecewise.runners.breakable",
+    "POLICIES": "sgl_piecewise.runners.dispatch",
+    "CaptureReport": "sgl_piecewise.runners.dispatch",
     "GraphCapture": "sgl_piecewise.runners.capture",
     "shared_capture": "sgl_piecewise.runners.capture",
     "CudaGraphBufferRegistry": "sgl_piecewise.runners.buffer_registry",
