@@ -189,6 +189,14 @@ def test_an_unknown_policy_is_refused_naming_the_valid_ones():
         _runner(_model(), "fast")
 
 
+def test_a_piecewise_runner_without_graphs_is_refused():
+    from sgl_piecewise.compile import CompileOptions
+    from sgl_piecewise.runners import PiecewiseCudaGraphRunner
+
+    with pytest.raises(InvalidInputError, match="options.cudagraphs: expected True"):
+        PiecewiseCudaGraphRunner(_runner(_model()), CompileOptions(cudagraphs=False))
+
+
 def test_steps_before_capture_run_eagerly_and_say_why():
     runner = _runner(_model(), "auto")
     runner.generate([[1, 2]], 2)
@@ -249,16 +257,18 @@ RAGGED_PROMPT_LENS = (1, 3, 7, 12, 20, 33, 50)  # 126 tokens
 @pytest.mark.parametrize("backend", ["torch", "triton", "flashinfer"])
 def test_gpu_every_policy_generates_the_eager_tokens_for_7_ragged_prompts(backend, graphs):
     """64 greedy tokens; fp32 (flashinfer: bf16, its prefill kernels take
-    16-bit inputs only)."""
+    16-bit inputs only, and pieces compiled by "eager": Inductor's fused
+    kernels round differently from eager in bf16)."""
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     dtype = torch.bfloat16 if backend == "flashinfer" else torch.float32
+    compiler = "eager" if backend == "flashinfer" else "inductor"
     model = _model("cuda", dtype, GPU_CONFIG)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in RAGGED_PROMPT_LENS]
     want = _runner(model, backend=backend, max_context_len=128).generate(prompts, 64)
     runner = _runner(model, graphs, backend, max_context_len=128)
-    runner.capture_graphs(progress=False, capture_sizes=(1, 2, 4, 8, 16, 32, 64, 128))
+    runner.capture_graphs(progress=False, capture_sizes=(1, 2, 4, 8, 16, 32, 64, 128), piece_compiler=compiler)
     counters.reset()
     assert runner.generate(prompts, 64) == want
     paths = collections.Counter(s.path for s in runner.step_stats)

@@ -12,7 +12,10 @@ reaches a real output or a real request's cache.
 
 Both ops are opaque to Dynamo (the fake implementations give shapes only),
 which is what lets the ``sgl_piecewise`` compile backend split the graph
-around them.
+around them. While the breakable runner captures (``runners/breakable.py``),
+the forward context carries its hook and the ops hand every call to it: the
+call ends a graph segment and runs eagerly at replay. Elsewhere the hook is
+None and costs one check.
 """
 
 from __future__ import annotations
