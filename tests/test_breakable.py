@@ -157,6 +157,25 @@ def test_replay_equals_eager_on_the_same_padded_inputs_bit_for_bit(name):
     _check_replays_equal_eager(eager, graphs, breakable, random.Random(f"breakable-{name}"), STEPS, 0)
 
 
+def test_a_step_above_the_largest_size_runs_eagerly_with_the_eager_logits_bit_for_bit():
+    eager, graphs, breakable = _runners(_model())
+    breakable.capture(progress=False)
+    counters.reset()
+    for i, (mode, extend) in enumerate([(E, [9, 11]), (M, [1, 15, 1]), (D, [1] * 8)]):  # 20, 17 and 8 tokens
+        prefix = [3 * i + j for j in range(len(extend))]
+        a, b = _batch(eager, mode, prefix, extend, seed=i), _batch(graphs, mode, prefix, extend, seed=i)
+        assert torch.equal(graphs.forward_step(b), eager.forward_step(a))
+        release_batch(eager.req_to_token_pool, eager.kv_pool, a)
+        release_batch(graphs.req_to_token_pool, graphs.kv_pool, b)
+    # 20 and 17 tokens are above the largest size, 16: eager; 8 decode tokens replay at 8.
+    assert counters.step_paths == {
+        ("eager", "graphs='none'"): 3,  # the eager twin
+        ("eager", "EXTEND above the largest breakable size 16"): 1,
+        ("eager", "MIXED above the largest breakable size 16"): 1,
+        ("breakable", "DECODE 8 -> 8 tokens"): 1,
+    }
+
+
 def test_capture_records_one_segment_more_than_attention_calls():
     _, _, breakable = _runners(_model())
     counters.reset()
