@@ -115,6 +115,23 @@ def test_a_compiled_forward_replays_like_eager():
     assert counters.graphs_split == 1  # one trace served sizes 2, 1 and 4: no recompile
 
 
+def test_a_forward_compiled_whole_replays_like_eager():
+    """split_graph=False: one compiled graph with attention inside it, no
+    split, recorded whole by the runner."""
+    torch._dynamo.reset()
+    eager, graphs, _ = _runners("torch")
+    compiled = CompiledModel(graphs.model, CompileOptions(split_graph=False))
+    CudaGraphRunner(graphs, CAPTURE_BS, forward=compiled).capture(progress=False)
+    _check_fresh_batches(eager, graphs, random.Random("compiled-whole"), (2, 1, 4), 1e-4)
+    # One graph, compiled as one piece: no split, nothing shared.
+    assert (counters.graphs_split, counters.pieces_compiled) == (0, 1)
+
+
+def test_whole_graph_compilation_refuses_the_backends_own_graphs():
+    with pytest.raises(InvalidInputError, match="split_graph=False: expected cudagraphs=False"):
+        CompileOptions(split_graph=False, cudagraphs=True)
+
+
 def test_batches_above_the_largest_size_run_eagerly_and_are_counted():
     eager, graphs, runner = _runners("torch")
     runner.capture(progress=False)

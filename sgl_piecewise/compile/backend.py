@@ -58,10 +58,24 @@ class SglPiecewiseBackend:
         self.options = options or CompileOptions.from_compile_args(None, kwargs)
         self.modules: list = []  # every PiecewiseModule built, for inspection
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> "PiecewiseModule":
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        if not self.options.split_graph:
+            return compile_whole(gm, list(example_inputs), self.options)
         module = PiecewiseModule(gm, list(example_inputs), self.options)
         self.modules.append(module)
         return module
+
+
+def compile_whole(gm: torch.fx.GraphModule, example_inputs: list, options: CompileOptions) -> Any:
+    """The graph compiled in one piece, attention an opaque op inside it, so
+    the piece compiler's fusions cross the attention boundary (a norm, the
+    next layer's projections). For recording whole steps in a graph runner
+    (``CudaGraphRunner(runner, forward=CompiledModel(model,
+    CompileOptions(split_graph=False)))``); the backend captures no graphs of
+    its own then (``CompileOptions`` refuses ``cudagraphs`` with it)."""
+    fake_mode, fake = _fake_inputs(example_inputs)
+    with fake_mode:
+        return PieceCompiler(options.piece_compiler, share_identical=False)(gm, fake)
 
 
 def _fake_inputs(example_inputs: list):

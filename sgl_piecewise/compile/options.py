@@ -39,6 +39,9 @@ class CompileOptions:
     debug_checks: assert graph input addresses at every replay; poison padded
         tails with NaN so a leak into real rows shows.
     share_identical_pieces: compile structurally identical pieces once.
+    split_graph: split around attention (default). False compiles the graph
+        whole, attention an opaque op inside it, for a graph runner to
+        record (no graphs of the backend's own).
     """
 
     cudagraphs: bool = False
@@ -47,12 +50,18 @@ class CompileOptions:
     piece_compiler: str = "inductor"
     debug_checks: bool = False
     share_identical_pieces: bool = True
+    split_graph: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("cudagraphs", "debug_checks", "share_identical_pieces"):
+        for name in ("cudagraphs", "debug_checks", "share_identical_pieces", "split_graph"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidInputError(f"{name}: expected True or False, got {value!r}")
+        if self.cudagraphs and not self.split_graph:
+            raise InvalidInputError(
+                "split_graph=False: expected cudagraphs=False, got True; the backend's graphs are per piece "
+                "around attention; record a whole compiled step with CudaGraphRunner instead"
+            )
         if self.piece_compiler not in PIECE_COMPILERS:
             raise InvalidInputError(f"piece_compiler: expected one of {PIECE_COMPILERS}, got {self.piece_compiler!r}")
         if (
