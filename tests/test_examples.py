@@ -54,7 +54,7 @@ def test_compile_users_example_traces_once_and_replays_its_prefill():
     # prefill and first decode step captured), run 2 replays its prefill and
     # 15 decode steps: (14 + 16) x 5 = 150.
     assert counters == {"graphs_split": 1, "pieces_seen": 5, "pieces_compiled": 3, "graphs_captured": 10,
-                        "replays": 150, "eager_fallbacks": {}}  # fmt: skip
+                        "replays": 150, "eager_fallbacks": {}, "artifacts_loaded": 0, "artifacts_saved": 0}  # fmt: skip
 
 
 def test_engine_builders_example_generates_64_tokens_per_prompt():

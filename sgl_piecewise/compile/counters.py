@@ -24,6 +24,8 @@ class CompileCounters:
     graphs_captured: int = 0  # CUDA graphs captured: piece x size, and whole-model decode graphs
     replays: int = 0  # graph replays: pieces and whole-model decode steps
     eager_fallbacks: Counter[str] = field(default_factory=collections.Counter)
+    artifacts_loaded: int = 0  # compile artifact files a compile started from (CompileOptions.cache_dir)
+    artifacts_saved: int = 0  # compile artifact files written for later processes
 
     def fallback(self, reason: str) -> None:
         """Count a fallback; log the first of each reason at INFO, later ones at DEBUG."""
@@ -42,6 +44,8 @@ class CompileCounters:
             "graphs_captured": self.graphs_captured,
             "replays": self.replays,
             "eager_fallbacks": dict(self.eager_fallbacks),
+            "artifacts_loaded": self.artifacts_loaded,
+            "artifacts_saved": self.artifacts_saved,
         }
 
 
