@@ -12,7 +12,7 @@ reserved — with Python's gc frozen and a progress bar.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -34,21 +34,37 @@ class PiecewiseCudaGraphRunner:
         model_runner.model_forward = self.compiled
         self.first_size_seconds = 0.0
 
-    def capture(self, progress: bool = True) -> float:
-        """Compile and capture every size, largest first; return the seconds it took.
+    def capture(self, progress: bool = True, sizes: Optional[Sequence[int]] = None) -> float:
+        """Compile and capture ``sizes`` (default: every capture size),
+        largest first; return the seconds it took.
 
+        A capture size left out is captured lazily, the first time a step
+        pads to it (inside that step): capture the sizes a deployment uses
+        most up front and let rare ones wait, for a shorter start.
         ``self.first_size_seconds`` keeps the share of the first (largest) size,
         which includes Dynamo's trace and the piece compiles.
         """
+        sizes = self._check_sizes(sizes)
         start = time.perf_counter()
         core = shared_capture(self.model_runner.device)
-        sizes = core.largest_first(self.options.capture_sizes, "capturing piecewise graphs", "size", progress)
+        sizes = core.largest_first(sizes, "capturing piecewise graphs", "size", progress)
         for i, size in enumerate(sizes):
             self._dummy_forward(size)
             if i == 0:
                 core.synchronize()
                 self.first_size_seconds = time.perf_counter() - start
         return time.perf_counter() - start
+
+    def _check_sizes(self, sizes: Optional[Sequence[int]]) -> Sequence[int]:
+        if sizes is None:
+            return self.options.capture_sizes
+        unknown = sorted(set(sizes) - set(self.options.capture_sizes))
+        if unknown or not sizes:
+            raise InvalidInputError(
+                f"sizes: expected a non-empty subset of the capture sizes {list(self.options.capture_sizes)}, "
+                f"got {list(sizes)}"
+            )
+        return sizes
 
     @torch.no_grad()
     def _dummy_forward(self, num_tokens: int) -> None:
