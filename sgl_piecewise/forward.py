@@ -230,6 +230,7 @@ class ForwardContext:
     debug_checks: bool = False  # check every attention call's arguments, not the step's first only
     num_tokens: int = 0  # the batch's real tokens, summed once per step
     args_checked: bool = False  # an attention call of this step has had its arguments checked
+    out_cache_loc: Optional[torch.Tensor] = None  # the real tokens' slots, sliced once per step
 
 
 _local = threading.local()
@@ -260,7 +261,9 @@ def forward_context(
 
         check_batch(batch, backend.req_to_token_pool, backend.kv_pool, debug_checks=debug_checks)
     stack = _stack()
-    ctx = ForwardContext(batch, backend, debug_checks, batch.num_tokens)
+    n = batch.num_tokens
+    loc = batch.out_cache_loc
+    ctx = ForwardContext(batch, backend, debug_checks, n, out_cache_loc=loc if loc.shape[0] == n else loc[:n])
     stack.append(ctx)
     try:
         yield ctx
