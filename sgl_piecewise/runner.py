@@ -212,6 +212,9 @@ class ModelRunner:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int,
         progress: Optional[bool] = None,
+        *,
+        draft: Optional["ModelRunner"] = None,
+        num_draft_tokens: Optional[int] = None,
     ) -> List[List[int]]:
         """Greedy-decode ``max_new_tokens`` tokens for each prompt; return the new tokens.
 
@@ -220,7 +223,16 @@ class ModelRunner:
         before anything is allocated, and every request row and KV slot is
         freed at the end, on error too. ``progress=None`` shows a bar only for
         runs of at least ``AUTO_PROGRESS_MIN_STEPS`` steps.
+
+        With ``draft`` (a ``ModelRunner`` of its own over a draft model of the
+        same vocabulary) and ``num_draft_tokens`` ``k``: greedy speculative
+        decoding (``sgl_piecewise.speculative``), the same tokens in fewer
+        target steps.
         """
+        if draft is not None or num_draft_tokens is not None:
+            from sgl_piecewise.speculative import speculative_generate  # imports this module
+
+            return speculative_generate(self, draft, prompts, max_new_tokens, num_draft_tokens, progress).tokens
         prompts = self._check_prompts(prompts)
         check_positive_int("max_new_tokens", max_new_tokens)
         self._check_room(prompts, max_new_tokens)
