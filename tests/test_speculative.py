@@ -94,6 +94,21 @@ def test_speculative_tokens_are_plain_greedy_tokens_for_every_draft(model, kind,
     assert _all_free(target, draft)
 
 
+@pytest.mark.triton_cpu
+def test_triton_graphs_give_plain_greedy_tokens_too(model):
+    """The triton backend's decode kernel (draft decodes) and extend kernel
+    (verify, draft extend) through the graphs; interpreted on a CPU."""
+    pytest.importorskip("triton")
+    prompts, k, new = [[5, 9, 2], [3, 3, 8, 1, 40, 2]], 2, 6
+    want = _runner(model).generate(prompts, new)
+    target, draft = _runner(model, "triton"), _runner(LayerSkipDraft(model, 1), "triton")
+    _install_graphs(target, draft, k, capture_bs=(4,))  # 2 requests pad to 4
+    counters.reset()
+    out = speculative_generate(target, draft, prompts, new, k)
+    assert out.tokens == want and counters.replays > 0 and not counters.eager_fallbacks
+    assert _all_free(target, draft)
+
+
 def test_the_target_as_its_own_draft_accepts_every_draft_in_the_fewest_rounds(model):
     """Every round yields k + 1 tokens: the first token comes from the
     prefill, the other 11 in ceil(11 / 4) = 3 rounds (4, 4, then 3 of 4)."""
