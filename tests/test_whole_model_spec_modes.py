@@ -162,7 +162,8 @@ def test_replay_of_a_real_batch_writes_what_a_capture_of_it_writes(name, mode, m
     runner pads it. Every static buffer of A and B must be byte-equal."""
     if masked and not mode.is_target_verify():
         pytest.skip("a tree mask is a TARGET_VERIFY input")
-    _, graphs, runner = _runners(name, [mode], capture_bs=(4,), tree_mask=masked)
+    # As attention-TP rank 1 of 2: the registry writes that rank's count.
+    _, graphs, runner = _runners(name, [mode], capture_bs=(4,), tree_mask=masked, attn_tp_size=2, attn_tp_rank=1)
     runner.capture(progress=False)
     rng = random.Random(f"capture-replay-{name}-{mode.name}-{masked}")
     prefix = _skewed_prefix(rng, 3)
@@ -177,12 +178,13 @@ def test_replay_of_a_real_batch_writes_what_a_capture_of_it_writes(name, mode, m
     ma, mb = graphs.backend.forward_metadata, b.forward_metadata
     assert (ma.bs, ma.max_q_len, ma.num_tokens, ma.masked) == (mb.bs, mb.max_q_len, mb.num_tokens, mb.masked)
     # The registry padded as the graphs need: fill-value prefix, row 0, the
-    # dummy slot for every padded token, position 0, 3 x 3 real tokens.
+    # dummy slot for every padded token, position 0; 3 x 3 = 9 real tokens of
+    # 12 rows, 6 rows per rank: rank 1 holds rows 6..11, of which 3 are real.
     static = runner._static[(mode, 4)]
     assert static.seq_lens.tolist() == x.seq_lens.tolist() + [1]
     assert static.req_pool_indices.tolist()[3] == 0
     assert static.out_cache_loc.tolist()[9:] == [DUMMY_SLOT] * W and static.positions.tolist()[9:] == [0] * W
-    assert int(static.num_token_non_padded) == 9
+    assert int(static.num_token_non_padded) == 3
 
 
 @pytest.mark.parametrize("name", CPU_BACKENDS)
