@@ -92,6 +92,10 @@ def test_speculative_tokens_are_plain_greedy_tokens_for_every_draft(model, kind,
     assert not counters.eager_fallbacks
     assert (counters.replays > 0) == graphs
     assert _all_free(target, draft)
+    if kind == "self":
+        assert out.stats.acceptance_rate == 1.0
+    if kind == "random":  # an unrelated model: right by chance, about 1 in 101 per draft
+        assert out.stats.acceptance_rate < 0.1
 
 
 @pytest.mark.triton_cpu
@@ -123,13 +127,6 @@ def test_the_target_as_its_own_draft_accepts_every_draft_in_the_fewest_rounds(mo
     # Per round: one verify, k - 1 draft decodes; a draft extend after every
     # round but the last (all requests finish together): 3 + 2 * 3 + 2 = 11.
     assert counters.replays == 11 and not counters.eager_fallbacks
-
-
-def test_an_unrelated_draft_is_almost_never_accepted_and_changes_no_token(model):
-    prompts, k, new = [[5, 9, 2], [17], [3, 3, 8, 1, 40, 2]], 4, 16
-    out = speculative_generate(_runner(model), _runner(random_draft_model(CONFIG, seed=3)), prompts, new, k)
-    assert out.tokens == _runner(model).generate(prompts, new)
-    assert out.stats.acceptance_rate < 0.1  # by chance about 1 in 101 per draft
 
 
 def _reference_acceptance(model, draft_model, prompts, new: int, k: int):
