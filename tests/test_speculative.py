@@ -235,6 +235,13 @@ def test_model_runner_generate_delegates_with_a_draft(model):
     assert got == _runner(model).generate(prompts, 10)
 
 
+def test_generate_with_draft_tokens_but_no_draft_is_refused(model):
+    target = _runner(model)
+    with pytest.raises(InvalidTypeError, match="draft: expected a ModelRunner over the draft model, got NoneType"):
+        target.generate([[1, 2]], 4, num_draft_tokens=2)
+    assert _all_free(target)
+
+
 # ---- bad input: refused before anything is allocated ----------------------------------
 def _held(runner: ModelRunner):
     """Somebody else's live request in ``runner``'s pools."""
