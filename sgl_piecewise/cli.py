@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     b.add_argument("--piece-compiler", default="inductor", choices=["inductor", "eager", "tensorrt"])
     b.add_argument("--max-capture-size", type=int, default=64, help="largest token count captured as graphs")
+    _add_draft_argument(b)
     v = sub.add_parser("verify", help="graph replay vs eager on random ragged batches")
     _add_model_args(v)
     v.add_argument("--steps", type=int, default=24)
@@ -79,6 +80,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-v", "--verbose", action="store_true", help="log what the library decides (KV pool size, fallbacks)"
     )
+
+
+def _add_draft_argument(p: argparse.ArgumentParser) -> None:
+    from sgl_piecewise.speculative_bench import add_draft_argument
+
+    add_draft_argument(p)
 
 
 def _check_backend(name: str, needs_graphs: Sequence[str]) -> None:
@@ -169,6 +176,10 @@ def bench(args: argparse.Namespace, console: Console) -> int:
     from sgl_piecewise.checks import check_positive_int
     from sgl_piecewise.models.loader import load_model_or_default
 
+    if args.draft is not None:
+        from sgl_piecewise.speculative_bench import bench_draft
+
+        return bench_draft(args, console)
     for name in ("batch_size", "prompt_len", "new_tokens", "max_capture_size"):
         check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

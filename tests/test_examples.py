@@ -30,7 +30,8 @@ def run(path: Path) -> str:
 
 
 def test_there_are_examples():
-    assert {p.name for p in EXAMPLES} >= {"model_authors.py", "compile_users.py", "engine_builders.py"}
+    assert {p.name for p in EXAMPLES} >= {"model_authors.py", "compile_users.py", "engine_builders.py",
+                                          "speculative_decoding.py"}  # fmt: skip
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -60,3 +61,9 @@ def test_compile_users_example_traces_once_and_replays_its_prefill():
 def test_engine_builders_example_generates_64_tokens_per_prompt():
     tokens = ast.literal_eval(run(ROOT / "examples" / "engine_builders.py").strip().splitlines()[-1])
     assert [len(t) for t in tokens] == [64, 64]
+
+
+def test_speculative_decoding_example_gives_plain_greedy_tokens():
+    lines = run(ROOT / "examples" / "speculative_decoding.py").strip().splitlines()
+    assert lines[-2] == "True"  # exactly plain greedy's tokens
+    assert re.fullmatch(r"acceptance rate [01]\.\d\d, \d+ verify steps for 15 tokens", lines[-1]), lines[-1]

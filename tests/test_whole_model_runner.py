@@ -165,7 +165,7 @@ def test_capture_fills_its_dummies_through_the_registry():
     """A capture's batch is all padding: fill-value lengths, row 0, the dummy slot."""
     _, graphs, runner = _runners("torch")
     runner.capture(progress=False)
-    static = runner._static[4]
+    static = runner._static[(ForwardMode.DECODE, 4)]
     assert static.seq_lens.tolist() == [1] * 4 and static.req_pool_indices.tolist() == [0] * 4
     assert static.out_cache_loc.tolist() == [0] * 4 and static.positions.tolist() == [0] * 4
     assert int(static.num_token_non_padded) == 0
