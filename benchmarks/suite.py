@@ -185,7 +185,7 @@ def decode_rows(args, model, runner, piecewise, whole, ceilings, hf) -> dict:
         row["hop_us_per_layer"] = hop_host_us_per_layer(piecewise, runner, batch)
         if args.device == "cuda":
             for name, graphs in whole.items():  # the graph's own kernels, per layer
-                graph = graphs.captured_graph(graphs.padded_bs(batch))
+                graph = graphs.captured_graph(batch.forward_mode, graphs.padded_bs(batch))
                 row[f"{name}_kernels_per_layer"] = kernels_per_replay(graph.replay) / model.config.num_hidden_layers
         rows[bs] = row
         print("decode", bs, json.dumps(row), flush=True)

@@ -211,9 +211,10 @@ class CudaGraphRunner:
         i = bisect.bisect_left(self.capture_bs, batch.batch_size)
         return self.capture_bs[i] if i < len(self.capture_bs) else None
 
-    def captured_graph(self, bs: int) -> Optional[torch.cuda.CUDAGraph]:
-        """The graph captured for ``bs`` requests (None on a CPU or before capture), for profiling."""
-        return self._graphs.get(bs)
+    def captured_graph(self, mode: ForwardMode, bs: int) -> Optional[torch.cuda.CUDAGraph]:
+        """The graph captured for ``bs`` requests of ``mode`` (None on a CPU or
+        before capture), for profiling."""
+        return self._graphs.get((mode, bs))
 
     def try_replay(self, batch: ForwardBatch) -> Optional[torch.Tensor]:
         """Hidden states ``[num_tokens, H]`` of every real token of ``batch``
