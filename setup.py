@@ -14,7 +14,17 @@ setup(
     install_requires=["torch>=2.11,<2.15", "numpy>=1.24", "safetensors>=0.4", "tqdm>=4.60", "rich>=13"],
     extras_require={
         # ruff pinned: formatting must not change with its version.
-        "test": ["pytest>=8", "hypothesis>=6", "transformers>=4.45", "safetensors>=0.4", "triton>=3.0", "ruff==0.17.6"],
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6",
+            "transformers>=4.45",
+            "safetensors>=0.4",
+            "triton>=3.0",
+            "ruff==0.17.6",
+            "matplotlib>=3.7",
+        ],
+        # benchmarks/: Hugging Face eager as a yardstick, the suite's plot.
+        "bench": ["transformers>=4.45", "matplotlib>=3.7"],
         "gpu": ["triton>=3.0", "flashinfer-python"],
         "tensorrt": ["torch-tensorrt"],
     },

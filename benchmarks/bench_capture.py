@@ -24,18 +24,13 @@ import sys
 import time
 
 import torch
+from common import QWEN_05B  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.compile import CompiledModel, CompileOptions
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners import CudaGraphRunner, PiecewiseCudaGraphRunner
 from sgl_piecewise.runners.whole_model import default_capture_sizes
-
-QWEN_05B = dict(
-    architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-    num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
-    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
-)  # fmt: skip
 
 
 def measured(capture) -> dict:

@@ -22,6 +22,7 @@ import sys
 import time
 
 import torch
+from common import QWEN_05B  # noqa: E402 (benchmarks/ is the script's folder)
 
 import sgl_piecewise as sp
 import sgl_piecewise.runner as runner_module
@@ -32,12 +33,6 @@ from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 from sgl_piecewise.runners.whole_model import CudaGraphRunner
 from sgl_piecewise.testing import place_requests, release_batch
-
-QWEN_05B = dict(
-    architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-    num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
-    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
-)  # fmt: skip
 
 
 def host_us(fn, iters: int) -> float:

@@ -16,12 +16,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 import torch._dynamo
+from common import (  # noqa: E402 (benchmarks/ is the script's folder)
+    QWEN_05B,
+    copy_rate,
+    cuda_median_ms,
+    free_batch,
+    graph_step_fn,
+    make_batch,
+    matmul_rate,
+    step_fn,
+    weight_bytes,
+)
 
 import sgl_piecewise as sp
 from sgl_piecewise.backends.factory import create_backend
@@ -30,83 +40,6 @@ from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 from sgl_piecewise.runners.whole_model import CudaGraphRunner
-from sgl_piecewise.testing import place_requests, release_batch
-
-QWEN_05B = dict(
-    architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-    num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
-    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
-)  # fmt: skip
-
-
-def cuda_median_ms(fn, warmup=5, iters=30) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def copy_rate() -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device copy."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = cuda_median_ms(lambda: y.copy_(x), 3, 20)
-    return 2 * x.numel() / (ms / 1e3)
-
-
-def matmul_rate() -> float:
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn_like(a)
-    ms = cuda_median_ms(lambda: a @ b, 3, 10)
-    return 2 * 8192**3 / (ms / 1e3)
-
-
-def weight_bytes(model) -> tuple[int, int]:
-    """(bytes read per step: weights minus the embedding table, plus the LM
-    head even when tied; non-embedding parameter count)."""
-    emb = model.model.embed_tokens.weight if hasattr(model, "model") else None
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb_bytes = emb.numel() * emb.element_size() if emb is not None else 0
-    tied = model.config.tie_word_embeddings
-    read = total - emb_bytes + (emb_bytes if tied else 0)
-    return read, (total - emb_bytes) // 2
-
-
-def make_batch(runner, mode, prefix, extend):
-    rows, loc = place_requests(runner.req_to_token_pool, runner.kv_pool, prefix, extend, fill_prefix=False)
-    ids = torch.randint(0, runner.config.vocab_size, (sum(extend),), device="cuda")
-    return sp.ForwardBatch.build(mode, ids, rows, prefix, extend, loc)
-
-
-def free_batch(runner, batch):
-    release_batch(runner.req_to_token_pool, runner.kv_pool, batch)
-
-
-def step_fn(runner, fn, batch, keep_metadata=False):
-    """One whole step through ``fn``. ``keep_metadata``: hold every step's
-    attention metadata until the end. reduce-overhead records attention with
-    the metadata tensors of its recording call inside its graph and replays
-    those addresses; freed, their memory could be reused and the replayed
-    kernels would read other tensors as page tables. Kept alive, they hold
-    the same batch's values, so the timing stays honest."""
-    kept = []
-
-    def run():
-        runner.backend.init_forward_metadata(batch)
-        if keep_metadata:
-            kept.append(runner.backend.forward_metadata)
-        with sp.forward_context(batch, runner.backend):
-            h = fn(batch.input_ids, batch.positions)
-        return runner.last_token_logits(h, batch)
-
-    return run
 
 
 def build(args):
@@ -169,21 +102,12 @@ def hf_decode_ms(args, bs):
 
         def step():
             hf(input_ids=nxt, past_key_values=cache, use_cache=True)
-            cache.crop(args.context - 1)
+            cache.crop(-1)  # drop the token just added (negative: the same in transformers 4 and 5)
 
         ms = cuda_median_ms(step, 3, 20)
     hf = cache = None  # drop the model and its cache before freeing the memory
     torch.cuda.empty_cache()
     return ms
-
-
-def graph_step_fn(runner, decode_graphs, batch):
-    """A step through the whole-model decode graphs (metadata replay included)."""
-
-    def run():
-        return runner.last_token_logits(decode_graphs.try_replay(batch), batch)
-
-    return run
 
 
 def time_modes(runner, modes, batch, decode_graphs=None):

@@ -12,7 +12,8 @@ import io
 import pstats
 
 import torch
-from bench_steps import build, cuda_median_ms, make_batch, step_fn  # noqa: E402
+from bench_steps import build  # noqa: E402
+from common import cuda_median_ms, make_batch, step_fn  # noqa: E402
 
 import sgl_piecewise as sp
 from sgl_piecewise.compile import CompileOptions

@@ -58,7 +58,9 @@ def check_batch(
     slots = _host_copy(batch.out_cache_loc_cpu, batch.out_cache_loc)[: sum(extend)]
     _check_rows(rows, req_pool)
     _check_slots(slots, kv_pool)
-    if debug_checks or batch.device.type == "cpu":
+    device_checks = debug_checks or batch.device.type == "cpu"
+    _check_accept_lengths(batch, extend, kv_pool.device, values=device_checks)
+    if device_checks:
         _check_device_values(batch, req_pool, prefix, extend, rows, slots)
 
 
@@ -135,6 +137,32 @@ def _check_mode_widths(batch: ForwardBatch, extend: List[int]) -> None:
         raise InvalidInputError(
             f"extend_seq_lens_cpu: expected {want} new token(s) per request in {mode.name}, got {extend[:8]}"
         )
+
+
+def _check_accept_lengths(batch: ForwardBatch, extend: List[int], device: torch.device, values: bool) -> None:
+    """DRAFT_EXTEND_V2's optional ``spec_info.accept_lengths [bs]``: the
+    accepted rows at the head of each request's block, whose last one gives
+    the request's logits. A value of 0 or above the block would pick another
+    request's row, so values are checked with the device checks."""
+    spec = batch.spec_info
+    if not batch.forward_mode.is_draft_extend_v2() or spec is None or spec.accept_lengths is None:
+        return
+    accept = spec.accept_lengths
+    bs = batch.batch_size
+    if not isinstance(accept, torch.Tensor) or accept.shape != (bs,) or accept.dtype not in _INT_DTYPES:
+        got = f"{accept.dtype} {list(accept.shape)}" if isinstance(accept, torch.Tensor) else type(accept).__name__
+        raise InvalidInputError(f"spec_info.accept_lengths: expected an int32/int64 tensor of shape [{bs}], got {got}")
+    if not same_device(accept.device, device):
+        raise InvalidInputError(
+            f"spec_info.accept_lengths: expected device {device} (the KV pool's), got {accept.device}"
+        )
+    if values:
+        got = accept.tolist()
+        if any(not 1 <= a <= e for a, e in zip(got, extend)):
+            raise InvalidInputError(
+                f"spec_info.accept_lengths: expected values in [1, new tokens of the request] "
+                f"({extend[:8]}), got {got[:8]}"
+            )
 
 
 # ---- host: tensors ------------------------------------------------------------

@@ -6,7 +6,8 @@ decode graphs, ``piecewise``, ``breakable``, ``auto`` — see
 ``runners/dispatch.py``), checks that they produce the same tokens, and prints
 a table of set-up time, prefill time, decode step time and the path the steps
 took. On a CPU the graph capture is a pass-through (everything else runs as on
-a GPU).
+a GPU). With ``--draft``, bench compares plain greedy decoding with
+speculative decoding instead (``speculative_bench.py``).
 
 ``sgl-piecewise verify`` replays the graphs of each policy against eager on
 fresh random ragged batches (``sgl_piecewise.verify``) and exits non-zero on a
@@ -64,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--graphs", default=",".join(BENCH_POLICIES),
                    help=f"comma-separated graph policies among {POLICIES}, run in that order")  # fmt: skip
     b.add_argument("--max-capture-size", type=int, default=64, help="largest token count captured as graphs")
+    _add_draft_argument(b)
     v = sub.add_parser("verify", help="graph replay vs eager on random ragged batches")
     _add_model_args(v)
     v.add_argument("--graphs", default=",".join(VERIFY_POLICIES),
@@ -88,6 +90,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-v", "--verbose", action="store_true", help="log what the library decides (KV pool size, fallbacks)"
     )
+
+
+def _add_draft_argument(p: argparse.ArgumentParser) -> None:
+    from sgl_piecewise.speculative_bench import add_draft_argument
+
+    add_draft_argument(p)
 
 
 def _policies(text: str, allowed: Sequence[str]) -> List[str]:
@@ -179,6 +187,10 @@ def bench(args: argparse.Namespace, console: Console) -> int:
     from sgl_piecewise.checks import check_positive_int
     from sgl_piecewise.models.loader import load_model_or_default
 
+    if args.draft is not None:
+        from sgl_piecewise.speculative_bench import bench_draft
+
+        return bench_draft(args, console)
     for name in ("batch_size", "prompt_len", "new_tokens", "max_capture_size"):
         check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
     policies = _policies(args.graphs, POLICIES)

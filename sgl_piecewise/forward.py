@@ -3,7 +3,7 @@
 Conventions (docs/ARCHITECTURE.md, "Length conventions"; the same in every backend, through ``backends/lengths.py``):
 
 * ``extend_seq_lens[r]`` is the number of *new* tokens of request ``r`` in this
-  step, in every mode (1 for DECODE, ``num_draft_tokens`` for TARGET_VERIFY,
+  step, in every mode (1 for DECODE, ``num_tokens_per_req`` for TARGET_VERIFY,
   ``num_tokens_per_req`` for DRAFT_EXTEND_V2, 0 requests for IDLE).
 * ``extend_prefix_lens[r]`` is the number of tokens already in the KV cache
   before this step.
@@ -74,7 +74,7 @@ class ForwardMode(enum.IntEnum):
     def is_cuda_graph(self) -> bool:
         """Modes a whole-model (batch-axis) graph can serve: a uniform number
         of new tokens per request, or none (docs/ARCHITECTURE.md, "Runners");
-        ``CudaGraphRunner`` captures DECODE today."""
+        ``CudaGraphRunner`` captures each of them."""
         return self in (
             ForwardMode.DECODE,
             ForwardMode.TARGET_VERIFY,
@@ -99,9 +99,11 @@ class ForwardMode(enum.IntEnum):
 class SpecInfo:
     """Speculative-decoding inputs of one step.
 
-    ``num_tokens_per_req``: uniform query width (TARGET_VERIFY: the number of
-    draft tokens; DRAFT_EXTEND_V2: tokens per request). ``accept_lengths``:
-    accepted tokens per request (DRAFT_EXTEND v1, ragged). ``custom_mask``: an
+    ``num_tokens_per_req``: uniform query width (TARGET_VERIFY: the tokens
+    scored per request; DRAFT_EXTEND_V2: tokens per request). ``accept_lengths``:
+    accepted tokens per request (DRAFT_EXTEND v1, ragged; in DRAFT_EXTEND_V2,
+    optional: the accepted rows at the head of each uniform block, the last of
+    which gives the request's logits). ``custom_mask``: an
     optional tree mask for TARGET_VERIFY, bool, the concatenation over requests
     of a row-major ``[q_len, kv_len]`` block (prefix columns included).
     """
@@ -230,6 +232,7 @@ class ForwardContext:
     debug_checks: bool = False  # check every attention call's arguments, not the step's first only
     num_tokens: int = 0  # the batch's real tokens, summed once per step
     args_checked: bool = False  # an attention call of this step has had its arguments checked
+    out_cache_loc: Optional[torch.Tensor] = None  # the real tokens' slots, sliced once per step
     # Set by the breakable runner while it captures or checks a step
     # (runners/breakable.py): the attention ops hand each call to it instead
     # of attending. None on every other path, where the ops pay one check.
@@ -264,7 +267,9 @@ def forward_context(
 
         check_batch(batch, backend.req_to_token_pool, backend.kv_pool, debug_checks=debug_checks)
     stack = _stack()
-    ctx = ForwardContext(batch, backend, debug_checks, batch.num_tokens)
+    n = batch.num_tokens
+    loc = batch.out_cache_loc
+    ctx = ForwardContext(batch, backend, debug_checks, n, out_cache_loc=loc if loc.shape[0] == n else loc[:n])
     stack.append(ctx)
     try:
         yield ctx

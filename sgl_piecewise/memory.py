@@ -88,6 +88,41 @@ class ReqToTokenPool:
         cols = torch.tensor(list(positions), dtype=torch.int64, device=self.device)
         self.req_to_token[rows.to(self.device), cols] = slots.to(self.req_to_token)
 
+    def write_block(self, rows: torch.Tensor, starts: Sequence[int], slots: torch.Tensor) -> None:
+        """Record ``slots [b, w]`` as the slots of positions ``starts[i] ..
+        starts[i] + w - 1`` of ``rows[i]`` (a speculative step's window), in
+        one indexed write."""
+        width = slots.shape[1]
+        if starts and max(starts) + width > self.max_context_len:
+            raise InvalidInputError(
+                f"request too long: expected at most {self.max_context_len} tokens of context, "
+                f"got {max(starts) + width}"
+            )
+        cols = torch.tensor(list(starts), dtype=torch.int64).view(-1, 1) + torch.arange(width)
+        self.req_to_token[rows.to(self.device).view(-1, 1), cols.to(self.device)] = slots.to(self.req_to_token)
+
+    def unmap(self, rows: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """The slots recorded at ``(rows[i], positions[i])``, int64 on the host;
+        those entries point at the dummy slot again. The caller frees the
+        slots (``KVPool.free``). Refuses, changing nothing, a pair that maps
+        no slot: the slot was given back already."""
+        r = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
+        c = torch.tensor(list(positions), dtype=torch.int64, device=self.device)
+        slots = self.req_to_token[r, c].to("cpu", torch.int64)
+        empty = (slots == DUMMY_SLOT).nonzero().flatten()[:4].tolist()
+        if empty:
+            pairs = [(int(rows[i]), int(positions[i])) for i in empty]
+            raise InvalidInputError(f"unmap: expected (row, position) pairs that map a slot, got {pairs} unmapped")
+        self.req_to_token[r, c] = DUMMY_SLOT
+        return slots
+
+    def mapped_slots(self, rows: Sequence[int]) -> torch.Tensor:
+        """Every slot ``rows`` map, int64 on the host: what they hold, when
+        each slot a request holds is recorded in its row (as
+        ``allocate_requests`` and ``write_block`` leave it)."""
+        table = self.req_to_token[torch.tensor(list(rows), dtype=torch.int64, device=self.device)]
+        return table[table != DUMMY_SLOT].to("cpu", torch.int64)
+
 
 def allocate_requests(
     req_pool: ReqToTokenPool,

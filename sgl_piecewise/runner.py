@@ -204,8 +204,10 @@ class ModelRunner:
                               piece_compiler=piece_compiler)  # fmt: skip
 
     @torch.no_grad()
-    def forward_step(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one step; return ``[bs, vocab]`` float32 logits of each request's last new token."""
+    def forward_step(self, batch: ForwardBatch, *, every_token: bool = False) -> torch.Tensor:
+        """Run one step; return ``[bs, vocab]`` float32 logits of each request's last new token
+        (``last_token_logits``), or with ``every_token`` ``[num_tokens, vocab]``
+        of every real token (TARGET_VERIFY scores each draft)."""
         start = time.perf_counter()
         check_batch(batch, self.req_to_token_pool, self.kv_pool, debug_checks=self.debug_checks)
         hidden, path, why = graph_step(self, batch)
@@ -213,7 +215,11 @@ class ModelRunner:
             path = "eager" if self.model_forward is self.model else "model_forward"
             hidden = self._eager_forward(batch)
         counters.step_paths[(path, why)] += 1
-        logits = self.last_token_logits(hidden, batch)
+        logits = (
+            self.model.compute_logits(hidden[: batch.num_tokens])
+            if every_token
+            else self.last_token_logits(hidden, batch)
+        )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # wall time of the work, not of the launches
         seconds = time.perf_counter() - start
@@ -231,9 +237,21 @@ class ModelRunner:
             return self.model_forward(batch.input_ids, batch.positions)  # [T, H]
 
     def last_token_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """``[bs, vocab]`` logits of each request's last new token from ``hidden [T, H]``."""
+        """``[bs, vocab]`` logits of each request's last new token from ``hidden [T, H]``.
+
+        In DRAFT_EXTEND_V2 with ``spec_info.accept_lengths``, a request's last
+        token is its last *accepted* one, row ``accept_lengths[r] - 1`` of its
+        uniform block: the rows after it only fill the width (upstream SGLang
+        PR 25002 selects the same rows).
+        """
         # Requests are laid out back to back.
-        last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), dim=0) - 1  # [bs]
+        new = batch.extend_seq_lens.to(torch.int64)
+        ends = torch.cumsum(new, dim=0)  # [bs]
+        spec = batch.spec_info
+        if batch.forward_mode.is_draft_extend_v2() and spec is not None and spec.accept_lengths is not None:
+            last = ends - new + spec.accept_lengths.to(ends) - 1
+        else:
+            last = ends - 1
         return self.model.compute_logits(hidden[last])
 
     def generate(
@@ -241,6 +259,9 @@ class ModelRunner:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int,
         progress: Optional[bool] = None,
+        *,
+        draft: Optional["ModelRunner"] = None,
+        num_draft_tokens: Optional[int] = None,
     ) -> List[List[int]]:
         """Greedy-decode ``max_new_tokens`` tokens for each prompt; return the new tokens.
 
@@ -249,7 +270,16 @@ class ModelRunner:
         before anything is allocated, and every request row and KV slot is
         freed at the end, on error too. ``progress=None`` shows a bar only for
         runs of at least ``AUTO_PROGRESS_MIN_STEPS`` steps.
+
+        With ``draft`` (a ``ModelRunner`` of its own over a draft model of the
+        same vocabulary) and ``num_draft_tokens`` ``k``: greedy speculative
+        decoding (``sgl_piecewise.speculative``), the same tokens in fewer
+        target steps.
         """
+        if draft is not None or num_draft_tokens is not None:
+            from sgl_piecewise.speculative import speculative_generate  # imports this module
+
+            return speculative_generate(self, draft, prompts, max_new_tokens, num_draft_tokens, progress).tokens
         prompts = self._check_prompts(prompts)
         check_positive_int("max_new_tokens", max_new_tokens)
         self._check_room(prompts, max_new_tokens)

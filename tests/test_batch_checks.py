@@ -162,6 +162,23 @@ def test_target_verify_without_a_uniform_width_is_refused(runner):
                    "TARGET_VERIFY: expected spec_info.num_tokens_per_req")  # fmt: skip
 
 
+@pytest.mark.parametrize("accept", [[0, 1, 1], [1, 3, 1], [2, 2]])
+def test_draft_extend_accept_lengths_outside_each_block_are_refused(runner, accept):
+    """A request's logits come from row ``accept - 1`` of its block: 0 would
+    read the previous request's row, 3 of a 2-token block the next one's."""
+    spec = SpecInfo(num_tokens_per_req=2, accept_lengths=torch.tensor(accept, dtype=torch.int32))
+    batch = extend_batch(runner, (5, 2, 9), (2, 2, 2), ForwardMode.DRAFT_EXTEND_V2, spec)
+    assert_refused(runner, batch, "spec_info.accept_lengths: expected")
+
+
+def test_draft_extend_with_accept_lengths_takes_each_requests_last_accepted_row(runner):
+    spec = SpecInfo(num_tokens_per_req=3, accept_lengths=torch.tensor([1, 3, 2], dtype=torch.int32))
+    batch = extend_batch(runner, (5, 2, 9), (3, 3, 3), ForwardMode.DRAFT_EXTEND_V2, spec)
+    hidden = torch.randn(9, runner.config.hidden_size)
+    want = runner.model.compute_logits(hidden[[0, 5, 7]])  # rows 0, 3 + 2, 6 + 1
+    assert torch.equal(runner.last_token_logits(hidden, batch), want)
+
+
 def test_a_negative_prefix_is_refused(runner):
     batch = extend_batch(runner)
     prefix = list(batch.extend_prefix_lens_cpu)

@@ -163,3 +163,19 @@ def test_gpu_two_models_of_one_architecture_each_give_their_own_eager_tokens(how
                 model, {"cudagraphs": True, "capture_sizes": [2, 8], "piece_compiler": "eager"}
             )
         assert runner.generate(PROMPTS, 8) == want, f"model {seed}"
+
+
+def test_sizes_left_out_of_the_capture_are_captured_at_first_use():
+    model = build_random_model(small_config(), seed=0)
+    runner = ModelRunner(model, max_reqs=2, max_context_len=64)
+    options = CompileOptions(cudagraphs=True, capture_sizes=(2, 8), piece_compiler="eager")
+    graphs = PiecewiseCudaGraphRunner(runner, options)
+    graphs.capture(progress=False, sizes=[8])
+    assert counters.graphs_captured == 3  # 2 layers: 3 pieces around attention, at size 8
+    want = ModelRunner(model, max_reqs=2, max_context_len=64).generate(PROMPTS, 3)
+    assert runner.generate(PROMPTS, 3) == want
+    assert counters.graphs_captured == 6  # the decode steps (2 tokens) captured size 2 on first use
+    with pytest.raises(
+        InvalidInputError, match=r"expected a non-empty subset of the capture sizes \[2, 8\], got \[4\]"
+    ):
+        graphs.capture(progress=False, sizes=[4])

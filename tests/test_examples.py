@@ -30,7 +30,8 @@ def run(path: Path) -> str:
 
 
 def test_there_are_examples():
-    assert {p.name for p in EXAMPLES} >= {"model_authors.py", "compile_users.py", "engine_builders.py"}
+    assert {p.name for p in EXAMPLES} >= {"model_authors.py", "compile_users.py", "engine_builders.py",
+                                          "speculative_decoding.py"}  # fmt: skip
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -55,7 +56,7 @@ def test_compile_users_example_traces_once_and_replays_its_prefill():
     # 15 decode steps: (14 + 16) x 5 = 150. Every one of the 2 x 16 steps
     # ran the compiled model installed as model_forward (no graph policy).
     assert counters == {"graphs_split": 1, "pieces_seen": 5, "pieces_compiled": 3, "graphs_captured": 10,
-                        "replays": 150, "eager_fallbacks": {},
+                        "replays": 150, "eager_fallbacks": {}, "artifacts_loaded": 0, "artifacts_saved": 0,
                         "step_paths": {"model_forward: graphs='none'": 32}}  # fmt: skip
 
 
@@ -77,3 +78,9 @@ def test_engine_builders_example_routes_every_step_and_generates_64_tokens_per_p
         "  piecewise           1    1.6%",
         "            1  EXTEND 5 -> 8 tokens",
     ]
+
+
+def test_speculative_decoding_example_gives_plain_greedy_tokens():
+    lines = run(ROOT / "examples" / "speculative_decoding.py").strip().splitlines()
+    assert lines[-2] == "True"  # exactly plain greedy's tokens
+    assert re.fullmatch(r"acceptance rate [01]\.\d\d, \d+ verify steps for 15 tokens", lines[-1]), lines[-1]

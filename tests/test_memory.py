@@ -154,3 +154,43 @@ def test_request_table_free_of_a_row_twice_in_one_call_changes_nothing():
     with pytest.raises(InvalidInputError, match="distinct"):
         table.free([row, row])
     assert table.available == 1 and table.is_allocated(row)
+
+
+# ---- speculative windows: write_block, unmap, mapped_slots -------------------
+def test_a_window_is_recorded_at_each_requests_own_positions():
+    table = ReqToTokenPool(max_reqs=4, max_context_len=16)
+    rows = torch.tensor(table.alloc(2))
+    slots = torch.randperm(50)[:6].add(1).view(2, 3)
+    table.write_block(rows, [4, 9], slots)
+    assert table.req_to_token[rows[0], 4:7].tolist() == slots[0].tolist()
+    assert table.req_to_token[rows[1], 9:12].tolist() == slots[1].tolist()
+    # Nothing else of either row moved off the dummy slot.
+    assert int((table.req_to_token != DUMMY_SLOT).sum()) == 6
+
+
+def test_a_window_past_the_context_is_refused_and_writes_nothing():
+    table = ReqToTokenPool(max_reqs=2, max_context_len=8)
+    rows = torch.tensor(table.alloc(2))
+    with pytest.raises(InvalidInputError, match="expected at most 8 tokens of context, got 9"):
+        table.write_block(rows, [0, 6], torch.arange(1, 7).view(2, 3))
+    assert int((table.req_to_token != DUMMY_SLOT).sum()) == 0
+
+
+def test_unmap_returns_the_slots_and_points_the_entries_at_the_dummy():
+    table = ReqToTokenPool(max_reqs=2, max_context_len=8)
+    rows = torch.tensor(table.alloc(2))
+    slots = torch.arange(1, 9).view(2, 4)
+    table.write_block(rows, [0, 2], slots)
+    got = table.unmap([int(rows[0]), int(rows[1]), int(rows[1])], [3, 4, 5])
+    assert got.tolist() == [4, 7, 8] and got.dtype == torch.int64
+    assert table.mapped_slots(rows.tolist()).tolist() == [1, 2, 3, 5, 6]
+
+
+def test_unmap_of_an_empty_entry_is_refused_and_changes_nothing():
+    table = ReqToTokenPool(max_reqs=1, max_context_len=8)
+    (row,) = table.alloc(1)
+    table.write(row, 0, torch.tensor([3, 4]))
+    before = table.req_to_token.clone()
+    with pytest.raises(InvalidInputError, match=r"expected \(row, position\) pairs that map a slot, got \[\(0, 2\)\]"):
+        table.unmap([row, row], [1, 2])
+    assert torch.equal(table.req_to_token, before)

@@ -94,6 +94,22 @@ def test_generate_frees_every_row_and_slot_when_a_step_fails(model):
     assert _pool_state(runner) == before
 
 
+def test_every_token_logits_score_each_verify_row_and_end_with_the_last_token_logits(model):
+    """TARGET_VERIFY needs a logit row per draft: ``every_token`` gives all
+    ``num_tokens`` rows, of which each request's last is ``forward_step``'s."""
+    from sgl_piecewise import ForwardMode, SpecInfo
+    from sgl_piecewise.testing import random_batch
+
+    runner = _runner(model)
+    gen = torch.Generator().manual_seed(3)
+    table, pool = runner.req_to_token_pool, runner.kv_pool
+    batch = random_batch(ForwardMode.TARGET_VERIFY, table, pool, [7, 1, 12], [3, 3, 3], vocab_size=VOCAB,
+                         spec_info=SpecInfo(num_tokens_per_req=3), generator=gen)  # fmt: skip
+    every = runner.forward_step(batch, every_token=True)
+    assert every.shape == (9, VOCAB)
+    torch.testing.assert_close(runner.forward_step(batch), every[[2, 5, 8]], rtol=0, atol=1e-5)
+
+
 def test_backend_factory_gets_the_runner_pools(model):
     made = []
 

@@ -115,6 +115,23 @@ def test_a_compiled_forward_replays_like_eager():
     assert counters.graphs_split == 1  # one trace served sizes 2, 1 and 4: no recompile
 
 
+def test_a_forward_compiled_whole_replays_like_eager():
+    """split_graph=False: one compiled graph with attention inside it, no
+    split, recorded whole by the runner."""
+    torch._dynamo.reset()
+    eager, graphs, _ = _runners("torch")
+    compiled = CompiledModel(graphs.model, CompileOptions(split_graph=False))
+    CudaGraphRunner(graphs, CAPTURE_BS, forward=compiled).capture(progress=False)
+    _check_fresh_batches(eager, graphs, random.Random("compiled-whole"), (2, 1, 4), 1e-4)
+    # One graph, compiled as one piece: no split, nothing shared.
+    assert (counters.graphs_split, counters.pieces_compiled) == (0, 1)
+
+
+def test_whole_graph_compilation_refuses_the_backends_own_graphs():
+    with pytest.raises(InvalidInputError, match="split_graph=False: expected cudagraphs=False"):
+        CompileOptions(split_graph=False, cudagraphs=True)
+
+
 def test_batches_above_the_largest_size_run_eagerly_and_are_counted():
     eager, graphs, runner = _runners("torch")
     runner.capture(progress=False)
@@ -148,7 +165,7 @@ def test_capture_fills_its_dummies_through_the_registry():
     """A capture's batch is all padding: fill-value lengths, row 0, the dummy slot."""
     _, graphs, runner = _runners("torch")
     runner.capture(progress=False)
-    static = runner._static[4]
+    static = runner._static[(ForwardMode.DECODE, 4)]
     assert static.seq_lens.tolist() == [1] * 4 and static.req_pool_indices.tolist() == [0] * 4
     assert static.out_cache_loc.tolist() == [0] * 4 and static.positions.tolist() == [0] * 4
     assert int(static.num_token_non_padded) == 0

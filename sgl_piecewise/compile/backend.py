@@ -18,12 +18,15 @@ graphs (counted in ``counters.eager_fallbacks``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from dataclasses import replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx
 
+from sgl_piecewise.compile import artifacts
 from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
@@ -58,10 +61,45 @@ class SglPiecewiseBackend:
         self.options = options or CompileOptions.from_compile_args(None, kwargs)
         self.modules: list = []  # every PiecewiseModule built, for inspection
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> "PiecewiseModule":
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        if not self.options.split_graph:
+            return compile_whole(gm, list(example_inputs), self.options)
         module = PiecewiseModule(gm, list(example_inputs), self.options)
         self.modules.append(module)
         return module
+
+
+def compile_whole(gm: torch.fx.GraphModule, example_inputs: list, options: CompileOptions) -> Any:
+    """The graph compiled in one piece, attention an opaque op inside it, so
+    the piece compiler's fusions cross the attention boundary (a norm, the
+    next layer's projections). For recording whole steps in a graph runner
+    (``CudaGraphRunner(runner, forward=CompiledModel(model,
+    CompileOptions(split_graph=False)))``); the backend captures no graphs of
+    its own then (``CompileOptions`` refuses ``cudagraphs`` with it)."""
+    fake_mode, fake = _fake_inputs(example_inputs)
+    with reused_artifacts(gm, fake, options, _device(example_inputs)), fake_mode:
+        return PieceCompiler(options.piece_compiler, share_identical=False)(gm, fake)
+
+
+@contextlib.contextmanager
+def reused_artifacts(gm: torch.fx.GraphModule, fake: list, options: CompileOptions, device: torch.device):
+    """With ``options.cache_dir``: load the artifacts saved for this graph
+    before compiling, save them after a compile that found none."""
+    if options.cache_dir is None:
+        yield
+        return
+    key = artifacts.artifact_key(artifacts.graph_key(gm, fake), replace(options, cache_dir=None), device)
+    loaded = artifacts.load_artifacts(options.cache_dir, key)
+    yield
+    if not loaded:
+        artifacts.save_artifacts(options.cache_dir, key)
+
+
+def _device(example_inputs: Sequence[Any]) -> torch.device:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
 
 
 def _fake_inputs(example_inputs: list):
@@ -118,11 +156,11 @@ class PiecewiseModule:
         to_out_variant(gm)
         self.token_axis: TokenAxis = find_token_axis(gm, example_inputs)
         self.split_gm, self.pieces = split_graph(gm)
-        device = self._device(example_inputs)
+        device = _device(example_inputs)
         self.state = StepState(use_cuda=device.type == "cuda", debug_checks=options.debug_checks)
         fake_mode, fake = _fake_inputs(example_inputs)
         compiler = PieceCompiler(options.piece_compiler, options.share_identical_pieces)
-        with fake_mode:
+        with reused_artifacts(gm, fake, options, device), fake_mode:
             _CompilePieces(self.split_gm, self.pieces, compiler, self.state).run(*fake)
         # Why graphs are off for this graph although they were asked for (None: they run).
         self.graphs_reason = self._graphs_unavailable_reason() if options.cudagraphs else None
@@ -143,13 +181,6 @@ class PiecewiseModule:
             self.state.capture = shared_capture(device)
 
     # ---- set-up -----------------------------------------------------------
-    @staticmethod
-    def _device(example_inputs: list) -> torch.device:
-        for x in example_inputs:
-            if isinstance(x, torch.Tensor):
-                return x.device
-        return torch.device("cpu")
-
     def _graphs_unavailable_reason(self) -> Optional[str]:
         if self.token_axis.unsupported:
             logger.warning("CUDA graphs off for this graph: %s", self.token_axis.unsupported)

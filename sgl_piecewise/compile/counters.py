@@ -25,6 +25,8 @@ class CompileCounters:
     graphs_captured: int = 0  # CUDA graphs captured: piece x size, and whole-model decode graphs
     replays: int = 0  # graph replays: pieces and whole-model decode steps
     eager_fallbacks: Counter[str] = field(default_factory=collections.Counter)
+    artifacts_loaded: int = 0  # compile artifact files a compile started from (CompileOptions.cache_dir)
+    artifacts_saved: int = 0  # compile artifact files written for later processes
     # ModelRunner steps by (path, why): path whole_model, piecewise, breakable,
     # eager or model_forward; why: the padding taken, or why no graph served.
     step_paths: Counter[Tuple[str, str]] = field(default_factory=collections.Counter)
@@ -46,6 +48,8 @@ class CompileCounters:
             "graphs_captured": self.graphs_captured,
             "replays": self.replays,
             "eager_fallbacks": dict(self.eager_fallbacks),
+            "artifacts_loaded": self.artifacts_loaded,
+            "artifacts_saved": self.artifacts_saved,
             "step_paths": {f"{path}: {why}": n for (path, why), n in self.step_paths.items()},
         }
 

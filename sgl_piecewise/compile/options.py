@@ -10,6 +10,7 @@ refuses both at once), so both spellings are accepted:
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
@@ -39,6 +40,11 @@ class CompileOptions:
     debug_checks: assert graph input addresses at every replay; poison padded
         tails with NaN so a leak into real rows shows.
     share_identical_pieces: compile structurally identical pieces once.
+    split_graph: split around attention (default). False compiles the graph
+        whole, attention an opaque op inside it, for a graph runner to
+        record (no graphs of the backend's own).
+    cache_dir: where compile artifacts are saved for, and loaded by, later
+        processes (``artifacts.py``); None: Inductor's own cache only.
     """
 
     cudagraphs: bool = False
@@ -47,12 +53,23 @@ class CompileOptions:
     piece_compiler: str = "inductor"
     debug_checks: bool = False
     share_identical_pieces: bool = True
+    split_graph: bool = True
+    cache_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
-        for name in ("cudagraphs", "debug_checks", "share_identical_pieces"):
+        for name in ("cudagraphs", "debug_checks", "share_identical_pieces", "split_graph"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidInputError(f"{name}: expected True or False, got {value!r}")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise InvalidInputError(f"cache_dir: expected a directory path, got {self.cache_dir!r}")
+        if self.cache_dir is not None:
+            object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+        if self.cudagraphs and not self.split_graph:
+            raise InvalidInputError(
+                "split_graph=False: expected cudagraphs=False, got True; the backend's graphs are per piece "
+                "around attention; record a whole compiled step with CudaGraphRunner instead"
+            )
         if self.piece_compiler not in PIECE_COMPILERS:
             raise InvalidInputError(f"piece_compiler: expected one of {PIECE_COMPILERS}, got {self.piece_compiler!r}")
         if (

@@ -62,11 +62,17 @@ def _attention_into(
     n = ctx.num_tokens
     if not ctx.args_checked or ctx.debug_checks:
         _check_against_pool(q, k, v, pool, n)
+    # Slices and the zeroing only where the rows are padded (a launch each,
+    # per layer per step, that an unpadded step does not need).
+    padded = q.shape[0] > n
     if n:
-        pool.set_kv(layer_id, batch.out_cache_loc[:n], k[:n], v[:n])
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        backend.forward(q[:n], k[:n], v[:n], out[:n], layer_id, batch, scale)
-    out[n:].zero_()
+        o = out
+        if padded:
+            q, k, v, o = q[:n], k[:n], v[:n], out[:n]
+        pool.set_kv(layer_id, ctx.out_cache_loc, k, v)
+        backend.forward(q, k, v, o, layer_id, batch, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if padded:
+        out[n:].zero_()
 
 
 def _check_against_pool(q, k, v, pool, num_tokens: int) -> None:

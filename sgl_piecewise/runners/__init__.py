@@ -4,7 +4,8 @@
   warm-up, gc frozen, cuBLAS workspaces in the pool, largest size first);
 * ``graph_slot``, ``buffer_registry``, ``input_registries``: the declared
   static inputs of every graph, filled the same way at capture and replay;
-* ``whole_model``: ``CudaGraphRunner``, one graph per batch size with
+* ``whole_model``: ``CudaGraphRunner``, one graph per mode (DECODE,
+  TARGET_VERIFY, DRAFT_EXTEND_V2, IDLE; ``graph_modes``) and batch size,
   attention inside;
 * ``piecewise``: ``PiecewiseCudaGraphRunner``, the compiled model's pieces
   captured per token count, attention eager between them;

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -48,16 +48,21 @@ class PiecewiseCudaGraphRunner:
         self.first_size_seconds = 0.0
         model_runner.token_graphs = self
 
-    def capture(self, progress: bool = True) -> float:
-        """Compile and capture every size, largest first; return the seconds it took.
+    def capture(self, progress: bool = True, sizes: Optional[Sequence[int]] = None) -> float:
+        """Compile and capture ``sizes`` (default: every capture size),
+        largest first; return the seconds it took.
 
+        A capture size left out is captured lazily, the first time a step
+        pads to it (inside that step): capture the sizes a deployment uses
+        most up front and let rare ones wait, for a shorter start.
         ``self.first_size_seconds`` keeps the share of the first (largest) size,
         which includes Dynamo's trace and the piece compiles. A model Dynamo
         cannot trace as one graph raises ``UnsupportedModeError`` naming the break.
         """
+        sizes = self._check_sizes(sizes)
         start = time.perf_counter()
         core = shared_capture(self.model_runner.device)
-        sizes = core.largest_first(self.options.capture_sizes, "capturing piecewise graphs", "size", progress)
+        sizes = core.largest_first(sizes, "capturing piecewise graphs", "size", progress)
         with contextlib.closing(sizes):  # a failure thaws gc and closes the bar at once
             for i, size in enumerate(sizes):
                 try:
@@ -71,7 +76,8 @@ class PiecewiseCudaGraphRunner:
         return time.perf_counter() - start
 
     def padded_size(self, num_tokens: int) -> Optional[int]:
-        """The captured size ``num_tokens`` replays at, or None (not captured, or above the largest)."""
+        """The size ``num_tokens`` replays at, or None (before ``capture``, or
+        above the largest); a size ``capture`` left out is captured at first use."""
         return self.options.padded_size(num_tokens) if self.captured and num_tokens >= 1 else None
 
     def replay(self, batch: ForwardBatch, padded: int) -> torch.Tensor:
@@ -86,6 +92,17 @@ class PiecewiseCudaGraphRunner:
         mark_token_axis(ids, positions)
         with forward_context(batch, mr.backend, check=False, debug_checks=mr.debug_checks):
             return self.compiled(ids, positions)
+
+    def _check_sizes(self, sizes: Optional[Sequence[int]]) -> Sequence[int]:
+        if sizes is None:
+            return self.options.capture_sizes
+        unknown = sorted(set(sizes) - set(self.options.capture_sizes))
+        if unknown or not sizes:
+            raise InvalidInputError(
+                f"sizes: expected a non-empty subset of the capture sizes {list(self.options.capture_sizes)}, "
+                f"got {list(sizes)}"
+            )
+        return sizes
 
     @torch.no_grad()
     def _dummy_forward(self, num_tokens: int) -> None:

@@ -1,34 +1,44 @@
-"""``CudaGraphRunner``: the whole model as one CUDA graph per batch size, for
-DECODE steps, with attention inside the graph.
+"""``CudaGraphRunner``: the whole model as one CUDA graph per ``(mode, batch
+size)``, with attention inside the graph, for every mode with a uniform
+number of new tokens per request: DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2 and
+IDLE (``runners/graph_modes.py`` holds what differs between them).
 
-Every static input comes from one registry (``build_decode_registry``): a
-capture fills its dummy batch through it (every request padding), a replay
-fills the real batch through it, so the two cannot drift (upstream SGLang PRs 22404 and 26742).
-Attention metadata goes through the backend's capture/replay hooks (Pattern
-A/B, docs/ARCHITECTURE.md, "Pattern A and Pattern B"): capture binds the backend's static buffers, replay
-refills them; host-side work such as FlashInfer's ``plan()`` runs in the hook,
-before the graph is launched, never inside it.
+Every static input comes from one registry per mode (``build_decode_registry``
+with ``num_tokens_per_bs`` = the mode's width, buffers shared through one
+pool): a capture fills its dummy batch through it (every request padding), a
+replay fills the real batch through it, so the two cannot drift (upstream
+SGLang PRs 22404 and 26742) — ``num_token_non_padded`` included, also as the
+local count of a simulated attention-TP rank (``attn_tp_size``,
+``attn_tp_rank``). Attention metadata goes through the backend's
+capture/replay hooks (Pattern A/B, docs/ARCHITECTURE.md, "Pattern A and
+Pattern B"), which key their static metadata per ``(mode, bs)``; host work
+such as FlashInfer's ``plan()`` runs in the hook, before the graph is
+launched, never inside it.
 
 Sizes are captured largest first into one memory pool, with Python's gc
 frozen and a progress bar. A batch is padded to the smallest captured size
-that holds it: padded requests have ``seq_len`` = the backend's fill value,
-request row 0 and the dummy KV slot. Batches above the largest size, and
-steps of other modes, run eagerly; decode batches that do are counted in
-``counters.eager_fallbacks``.
+that holds it: padded requests have ``seq_len`` = the backend's fill value
+(in TARGET_VERIFY and DRAFT_EXTEND_V2 that is their prefix), request row 0
+and, for each of their ``w`` tokens, the dummy KV slot. Batches of a served
+mode that no graph fits (above the largest size, another width, a ragged
+draft-extend step, another mask kind) run eagerly and are counted in
+``counters.eager_fallbacks``; steps of other modes run eagerly, uncounted.
+
+Graphs output hidden states only; logits are computed outside, for the rows
+the caller needs (every row in TARGET_VERIFY, the last accepted token of
+each request in DRAFT_EXTEND_V2): no sampling or top-k inside a graph
+(upstream SGLang PR 25002).
 
 On a machine without CUDA, capture is a pass-through: the hooks and the
 registry run as on a GPU, and "replay" runs the model eagerly on the static
 inputs, so CPU tests exercise everything but the graph itself.
-
-Only DECODE (one new token per request) for now; TARGET_VERIFY and
-DRAFT_EXTEND_V2 (uniform width, spec info) are the next modes.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,22 +47,32 @@ from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.options import default_capture_sizes
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
-from sgl_piecewise.runners.buffer_registry import FillContext
+from sgl_piecewise.runners.buffer_registry import CudaGraphBufferRegistry, FillContext
 from sgl_piecewise.runners.capture import GraphCapture, shared_capture
-from sgl_piecewise.runners.input_registries import build_decode_registry
+from sgl_piecewise.runners.graph_modes import (
+    ModeLayout,
+    graph_spec,
+    mode_layouts,
+    refresh_prefix_lens,
+    static_batch,
+    why_eager,
+)
+from sgl_piecewise.runners.input_registries import SharedBufferPool, build_decode_registry
 
 # SGLang's default largest decode graph (`--cuda-graph-max-bs` on most cards).
 DEFAULT_MAX_DECODE_BS = 160
 
+GraphKey = Tuple[ForwardMode, int]  # (mode, padded batch size)
+
 
 class CudaGraphRunner:
-    """Whole-model decode graphs for a ``ModelRunner``; installs itself as the
+    """Whole-model graphs for a ``ModelRunner``; installs itself as the
     runner's ``step_graphs``, so ``forward_step`` replays a graph whenever one
     fits the batch.
 
     Args:
         model_runner: the ``ModelRunner`` whose model, pools and backend the
-            graphs use. Its backend must support CUDA graphs.
+            graphs use. Its backend must support CUDA graphs and every mode.
         capture_bs: batch sizes to capture (default: SGLang's schedule up to
             ``DEFAULT_MAX_DECODE_BS``, capped by the request table's size).
         forward: what the graphs record, ``forward(input_ids, positions)``
@@ -61,9 +81,19 @@ class CudaGraphRunner:
             Inductor's fused kernels instead: fewer launches per step.
         capture: the capture core (pool, stream); default: the process-wide
             one of the runner's device, shared with every other runner.
+        modes: the modes to capture, each at every size (default: DECODE).
+        num_tokens_per_req: the uniform width of TARGET_VERIFY and
+            DRAFT_EXTEND_V2 graphs (required with either, refused without).
+            For greedy verification of ``k`` draft tokens it is ``k + 1``:
+            the last accepted token and the ``k`` drafts
+            (``sgl_piecewise.speculative``).
+        tree_mask: TARGET_VERIFY graphs read a tree mask
+            (``spec_info.custom_mask``); off by default (chain drafts,
+            causal). A graph serves one mask kind.
+        attn_tp_size, attn_tp_rank: the attention tensor-parallel split whose
+            local ``num_token_non_padded`` the graphs read (upstream SGLang
+            PR 22404); every captured size's token count must divide by it.
     """
-
-    mode = ForwardMode.DECODE
 
     def __init__(
         self,
@@ -71,6 +101,12 @@ class CudaGraphRunner:
         capture_bs: Optional[Sequence[int]] = None,
         forward: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
         capture: Optional[GraphCapture] = None,
+        *,
+        modes: Sequence[ForwardMode] = (ForwardMode.DECODE,),
+        num_tokens_per_req: Optional[int] = None,
+        tree_mask: bool = False,
+        attn_tp_size: int = 1,
+        attn_tp_rank: int = 0,
     ):
         backend = model_runner.backend
         if not backend.supports_cuda_graph:
@@ -78,124 +114,176 @@ class CudaGraphRunner:
                 f"CudaGraphRunner: expected a backend with supports_cuda_graph=True, got "
                 f"{backend.name}; use the torch, triton or flashinfer backend"
             )
+        self.layouts: Dict[ForwardMode, ModeLayout] = mode_layouts(modes, num_tokens_per_req, bool(tree_mask))
+        for mode in self.layouts:
+            backend.check_supported(mode)
         self.model_runner = model_runner
         self.forward = forward if forward is not None else model_runner.model
-        self.capture_bs = _check_sizes(capture_bs, model_runner.req_to_token_pool.max_reqs)
+        max_width = max(layout.width for layout in self.layouts.values())
+        self.capture_bs = _check_sizes(capture_bs, model_runner.req_to_token_pool.max_reqs,
+                                       self._widths(), attn_tp_size)  # fmt: skip
         self.max_bs = self.capture_bs[-1]
         self.use_cuda = model_runner.device.type == "cuda"
         self._seq_len_fill = backend.get_cuda_graph_seq_len_fill_value()  # padded requests' seq_len
-        self.registry = build_decode_registry(self.max_bs, model_runner.device, seq_len_fill_value=self._seq_len_fill)
-        backend.init_cuda_graph_state(self.max_bs, self.max_bs)
-        self._static: Dict[int, ForwardBatch] = {}  # per size: the batch the graph reads
-        self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: Dict[int, torch.Tensor] = {}  # per size: hidden [bs, H] in the pool
+        self.registries = self._build_registries(attn_tp_size, attn_tp_rank)
+        backend.init_cuda_graph_state(self.max_bs, self.max_bs * max_width)
+        self._static: Dict[GraphKey, ForwardBatch] = {}  # the batch each graph reads
+        self._graphs: Dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._outputs: Dict[GraphKey, torch.Tensor] = {}  # hidden [bs * w, H] in the pool
         self.capture_core = capture if capture is not None else shared_capture(model_runner.device)
         self.capture_seconds = 0.0
         model_runner.step_graphs = self
 
+    @property
+    def modes(self) -> Tuple[ForwardMode, ...]:
+        return tuple(self.layouts)
+
+    def _widths(self) -> Tuple[int, ...]:
+        return tuple(sorted({layout.width for layout in self.layouts.values()}))
+
+    def _build_registries(self, attn_tp_size: int, attn_tp_rank: int) -> Dict[ForwardMode, CudaGraphBufferRegistry]:
+        """One registry per mode; one pool, so modes of one width share their
+        buffers (graphs of a device run one at a time, and every fill rewrites
+        what its graph reads)."""
+        pool = SharedBufferPool()
+        device = self.model_runner.device
+        return {
+            mode: build_decode_registry(
+                self.max_bs,
+                device,
+                seq_len_fill_value=self._seq_len_fill,
+                num_tokens_per_bs=layout.width,
+                attn_tp_size=attn_tp_size,
+                attn_tp_rank=attn_tp_rank,
+                with_accept_lengths=mode.is_draft_extend_v2(),
+                pool=pool,
+            )  # fmt: skip
+            for mode, layout in self.layouts.items()
+        }
+
     # ---- capture ----------------------------------------------------------
     def capture(self, progress: bool = True) -> float:
-        """Capture every size, largest first; return the seconds it took."""
+        """Capture every mode at every size, largest first; return the seconds it took."""
         start = time.perf_counter()
         with torch.no_grad():
-            for bs in self.capture_core.largest_first(self.capture_bs, "capturing decode graphs", "bs", progress):
-                self._capture_one(bs)
+            for layout in self.layouts.values():
+                desc = f"capturing {layout.label} graphs"
+                for bs in self.capture_core.largest_first(self.capture_bs, desc, "bs", progress):
+                    self._capture_one(layout, bs)
         self.capture_seconds = time.perf_counter() - start
         return self.capture_seconds
 
-    def _capture_one(self, bs: int) -> None:
-        ctx = FillContext.uniform(0, bs)  # every request is padding
-        self.registry.fill_from(self._no_rows(), ctx)
-        static = self._static_batch(ctx)
+    def _capture_one(self, layout: ModeLayout, bs: int) -> None:
+        registry = self.registries[layout.mode]
+        ctx = FillContext.uniform(0, bs, layout.width)  # every request is padding
+        registry.fill_from(self._no_rows(registry), ctx)
+        static = static_batch(layout, registry.extract(ctx), bs)
+        spec = graph_spec(layout, None, 0, bs, self._seq_len_fill, static.device)
         self.model_runner.backend.init_forward_metadata_capture_cuda_graph(
-            bs, bs, static.req_pool_indices, static.seq_lens, None, self.mode, None
+            bs, bs * layout.width, static.req_pool_indices, static.seq_lens, None, layout.mode, spec
         )
-        self._static[bs] = static
+        key = (layout.mode, bs)
+        self._static[key] = static
         counters.graphs_captured += 1
         if not self.use_cuda:
             return
         self.capture_core.warmup(lambda: self._run(static))
-        self._graphs[bs], self._outputs[bs] = self.capture_core.record(lambda: self._run(static))
+        self._graphs[key], self._outputs[key] = self.capture_core.record(lambda: self._run(static))
 
-    def _no_rows(self) -> Dict[str, torch.Tensor]:
+    @staticmethod
+    def _no_rows(registry: CudaGraphBufferRegistry) -> Dict[str, torch.Tensor]:
         """Sources of a fill with no real request: zero rows of every slot."""
-        return {slot.name: slot.buffer[:0] for slot in self.registry if slot.copy_from_fb}
-
-    def _static_batch(self, ctx: FillContext) -> ForwardBatch:
-        """The batch a graph of ``ctx.padded_bs`` requests reads: registry views."""
-        v = self.registry.extract(ctx)
-        bs = ctx.padded_bs
-        return ForwardBatch(
-            forward_mode=self.mode,
-            batch_size=bs,
-            input_ids=v["input_ids"],
-            positions=v["positions"],
-            seq_lens=v["seq_lens"],
-            seq_lens_cpu=v["seq_lens_cpu"],
-            extend_seq_lens=v["extend_seq_lens"],
-            # Read by no decode kernel; kept true (seq_len - 1) by _run.
-            extend_prefix_lens=torch.empty_like(v["seq_lens"]),
-            req_pool_indices=v["req_pool_indices"],
-            out_cache_loc=v["out_cache_loc"],
-            extend_seq_lens_cpu=[1] * bs,
-            extend_prefix_lens_cpu=[],  # host values change per step: not kept here
-            num_token_non_padded=v["num_token_non_padded"],
-        )
+        return {slot.name: slot.buffer[:0] for slot in registry if slot.copy_from_fb}
 
     def _run(self, static: ForwardBatch) -> torch.Tensor:
         """One forward over the static batch: what the graph records."""
-        torch.sub(static.seq_lens, static.extend_seq_lens, out=static.extend_prefix_lens)
+        refresh_prefix_lens(static)
         with forward_context(static, self.model_runner.backend, check=False):  # padded static batch
             return self.forward(static.input_ids, static.positions)
 
     # ---- replay -----------------------------------------------------------
     def padded_bs(self, batch: ForwardBatch) -> Optional[int]:
-        """The captured size ``batch`` replays at, or None (eager)."""
-        if batch.forward_mode != self.mode or not self._static:
+        """The captured size ``batch`` replays at, or None (eager). An IDLE
+        step has no requests and replays the smallest size; a caller that
+        must run a given size (DP attention) calls :meth:`replay` with it."""
+        if batch.forward_mode not in self.layouts or not self._static:
             return None
         i = bisect.bisect_left(self.capture_bs, batch.batch_size)
         return self.capture_bs[i] if i < len(self.capture_bs) else None
 
+    def captured_graph(self, mode: ForwardMode, bs: int) -> Optional[torch.cuda.CUDAGraph]:
+        """The graph captured for ``bs`` requests of ``mode`` (None on a CPU or
+        before capture), for profiling."""
+        return self._graphs.get((mode, bs))
+
     def try_replay(self, batch: ForwardBatch) -> Optional[torch.Tensor]:
-        """Hidden states ``[num_tokens, H]`` of ``batch`` from a graph, or None
-        when no captured graph serves it (the caller runs eagerly; decode
-        batches above the largest size are counted)."""
-        padded = self.padded_bs(batch)
-        if padded is None:
-            if batch.forward_mode == self.mode and self._static:
-                counters.fallback(
-                    f"decode graphs: batch of {batch.batch_size} above the largest captured {self.max_bs}"
-                )
+        """Hidden states ``[num_tokens, H]`` of every real token of ``batch``
+        from a graph, or None when no captured graph serves it (the caller
+        runs eagerly; batches of a served mode are counted)."""
+        layout = self.layouts.get(batch.forward_mode)
+        if layout is None or not self._static:
             return None
-        if batch.batch_size == 0:
+        if batch.batch_size == 0 and not batch.forward_mode.is_idle():
             return None  # nothing to run: the eager path handles an empty step
+        reason = why_eager(layout, batch)
+        padded = self.padded_bs(batch)
+        if reason is None and padded is None:
+            reason = f"{layout.label} graphs: batch of {batch.batch_size} above the largest captured {self.max_bs}"
+        if reason is not None:
+            counters.fallback(reason)
+            return None
         return self.replay(batch, padded)
 
     def replay(self, batch: ForwardBatch, padded_bs: int) -> torch.Tensor:
-        ctx = FillContext.uniform(batch.batch_size, padded_bs)
-        self.registry.fill_from(batch, ctx)
-        static = self._static[padded_bs]
-        seq_lens_sum = batch.seq_lens_sum + self._seq_len_fill * (padded_bs - batch.batch_size)
+        """Run ``batch`` through the graph of its mode at ``padded_bs``
+        (checked by :meth:`try_replay`); hidden states of its real tokens."""
+        mode, bs = batch.forward_mode, batch.batch_size
+        layout = self.layouts[mode]
+        key = (mode, padded_bs)
+        if key not in self._static or bs > padded_bs:
+            raise InvalidInputError(
+                f"replay: expected a captured {layout.label} size >= {bs} "
+                f"({self.capture_bs if self._static else 'none captured'}), got {padded_bs}"
+            )
+        self.registries[mode].fill_from(batch, FillContext.uniform(bs, padded_bs, layout.width))
+        static = self._static[key]
+        spec = graph_spec(layout, batch, bs, padded_bs, self._seq_len_fill, static.device)
+        seq_lens_sum = batch.seq_lens_sum + self._seq_len_fill * (padded_bs - bs)
         self.model_runner.backend.init_forward_metadata_replay_cuda_graph(
-            padded_bs, static.req_pool_indices, static.seq_lens, seq_lens_sum, None, self.mode,
-            None, static.seq_lens_cpu,
+            padded_bs, static.req_pool_indices, static.seq_lens, seq_lens_sum, None, mode, spec,
+            static.seq_lens_cpu,
         )  # fmt: skip
         counters.replays += 1
         if not self.use_cuda:
             return self._run(static)[: batch.num_tokens]
-        self._graphs[padded_bs].replay()
+        self._graphs[key].replay()
         # A copy: the next replay (of any size: one pool) rewrites the graph's output.
-        return self._outputs[padded_bs][: batch.num_tokens].clone()
+        return self._outputs[key][: batch.num_tokens].clone()
 
 
-def _check_sizes(capture_bs: Optional[Sequence[int]], max_reqs: int) -> list:
+def _check_sizes(capture_bs: Optional[Sequence[int]], max_reqs: int, widths: Sequence[int], attn_tp_size: int) -> list:
+    """Sorted sizes, each within the request table and, under attention TP,
+    with a token count ``bs * w`` every rank holds an even share of."""
+    check_positive_int("attn_tp_size", attn_tp_size)
+
+    def splits(bs: int) -> bool:
+        return all(bs * w % attn_tp_size == 0 for w in widths)
+
     if capture_bs is None:
-        sizes = [s for s in default_capture_sizes(DEFAULT_MAX_DECODE_BS) if s <= max_reqs]
-        return sizes or [max_reqs]
+        sizes = [s for s in default_capture_sizes(DEFAULT_MAX_DECODE_BS) if s <= max_reqs and splits(s)]
+        if sizes:
+            return sizes
+        capture_bs = [max_reqs]
     sizes = sorted({check_positive_int("capture_bs", s) for s in capture_bs})
     if not sizes or sizes[-1] > max_reqs:
         raise InvalidInputError(
             f"capture_bs: expected sizes in [1, {max_reqs}] (the request table holds {max_reqs} "
             f"requests), got {list(capture_bs)}"
+        )
+    uneven = [s for s in sizes if not splits(s)]
+    if uneven:
+        raise InvalidInputError(
+            f"capture_bs: expected sizes whose token counts (bs x {list(widths)} tokens per request) "
+            f"divide by attn_tp_size={attn_tp_size}, got {uneven}"
         )
     return sizes

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from sgl_piecewise.backends.triton_kernels.decode import (
+from sgl_piecewise.backends.triton_kernels.tiles import (
     check_attention_args,
     check_last_dim_contiguous,
     load_rows,
@@ -68,7 +68,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _mm_acc(a, b, acc, F32X3: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + a @ b``; see :func:`decode.mm`."""
+    """``acc + a @ b``; see :func:`tiles.mm`."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     elif F32X3:
@@ -191,7 +191,7 @@ def _extend_kernel(
 
 
 # Under TRITON_INTERPRET=1, triton.jit yields an interpreter object instead of
-# a JITFunction; its bf16 dot needs the UPCAST workaround (see decode.mm).
+# a JITFunction; its bf16 dot needs the UPCAST workaround (see tiles.mm).
 _INTERPRETED = not isinstance(_extend_kernel, JITFunction)
 
 

@@ -1,0 +1,170 @@
+"""What the benchmark scripts share: model shapes, timers, the card's
+ceilings, the step floor, and batches laid out in a runner's pools.
+
+Timing: on CUDA, CUDA events around each call (median); on the CPU (smoke
+runs of the scripts' logic), wall time. Nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict
+
+import torch
+
+import sgl_piecewise as sp
+from sgl_piecewise.testing import place_requests, release_batch
+
+# Hugging Face config.json dicts of the shapes the benchmarks run.
+SHAPES: Dict[str, dict] = {
+    # Qwen2.5-0.5B: tied embeddings, QKV bias.
+    "0.5b": dict(
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),  # fmt: skip
+    # Llama-3.2-1B.
+    "1b": dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),  # fmt: skip
+    # A few-layer model for smoke runs of the scripts on the CPU.
+    "tiny": dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+    ),  # fmt: skip
+}
+QWEN_05B = SHAPES["0.5b"]
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
+    """Median time of ``fn`` in ms: CUDA events on a GPU, wall time otherwise."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    cuda = torch.cuda.is_available()
+    for _ in range(iters):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+cuda_median_ms = median_ms
+
+
+def copy_rate() -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = median_ms(lambda: y.copy_(x), 3, 20)
+    return 2 * x.numel() / (ms / 1e3)
+
+
+def matmul_rate() -> float:
+    """bf16 FLOP/s of an 8192 x 8192 x 8192 matmul on random data."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    ms = median_ms(lambda: a @ b, 3, 10)
+    return 2 * 8192**3 / (ms / 1e3)
+
+
+def weight_bytes(model) -> tuple[int, int]:
+    """(bytes read per step: weights minus the embedding table, plus the LM
+    head even when tied; non-embedding parameter count)."""
+    emb = model.model.embed_tokens.weight if hasattr(model, "model") else None
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb_bytes = emb.numel() * emb.element_size() if emb is not None else 0
+    tied = model.config.tie_word_embeddings
+    read = total - emb_bytes + (emb_bytes if tied else 0)
+    return read, (total - emb_bytes) // 2
+
+
+def kv_bytes_per_token(config) -> int:
+    """K and V of one token over every layer, bf16."""
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2
+
+
+def decode_floor_ms(read_bytes: int, kv_per_token: int, bs: int, context: int, rate: float) -> float:
+    """Weights read once plus every request's K/V, at the copy rate."""
+    return 1e3 * (read_bytes + bs * context * kv_per_token) / rate
+
+
+def extend_floor_ms(read_bytes: int, nonemb_params: int, tokens: int, rate: float, flops: float) -> float:
+    """The larger of the weight read and the matmul work."""
+    return 1e3 * max(read_bytes / rate, 2 * nonemb_params * tokens / flops)
+
+
+def make_batch(runner, mode, prefix, extend):
+    """A batch of random token ids whose requests are laid out in the runner's pools."""
+    rows, loc = place_requests(runner.req_to_token_pool, runner.kv_pool, prefix, extend, fill_prefix=False)
+    ids = torch.randint(0, runner.config.vocab_size, (sum(extend),), device=runner.device)
+    return sp.ForwardBatch.build(mode, ids, rows, prefix, extend, loc)
+
+
+def free_batch(runner, batch) -> None:
+    release_batch(runner.req_to_token_pool, runner.kv_pool, batch)
+
+
+def step_fn(runner, fn, batch, keep_metadata=False):
+    """One whole step through ``fn``. ``keep_metadata``: hold every step's
+    attention metadata until the end. reduce-overhead records attention with
+    the metadata tensors of its recording call inside its graph and replays
+    those addresses; freed, their memory could be reused and the replayed
+    kernels would read other tensors as page tables. Kept alive, they hold
+    the same batch's values, so the timing stays honest."""
+    kept = []
+
+    def run():
+        runner.backend.init_forward_metadata(batch)
+        if keep_metadata:
+            kept.append(runner.backend.forward_metadata)
+        with sp.forward_context(batch, runner.backend):
+            h = fn(batch.input_ids, batch.positions)
+        return runner.last_token_logits(h, batch)
+
+    return run
+
+
+def graph_step_fn(runner, decode_graphs, batch):
+    """A step through the whole-model graphs (metadata replay included)."""
+
+    def run():
+        return runner.last_token_logits(decode_graphs.try_replay(batch), batch)
+
+    return run

@@ -1,0 +1,265 @@
+"""The benchmark suite (a script, not a test): every path of the library on
+one card, side by side in one process per model shape.
+
+    python benchmarks/suite.py run --shape 0.5b --out results/
+    python benchmarks/suite.py run --shape 0.5b --startup-only --out results/  # warm start: a 2nd process
+    python benchmarks/suite.py run --shape 1b --out results/
+    python benchmarks/suite.py report results/ --out docs/   # markdown table and PNG plot (matplotlib)
+    python benchmarks/suite.py run --shape tiny --device cpu --out /tmp/smoke  # the logic, on a CPU
+
+One ``run`` builds the shape with random bf16 weights and the ``triton``
+backend (``--backend``) and measures, in this order:
+
+* start-up: compile and capture of the piecewise graphs of the default 52
+  token counts (cold when the Inductor cache is empty; ``--startup-only`` in
+  a second process measures the warm start) and the memory the capture adds;
+* whole-model decode graphs of SGLang's batch sizes up to the largest
+  decode batch, recording the model compiled whole (attention inside one
+  Inductor graph) and, for comparison, compiled in pieces; capture time and
+  memory of each;
+* decode at ``--decode-bs`` with ``--context`` tokens per request and
+  extend of ``--extend`` tokens (one request, no prefix), each path a whole
+  step (metadata, model, LM head on each request's last token), median of
+  CUDA-event timings: ``eager``, ``hf_eager`` (``transformers``, same shape),
+  ``reduce_overhead`` (``torch.compile(mode="reduce-overhead")`` of our
+  model: it replays the captured batch's attention metadata, a timing
+  reference only), ``piecewise``, ``whole_model``, ``whole_model_pieces``, and
+  the ``floor`` (docs/BENCHMARKS.md defines it);
+* where the time goes: CUDA kernels per layer in one whole-model replay
+  (torch.profiler) and the host time of the attention between pieces, per
+  layer (``hop_us_per_layer``).
+
+Writes ``suite_<shape>.json`` (``startup_<shape>.json`` with
+``--startup-only``). A failing path is recorded with its error and the rest
+still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Callable, Dict
+
+import torch
+import torch._dynamo
+from common import (  # noqa: E402 (benchmarks/ is the script's folder)
+    SHAPES,
+    copy_rate,
+    decode_floor_ms,
+    extend_floor_ms,
+    free_batch,
+    graph_step_fn,
+    kv_bytes_per_token,
+    make_batch,
+    matmul_rate,
+    median_ms,
+    step_fn,
+    weight_bytes,
+)
+from suite_profile import hop_host_us_per_layer, kernels_per_replay  # noqa: E402
+
+import sgl_piecewise as sp
+from sgl_piecewise.compile import CompiledModel, CompileOptions, counters
+from sgl_piecewise.models import ModelConfig, build_random_model
+from sgl_piecewise.runner import ModelRunner
+from sgl_piecewise.runners import CudaGraphRunner, PiecewiseCudaGraphRunner
+from sgl_piecewise.runners.whole_model import default_capture_sizes
+
+
+def build(args):
+    config = ModelConfig.from_hf_dict(SHAPES[args.shape])
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_random_model(config, dtype, args.device, seed=0)
+    max_reqs = max(args.decode_bs) + 2
+    # Room for the longest step, and for the piecewise capture's dummy step
+    # of the largest default size (512 tokens).
+    context = max(args.context, max(args.extend), 512) + 8
+    runner = ModelRunner(model, max_reqs=max_reqs, max_context_len=context,
+                         num_slots=max_reqs * context + max(args.extend), backend=args.backend)  # fmt: skip
+    for layer in range(config.num_hidden_layers):  # stand-in cache contents: random, not zeros
+        runner.kv_pool.k_buffers[layer].normal_()
+        runner.kv_pool.v_buffers[layer].normal_()
+    return model, runner
+
+
+def memory_reserved() -> int:
+    return torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+
+
+def timed_capture(capture: Callable[[], float]) -> dict:
+    """Run a capture (returns its seconds); the memory it reserved."""
+    before = memory_reserved()
+    seconds = capture()
+    return {"seconds": seconds, "reserved_delta_gib": (memory_reserved() - before) / 2**30}
+
+
+def start_up(runner) -> tuple:
+    piecewise = PiecewiseCudaGraphRunner(runner, CompileOptions(cudagraphs=True))
+    result = timed_capture(lambda: piecewise.capture(progress=False))
+    result.update(first_size_seconds=piecewise.first_size_seconds, sizes=len(piecewise.options.capture_sizes))
+    return piecewise, result
+
+
+def whole_model_runners(runner, max_bs: int) -> tuple:
+    """Whole-model graphs recording the model compiled whole, and in pieces."""
+    sizes = default_capture_sizes(max_bs)
+    runners, info = {}, {}
+    for name, split in (("whole_model", False), ("whole_model_pieces", True)):
+        graphs = CudaGraphRunner(runner, sizes, forward=CompiledModel(runner.model, CompileOptions(split_graph=split)))
+        info[name] = {"sizes": len(sizes), **timed_capture(lambda g=graphs: g.capture(progress=False))}
+        runners[name] = graphs
+    runner.step_graphs = None  # every path is timed explicitly
+    return runners, info
+
+
+def hf_model(args):
+    import transformers
+
+    cfg = {k: v for k, v in SHAPES[args.shape].items() if k != "architectures"}
+    arch = SHAPES[args.shape]["architectures"][0]
+    config_cls = transformers.Qwen2Config if arch.startswith("Qwen2") else transformers.LlamaConfig
+    with torch.device(args.device):
+        return getattr(transformers, arch)(config_cls(**cfg)).to(torch.bfloat16).eval()
+
+
+def hf_decode_ms(hf, args, bs: int) -> float:
+    """One decode step of ``transformers`` over a DynamicCache of ``context`` tokens."""
+    vocab = hf.config.vocab_size
+    ids = torch.randint(0, vocab, (bs, args.context - 1), device=args.device)
+    with torch.no_grad():
+        cache = hf(input_ids=ids, use_cache=True).past_key_values
+        nxt = torch.randint(0, vocab, (bs, 1), device=args.device)
+
+        def step():
+            hf(input_ids=nxt, past_key_values=cache, use_cache=True)
+            cache.crop(-1)  # drop the token just added (negative: the same in transformers 4 and 5)
+
+        return median_ms(step, 3, 20)
+
+
+def time_paths(paths: Dict[str, Callable[[], Callable]]) -> dict:
+    """Median ms of each path (a factory of its step), and its max |logit
+    difference| to the first path; a failing path records its error."""
+    result, ref = {}, None
+    for name, make in paths.items():
+        try:
+            run = make()
+            with torch.no_grad():
+                logits = run()
+                result[name] = median_ms(run)
+            result[name + "_maxdiff"] = 0.0 if ref is None else float((logits - ref).abs().max())
+            ref = logits if ref is None else ref
+        except Exception as e:  # one path failing must not hide the rest
+            result[name] = None
+            result[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"[{name}] failed: {result[name + '_error']}", file=sys.stderr)
+    return result
+
+
+def step_paths(runner, batch, piecewise, whole: dict, with_reduce_overhead: bool) -> Dict[str, Callable]:
+    """Factories of one whole step of ``batch`` through each path."""
+    model = runner.model
+    paths = {"eager": lambda: step_fn(runner, model, batch), "piecewise": lambda: step_fn(runner, piecewise, batch)}
+    for name, graphs in whole.items():
+        paths[name] = lambda g=graphs: graph_step_fn(runner, g, batch)
+    if with_reduce_overhead:  # last: its graph reads another step's tensors
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        paths["reduce_overhead"] = lambda: step_fn(runner, compiled, batch, keep_metadata=True)
+    return paths
+
+
+def decode_rows(args, model, runner, piecewise, whole, ceilings, hf) -> dict:
+    rows = {}
+    read_bytes, _ = weight_bytes(model)
+    for bs in args.decode_bs:
+        batch = make_batch(runner, sp.ForwardMode.DECODE, [args.context - 1] * bs, [1] * bs)
+        row = time_paths(step_paths(runner, batch, piecewise, whole, not args.skip_reduce_overhead))
+        if hf is not None:
+            row["hf_eager"] = hf_decode_ms(hf, args, bs)
+        if ceilings:
+            row["floor"] = decode_floor_ms(read_bytes, kv_bytes_per_token(model.config), bs, args.context,
+                                           ceilings["copy_rate_Bps"])  # fmt: skip
+        row["hop_us_per_layer"] = hop_host_us_per_layer(piecewise, runner, batch)
+        if args.device == "cuda":
+            for name, graphs in whole.items():  # the graph's own kernels, per layer
+                graph = graphs.captured_graph(batch.forward_mode, graphs.padded_bs(batch))
+                row[f"{name}_kernels_per_layer"] = kernels_per_replay(graph.replay) / model.config.num_hidden_layers
+        rows[bs] = row
+        print("decode", bs, json.dumps(row), flush=True)
+        free_batch(runner, batch)
+    return rows
+
+
+def extend_rows(args, model, runner, piecewise, ceilings) -> dict:
+    rows = {}
+    read_bytes, nonemb = weight_bytes(model)
+    for n in args.extend:
+        batch = make_batch(runner, sp.ForwardMode.EXTEND, [0], [n])
+        with_reduce_overhead = not args.skip_reduce_overhead and n in args.reduce_overhead_extend
+        row = time_paths(step_paths(runner, batch, piecewise, {}, with_reduce_overhead))
+        if ceilings:
+            row["floor"] = extend_floor_ms(read_bytes, nonemb, n, ceilings["copy_rate_Bps"], ceilings["matmul_flops"])
+        rows[n] = row
+        print("extend", n, json.dumps(row), flush=True)
+        free_batch(runner, batch)
+    return rows
+
+
+def run(args) -> None:
+    # One code object is compiled once per variant (pieces, whole, reduce-overhead
+    # per shape): more than Dynamo's default limit of 8.
+    torch._dynamo.config.cache_size_limit = 64
+    os.makedirs(args.out, exist_ok=True)
+    info = {"shape": args.shape, "config": SHAPES[args.shape], "backend": args.backend, "argv": sys.argv,
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "card": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}  # fmt: skip
+    model, runner = build(args)
+    piecewise, info["startup"] = start_up(runner)
+    print("startup", json.dumps(info["startup"]), flush=True)
+    if args.startup_only:
+        json.dump(info, open(os.path.join(args.out, f"startup_{args.shape}.json"), "w"), indent=1)
+        return
+    whole, info["whole_model_capture"] = whole_model_runners(runner, max(args.decode_bs))
+    ceilings = {}
+    if args.device == "cuda":
+        ceilings = {"copy_rate_Bps": copy_rate(), "matmul_flops": matmul_rate()}
+    info.update(ceilings)
+    hf = None if args.skip_hf else hf_model(args)
+    info["decode"] = decode_rows(args, model, runner, piecewise.compiled, whole, ceilings, hf)
+    info["extend"] = extend_rows(args, model, runner, piecewise.compiled, ceilings)
+    info["counters"] = counters.as_dict()
+    json.dump(info, open(os.path.join(args.out, f"suite_{args.shape}.json"), "w"), indent=1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="measure one shape")
+    r.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    r.add_argument("--out", required=True)
+    r.add_argument("--device", default="cuda")
+    r.add_argument("--backend", default="triton")
+    r.add_argument("--context", type=int, default=1024)
+    r.add_argument("--decode-bs", type=int, nargs="+", default=[1, 8, 32, 128])
+    r.add_argument("--extend", type=int, nargs="+", default=[16, 128, 512])
+    r.add_argument("--reduce-overhead-extend", type=int, nargs="*", default=[16, 128, 512])
+    r.add_argument("--startup-only", action="store_true", help="only the piecewise start-up (run as a 2nd process)")
+    r.add_argument("--skip-hf", action="store_true")
+    r.add_argument("--skip-reduce-overhead", action="store_true")
+    rep = sub.add_parser("report", help="markdown table and PNG plot of the runs in a folder")
+    rep.add_argument("results")
+    rep.add_argument("--out", required=True)
+    args = p.parse_args()
+    if args.command == "report":
+        from suite_report import report
+
+        report(args.results, args.out)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

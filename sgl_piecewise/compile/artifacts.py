@@ -1,0 +1,94 @@
+"""Compile artifacts a later process can reuse, in a cache directory the user sets.
+
+``CompileOptions(cache_dir=...)``: before the backend compiles a Dynamo graph's
+pieces it loads the artifacts saved for that graph (Inductor's compiled
+graphs and the rest of ``torch.compiler.save_cache_artifacts``), so the piece
+compiles hit the cache even in a fresh Inductor cache; after compiling it
+saves them. A file is keyed by everything a compiled artifact depends on —
+the graph (its ops and wiring, and the shapes and dtypes of its inputs:
+the model's configuration and dtype), the backend options, this library's,
+torch's and Triton's versions, and the device (name and compute capability)
+— so a changed model, dtype, torch or GPU never loads a stale file: it finds
+none under its key and compiles afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from sgl_piecewise.compile.counters import counters
+
+logger = logging.getLogger("sgl_piecewise.compile")
+
+
+def artifact_key(structural_key: str, options: Any, device: torch.device) -> str:
+    """The file name of a graph's artifacts (hex digest)."""
+    import sgl_piecewise
+
+    parts = [structural_key, repr(options), sgl_piecewise.__version__, torch.__version__, _triton_version(),
+             _device_id(device)]  # fmt: skip
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "no triton"
+    return triton.__version__
+
+
+def _device_id(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    props = torch.cuda.get_device_properties(device)
+    return f"{props.name} sm_{props.major}{props.minor}"
+
+
+def artifact_path(cache_dir: str, key: str) -> str:
+    return os.path.join(cache_dir, f"{key}.bin")
+
+
+def load_artifacts(cache_dir: str, key: str) -> bool:
+    """Load the artifacts saved under ``key``; False when there are none."""
+    path = artifact_path(cache_dir, key)
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        torch.compiler.load_cache_artifacts(data)
+    except Exception as exc:  # a damaged file costs a compile, never a failure
+        logger.warning("compile artifacts %s: expected a readable file, got %s; compiling afresh", path, exc)
+        return False
+    counters.artifacts_loaded += 1
+    return True
+
+
+def save_artifacts(cache_dir: str, key: str) -> bool:
+    """Save this process's compile artifacts under ``key`` (atomically: a
+    concurrent reader sees the old file or the new one, never half of one)."""
+    saved = torch.compiler.save_cache_artifacts()
+    if not saved:
+        return False
+    os.makedirs(cache_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(saved[0])
+    os.replace(tmp, artifact_path(cache_dir, key))
+    counters.artifacts_saved += 1
+    return True
+
+
+def graph_key(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any]) -> str:
+    """The structural key of a whole Dynamo graph (see ``piece_compiler``)."""
+    from sgl_piecewise.compile.piece_compiler import structural_key
+
+    return structural_key(gm, fake_inputs)
