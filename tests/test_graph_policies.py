@@ -86,12 +86,12 @@ def test_each_policy_counts_every_step_of_a_generate_by_its_path():
         assert [s.path for s in runner.step_stats] == [p for (p, _), n in expected[graphs].items() for _ in range(n)]
 
 
-def _step(runner, mode, prefix, extend, seed):
+def _step(runner, mode, prefix, extend, seed, spec=None, every_token=False):
     gen = torch.Generator().manual_seed(seed)
     batch = random_batch(mode, runner.req_to_token_pool, runner.kv_pool, prefix, extend, vocab_size=VOCAB,
-                         generator=gen)  # fmt: skip
+                         spec_info=spec, generator=gen)  # fmt: skip
     try:
-        return runner.forward_step(batch)
+        return runner.forward_step(batch, every_token=every_token)
     finally:
         release_batch(runner.req_to_token_pool, runner.kv_pool, batch)
 
@@ -126,6 +126,29 @@ def test_auto_routes_every_step_to_the_fastest_path_that_serves_it_and_equals_ea
     }
     # The whole-model runner counts its own decline of the bs-6 batch.
     assert counters.eager_fallbacks == {"decode graphs: batch of 6 above the largest captured 4": 1}
+
+
+def test_the_dispatcher_serves_every_mode_a_whole_model_runner_was_built_for():
+    """It asks the runner (padded_bs, modes) instead of naming modes itself:
+    TARGET_VERIFY graphs built by hand serve verify steps, and a verify batch
+    above their largest size goes to the token graphs."""
+    model = _model()
+    eager, runner = _runner(model), _captured(model, "breakable")
+    TV = sp.ForwardMode.TARGET_VERIFY
+    CudaGraphRunner(runner, (1, 2, 4), modes=[D, TV], num_tokens_per_req=3).capture(progress=False)
+    counters.reset()
+    for i, (mode, prefix) in enumerate([(TV, [5, 9]), (TV, [1, 2, 3, 4, 5, 6]), (E, [4])]):
+        extend = [3] * len(prefix)  # 3 draft tokens per verified request
+        spec = sp.SpecInfo(num_tokens_per_req=3) if mode == TV else None
+        want, got = (_step(r, mode, prefix, extend, seed=i, spec=spec, every_token=True) for r in (eager, runner))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    counters.step_paths.pop(("eager", "graphs='none'"))  # the eager twin's 3 steps
+    # bs 2 has a verify graph; bs 6 > 4 runs 18 tokens through breakable graphs of 32.
+    assert counters.step_paths == {
+        ("whole_model", "TARGET_VERIFY bs 2 -> 2"): 1,
+        ("breakable", "TARGET_VERIFY 18 -> 32 tokens; TARGET_VERIFY bs above the largest whole-model graph 4"): 1,
+        ("breakable", "EXTEND 3 -> 4 tokens"): 1,
+    }
 
 
 @pytest.mark.parametrize("graphs", ["piecewise", "breakable"])
