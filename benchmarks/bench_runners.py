@@ -25,17 +25,13 @@ import sys
 import time
 
 import torch
+from common import QWEN_05B  # noqa: E402 (benchmarks/ is the script's folder)
 
 import sgl_piecewise as sp
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.testing import place_requests, release_batch
 
-QWEN_05B = dict(
-    architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-    num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
-    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
-)  # fmt: skip
 TINY = dict(
     architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, vocab_size=101, max_position_embeddings=128,

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bench_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the scripts import their shared helpers from there
     spec = importlib.util.spec_from_file_location("bench_runners", ROOT / "benchmarks" / "bench_runners.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

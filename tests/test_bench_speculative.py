@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_speculative.py"
 
 
 def _load():
+    sys.path.insert(0, str(SCRIPT.parent))  # the scripts import their shared helpers from there
     spec = importlib.util.spec_from_file_location("bench_speculative", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

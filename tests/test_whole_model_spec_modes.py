@@ -14,6 +14,7 @@ from functools import partial
 import pytest
 import torch
 from test_backends_differential import VERIFY_WIDTH, pad_for_graph, tree_mask_block
+from test_whole_model_runner import CONFIG, VOCAB  # noqa: E402 (the same small model)
 
 from sgl_piecewise import ForwardMode, SpecInfo
 from sgl_piecewise.backends import create_backend, lengths
@@ -26,18 +27,6 @@ from sgl_piecewise.runners.input_registries import compute_local_num_token_non_p
 from sgl_piecewise.runners.whole_model import CudaGraphRunner
 from sgl_piecewise.testing import random_batch, release_batch
 
-VOCAB = 101
-CONFIG = ModelConfig(
-    architecture="LlamaForCausalLM",
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=VOCAB,
-    max_position_embeddings=128,
-)
 W = VERIFY_WIDTH  # tokens per request of both speculative modes (3)
 SPEC_MODES = [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2]
 CPU_BACKENDS = ["torch", "triton"]
