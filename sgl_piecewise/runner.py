@@ -213,7 +213,7 @@ class ModelRunner:
         hidden, path, why = graph_step(self, batch)
         if hidden is None:
             path = "eager" if self.model_forward is self.model else "model_forward"
-            hidden = self._eager_forward(batch)
+            hidden = self.run_model(self.model_forward, batch)
         counters.step_paths[(path, why)] += 1
         logits = (
             self.model.compute_logits(hidden[: batch.num_tokens])
@@ -227,14 +227,22 @@ class ModelRunner:
         self.step_stats.append(StepStat(mode, batch.batch_size, batch.num_tokens, seconds, path))
         return logits
 
-    def _eager_forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def run_model(
+        self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: ForwardBatch
+    ) -> torch.Tensor:
+        """``forward(input_ids, positions)`` on ``batch``'s real tokens with
+        eager attention metadata: hidden states ``[num_tokens, H]``. The eager
+        path and the piecewise graphs (which pad the tokens themselves) both
+        run the model this way."""
         self.backend.init_forward_metadata(batch)
-        # A compiled model_forward then traces one graph for every token
-        # count (1 included) from its first call: no recompile, and the
-        # first call's graph already has a token axis to pad for graphs.
-        mark_token_axis(batch.input_ids, batch.positions)
+        n = batch.num_tokens
+        ids, positions = batch.input_ids[:n], batch.positions[:n]
+        # A compiled forward then traces one graph for every token count (1
+        # included) from its first call: no recompile, and the first call's
+        # graph already has a token axis to pad for graphs.
+        mark_token_axis(ids, positions)
         with forward_context(batch, self.backend, check=False, debug_checks=self.debug_checks):
-            return self.model_forward(batch.input_ids, batch.positions)  # [T, H]
+            return forward(ids, positions)
 
     def last_token_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``[bs, vocab]`` logits of each request's last new token from ``hidden [T, H]``.

@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from sgl_piecewise.compile.compiled_model import CompiledModel, mark_token_axis
+from sgl_piecewise.compile.compiled_model import CompiledModel
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
@@ -83,15 +83,7 @@ class PiecewiseCudaGraphRunner:
     def replay(self, batch: ForwardBatch, padded: int) -> torch.Tensor:
         """Hidden states of ``batch`` through the compiled model, which pads
         to ``padded`` tokens itself and replays its pieces' graphs."""
-        mr = self.model_runner
-        n = batch.num_tokens
-        ids, positions = batch.input_ids[:n], batch.positions[:n]
-        mr.backend.init_forward_metadata(batch)
-        # Dynamo compiled a token axis that is dynamic; marking it on every
-        # call keeps a call of a new size (1 included) from recompiling.
-        mark_token_axis(ids, positions)
-        with forward_context(batch, mr.backend, check=False, debug_checks=mr.debug_checks):
-            return self.compiled(ids, positions)
+        return self.model_runner.run_model(self.compiled, batch)
 
     def _check_sizes(self, sizes: Optional[Sequence[int]]) -> Sequence[int]:
         if sizes is None:
