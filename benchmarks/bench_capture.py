@@ -10,7 +10,8 @@ shared capture core (one pool, one capture stream):
 
 For each: wall time, the number of sizes, and the growth of the memory the
 caching allocator reserved (``torch.cuda.memory_reserved``) and of the
-memory allocated, across the capture (warm-ups included).
+memory allocated, across the capture (warm-ups included), and the growth of
+the graph pool's own segments (from ``torch.cuda.memory._snapshot``).
 
     python benchmarks/bench_capture.py --out results/
 """
@@ -30,19 +31,29 @@ from sgl_piecewise.compile import CompiledModel, CompileOptions
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners import CudaGraphRunner, PiecewiseCudaGraphRunner
+from sgl_piecewise.runners.capture import shared_capture
 from sgl_piecewise.runners.whole_model import default_capture_sizes
 
 
+def pool_reserved() -> int:
+    """Bytes of the segments in the shared capture core's graph pool."""
+    pool = tuple(shared_capture("cuda").pool)
+    segments = torch.cuda.memory._snapshot()["segments"]
+    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool)
+
+
 def measured(capture) -> dict:
-    """Run ``capture()`` (returns its seconds); memory growth around it."""
+    """Run ``capture()`` (returns its seconds); memory growth around it, and
+    how much of the reserved growth is the graph pool's."""
     torch.cuda.synchronize()
-    reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    reserved, allocated, pool = torch.cuda.memory_reserved(), torch.cuda.memory_allocated(), pool_reserved()
     seconds = capture()
     torch.cuda.synchronize()
     return {
         "seconds": seconds,
         "reserved_delta_gib": (torch.cuda.memory_reserved() - reserved) / 2**30,
         "allocated_delta_gib": (torch.cuda.memory_allocated() - allocated) / 2**30,
+        "pool_delta_gib": (pool_reserved() - pool) / 2**30,
     }
 
 

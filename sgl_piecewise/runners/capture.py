@@ -169,7 +169,8 @@ class GraphCapture:
 
     def largest_first(self, sizes: Sequence[int], desc: str, unit: str, progress: bool = True) -> Iterator[int]:
         """``sizes`` from the largest down, with gc frozen and a progress bar
-        of the sizes done and the memory reserved; synchronises at the end."""
+        of the sizes done and the memory reserved; at the end, synchronises
+        and releases the scratch the phase left cached (``release_scratch``)."""
         order = sorted(sizes, reverse=True)
         with frozen_gc(collect_first=True), tqdm(order, desc=desc, unit=unit, disable=not progress) as bar:
             for size in bar:
@@ -177,6 +178,21 @@ class GraphCapture:
                 if self.use_cuda:
                     bar.set_postfix_str(f"reserved {torch.cuda.memory_reserved(self.device) / 2**30:.2f} GiB")
         self.synchronize()
+        self.release_scratch()
+
+    def release_scratch(self) -> None:
+        """Give the device back the cached blocks outside the graph pool.
+
+        The warm-ups ran on the capture stream, and the caching allocator
+        keeps a stream's freed blocks for that stream alone: no step ever
+        allocates on the capture stream, so those blocks (and the compiler's
+        first-run scratch) would stay reserved and unusable for the life of
+        the process. The pool's own segments stay: ``empty_cache`` leaves a
+        private pool alone while a graph captured into it lives.
+        """
+        if self.use_cuda:
+            with torch.cuda.device(self.device):
+                torch.cuda.empty_cache()
 
     def synchronize(self) -> None:
         if self.use_cuda:
