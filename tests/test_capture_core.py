@@ -41,3 +41,18 @@ def test_gpu_a_capture_phase_leaves_no_warmup_scratch_cached_and_its_graphs_stil
         out.fill_(float("nan"))
         graph.replay()
         torch.testing.assert_close(out, (x[: 2048 * size] @ x).relu())
+
+
+@pytest.mark.gpu
+def test_gpu_a_capture_cuda_invalidated_leaves_the_pool_able_to_capture_again():
+    """``.item()`` waits for the device, which invalidates the capture; CUDA
+    then refuses to end it, and the pool must still take the next capture
+    (it used to answer "already recording to mempool_id" for the rest of
+    the process)."""
+    core = GraphCapture("cuda")
+    x = torch.ones(4, device="cuda")
+    with pytest.raises(RuntimeError):
+        core.record(lambda: (x * 2).sum().item())
+    graph, out = core.record(lambda: x * 3)
+    graph.replay()
+    assert out.tolist() == [3.0] * 4

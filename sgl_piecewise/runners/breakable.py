@@ -112,17 +112,14 @@ class _Recorder:
     def end(self) -> None:
         graph, self.open = self.open, None
         if graph is not None:
-            graph.capture_end()
+            self.core.end_graph(graph)
         self.segments.append(graph)
 
     def abort(self) -> None:
         """End an open capture after a failure, keeping the first error."""
         graph, self.open = self.open, None
         if graph is not None:
-            try:
-                graph.capture_end()
-            except RuntimeError:
-                pass
+            self.core.abort_graph(graph)
 
     def __call__(self, q, k, v, out, layer_id: int, scale, ctx: ForwardContext) -> None:
         self.end()

@@ -98,6 +98,8 @@ class GraphCapture:
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.use_cuda = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.use_cuda else None
         self.stream = torch.cuda.Stream(self.device) if self.use_cuda else None
@@ -140,8 +142,10 @@ class GraphCapture:
             graph = self.begin_graph()
             try:
                 out = fn()
-            finally:
-                graph.capture_end()
+            except BaseException:
+                self.abort_graph(graph)
+                raise
+            self.end_graph(graph)
         return graph, out
 
     @contextlib.contextmanager
@@ -156,7 +160,8 @@ class GraphCapture:
 
     def begin_graph(self) -> torch.cuda.CUDAGraph:
         """Start capturing a new graph into the pool; call on the capture
-        stream (``on_capture_stream``) and end it with ``capture_end()``.
+        stream (``on_capture_stream``) and end it with ``end_graph`` (or
+        ``abort_graph`` after a failure).
 
         A graph in several segments (the breakable runner: one per stretch
         between attention calls) begins each segment here, so every segment
@@ -166,6 +171,35 @@ class GraphCapture:
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.pool)
         return graph
+
+    def end_graph(self, graph: torch.cuda.CUDAGraph) -> None:
+        """End a capture ``begin_graph`` began.
+
+        When CUDA refuses to end it (the capture was invalidated: the forward
+        waited for the device), ``capture_end`` raises before it tells the
+        caching allocator to stop allocating into the pool, and the shared
+        pool would refuse every later capture of the process ("already
+        recording to mempool_id"). The allocator is told here instead.
+        """
+        try:
+            graph.capture_end()
+        except BaseException:
+            self._stop_allocating_into_pool()
+            raise
+
+    def abort_graph(self, graph: torch.cuda.CUDAGraph) -> None:
+        """End a capture after its forward failed; the forward's error is the
+        one to report, so an error of ending the capture is dropped."""
+        try:
+            self.end_graph(graph)
+        except RuntimeError:
+            pass
+
+    def _stop_allocating_into_pool(self) -> None:
+        try:
+            torch._C._cuda_endAllocateToPool(self.device.index, self.pool)
+        except RuntimeError:  # "not currently recording": capture_end got that far
+            pass
 
     def largest_first(self, sizes: Sequence[int], desc: str, unit: str, progress: bool = True) -> Iterator[int]:
         """``sizes`` from the largest down, with gc frozen and a progress bar
