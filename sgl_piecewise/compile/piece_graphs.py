@@ -121,7 +121,9 @@ class PieceGraphs:
         return out
 
     def _capture_cuda_graph(self, entry: _Entry, args: Tuple[Any, ...]) -> Any:
-        graph, out = self.state.capture.record(lambda: self.compiled(*args))
+        graph, out = self.state.capture.record(
+            lambda: self.compiled(*args), f"piecewise graph of {self.state.padded_tokens} tokens"
+        )
         graph.replay()  # capture executed nothing; make this call's outputs real
         entry.graph = graph
         entry.outputs = _map_tensors(_non_owning_alias, out)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from tqdm.auto import tqdm
@@ -104,6 +104,8 @@ class GraphCapture:
         self.pool = torch.cuda.graph_pool_handle() if self.use_cuda else None
         self.stream = torch.cuda.Stream(self.device) if self.use_cuda else None
         self._anchor = self._anchor_pool() if self.use_cuda else None
+        self._retired: List[Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = []  # anchors of retired pools
+        self._sync_mode = 0  # torch's sync debug mode, restored when a capture ends
 
     def _anchor_pool(self) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """A one-element graph that keeps the pool alive as long as this core.
@@ -132,18 +134,22 @@ class GraphCapture:
         current.wait_stream(self.stream)
         return out
 
-    def record(self, fn: Callable[[], Any]) -> Tuple[Optional[torch.cuda.CUDAGraph], Any]:
+    def record(self, fn: Callable[[], Any], what: str = "a graph") -> Tuple[Optional[torch.cuda.CUDAGraph], Any]:
         """Capture ``fn`` into a graph in the shared pool; return ``(graph,
         outputs)``. Capturing executes nothing: replay the graph for real
-        outputs. Without CUDA: ``(None, fn())``."""
+        outputs. Without CUDA: ``(None, fn())``. A forward that waits for the
+        device raises ``UnsupportedModeError`` naming ``what`` and the cause."""
         if not self.use_cuda:
             return None, fn()
         with self.on_capture_stream():
             graph = self.begin_graph()
             try:
                 out = fn()
-            except BaseException:
+            except BaseException as exc:
                 self.abort_graph(graph)
+                explained = explain_capture_failure(exc, what)
+                if explained is not None:
+                    raise explained from exc
                 raise
             self.end_graph(graph)
         return graph, out
@@ -166,26 +172,40 @@ class GraphCapture:
         A graph in several segments (the breakable runner: one per stretch
         between attention calls) begins each segment here, so every segment
         gets its cuBLAS workspace inside the pool, as ``record`` does.
+
+        Until the capture ends, a torch operation that would wait for the
+        device (``.item()``, ``.tolist()``, a branch on a tensor's value)
+        raises before it reaches CUDA (``set_sync_debug_mode("error")``): a
+        capture CUDA itself invalidates cannot be ended cleanly, and torch
+        then leaves its allocator and its random generator in capture state.
         """
         cublas_workspaces_into_pool()
         graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.pool)
+        self._sync_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.capture_begin(pool=self.pool)
+        except BaseException:
+            torch.cuda.set_sync_debug_mode(self._sync_mode)
+            raise
         return graph
 
     def end_graph(self, graph: torch.cuda.CUDAGraph) -> None:
         """End a capture ``begin_graph`` began.
 
-        When CUDA refuses to end it (the capture was invalidated: the forward
-        waited for the device), ``capture_end`` raises before it tells the
-        caching allocator to stop allocating into the pool, and the shared
-        pool would refuse every later capture of the process ("already
-        recording to mempool_id"). The allocator is told here instead.
+        When CUDA refuses to end it (the capture was invalidated by something
+        outside torch's sync check), torch raises before it tells its
+        allocator that the capture is over, and the pool would refuse every
+        later capture ("already recording to mempool_id"). Later captures
+        then go to a new pool (``_retire_pool``).
         """
         try:
             graph.capture_end()
         except BaseException:
-            self._stop_allocating_into_pool()
+            self._retire_pool()
             raise
+        finally:
+            torch.cuda.set_sync_debug_mode(self._sync_mode)
 
     def abort_graph(self, graph: torch.cuda.CUDAGraph) -> None:
         """End a capture after its forward failed; the forward's error is the
@@ -195,11 +215,15 @@ class GraphCapture:
         except RuntimeError:
             pass
 
-    def _stop_allocating_into_pool(self) -> None:
-        try:
+    def _retire_pool(self) -> None:
+        """Capture into a new pool from now on. The old one stays alive (its
+        anchor is kept) for the graphs captured into it; it is not shared
+        with later graphs, which is the only cost."""
+        with contextlib.suppress(RuntimeError):  # tell the allocator, where torch did not
             torch._C._cuda_endAllocateToPool(self.device.index, self.pool)
-        except RuntimeError:  # "not currently recording": capture_end got that far
-            pass
+        self._retired.append(self._anchor)
+        self.pool = torch.cuda.graph_pool_handle()
+        self._anchor = self._anchor_pool()
 
     def largest_first(self, sizes: Sequence[int], desc: str, unit: str, progress: bool = True) -> Iterator[int]:
         """``sizes`` from the largest down, with gc frozen and a progress bar
@@ -237,12 +261,15 @@ def explain_capture_failure(exc: BaseException, what: str) -> Optional[Unsupport
     """The error to raise instead of ``exc`` when a forward waited for the
     device while being captured (None for any other failure).
 
-    CUDA refuses a synchronisation inside a capture with a bare "operation not
-    permitted when stream is capturing"; the usual cause in model code is a
-    Python branch on a tensor's value, which no CUDA graph can hold.
+    A capture refuses torch's synchronising operations ("called a
+    synchronizing CUDA operation", see ``GraphCapture.begin_graph``), and CUDA
+    refuses any other with a bare "operation not permitted when stream is
+    capturing"; the usual cause in model code is a Python branch on a
+    tensor's value, which no CUDA graph can hold.
     """
     text = str(exc)
-    if not isinstance(exc, RuntimeError) or not ("is capturing" in text or "during capture" in text):
+    refused = ("synchronizing CUDA operation", "is capturing", "during capture")
+    if not isinstance(exc, RuntimeError) or not any(r in text for r in refused):
         return None
     return UnsupportedModeError(
         f"{what}: expected a forward that never waits for the device while it is captured, got "

@@ -188,7 +188,9 @@ class CudaGraphRunner:
         if not self.use_cuda:
             return
         self.capture_core.warmup(lambda: self._run(static))
-        self._graphs[key], self._outputs[key] = self.capture_core.record(lambda: self._run(static))
+        self._graphs[key], self._outputs[key] = self.capture_core.record(
+            lambda: self._run(static), f"whole-model {layout.mode.name} graph of bs {bs}"
+        )
 
     @staticmethod
     def _no_rows(registry: CudaGraphBufferRegistry) -> Dict[str, torch.Tensor]:
