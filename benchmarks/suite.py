@@ -23,8 +23,9 @@ backend (``--backend``) and measures, in this order:
   CUDA-event timings: ``eager``, ``hf_eager`` (``transformers``, same shape),
   ``reduce_overhead`` (``torch.compile(mode="reduce-overhead")`` of our
   model: it replays the captured batch's attention metadata, a timing
-  reference only), ``piecewise``, ``whole_model``, ``whole_model_pieces``, and
-  the ``floor`` (docs/BENCHMARKS.md defines it);
+  reference only; measured last, each shape in a fresh Dynamo state),
+  ``piecewise``, ``whole_model``, ``whole_model_pieces``, and the ``floor``
+  (docs/BENCHMARKS.md defines it);
 * where the time goes: CUDA kernels per layer in one whole-model replay
   (torch.profiler) and the host time of the attention between pieces, per
   layer (``hop_us_per_layer``).
@@ -41,6 +42,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from typing import Callable, Dict
 
 import torch
@@ -159,15 +161,12 @@ def time_paths(paths: Dict[str, Callable[[], Callable]]) -> dict:
     return result
 
 
-def step_paths(runner, batch, piecewise, whole: dict, with_reduce_overhead: bool) -> Dict[str, Callable]:
+def step_paths(runner, batch, piecewise, whole: dict) -> Dict[str, Callable]:
     """Factories of one whole step of ``batch`` through each path."""
     model = runner.model
     paths = {"eager": lambda: step_fn(runner, model, batch), "piecewise": lambda: step_fn(runner, piecewise, batch)}
     for name, graphs in whole.items():
         paths[name] = lambda g=graphs: graph_step_fn(runner, g, batch)
-    if with_reduce_overhead:  # last: its graph reads another step's tensors
-        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
-        paths["reduce_overhead"] = lambda: step_fn(runner, compiled, batch, keep_metadata=True)
     return paths
 
 
@@ -176,7 +175,7 @@ def decode_rows(args, model, runner, piecewise, whole, ceilings, hf) -> dict:
     read_bytes, _ = weight_bytes(model)
     for bs in args.decode_bs:
         batch = make_batch(runner, sp.ForwardMode.DECODE, [args.context - 1] * bs, [1] * bs)
-        row = time_paths(step_paths(runner, batch, piecewise, whole, not args.skip_reduce_overhead))
+        row = time_paths(step_paths(runner, batch, piecewise, whole))
         if hf is not None:
             row["hf_eager"] = hf_decode_ms(hf, args, bs)
         if ceilings:
@@ -198,14 +197,38 @@ def extend_rows(args, model, runner, piecewise, ceilings) -> dict:
     read_bytes, nonemb = weight_bytes(model)
     for n in args.extend:
         batch = make_batch(runner, sp.ForwardMode.EXTEND, [0], [n])
-        with_reduce_overhead = not args.skip_reduce_overhead and n in args.reduce_overhead_extend
-        row = time_paths(step_paths(runner, batch, piecewise, {}, with_reduce_overhead))
+        row = time_paths(step_paths(runner, batch, piecewise, {}))
         if ceilings:
             row["floor"] = extend_floor_ms(read_bytes, nonemb, n, ceilings["copy_rate_Bps"], ceilings["matmul_flops"])
         rows[n] = row
         print("extend", n, json.dumps(row), flush=True)
         free_batch(runner, batch)
     return rows
+
+
+def reduce_overhead_rows(args, model, runner, rows: dict) -> None:
+    """Adds ``reduce_overhead`` (and its max |logit difference| to eager) to
+    each decode and extend row.
+
+    Measured last, each shape from a fresh Dynamo state (``torch._dynamo.reset``
+    also drops torch's CUDA-graph trees): its graphs record attention with
+    the recording step's metadata and slots, which a later step's graphs must
+    never replay after those tensors are gone. The reset leaves the other
+    paths' compiled code to be compiled again, so they are all timed before.
+    """
+    shapes = [("decode", bs, sp.ForwardMode.DECODE, [args.context - 1] * bs, [1] * bs) for bs in args.decode_bs]
+    shapes += [("extend", n, sp.ForwardMode.EXTEND, [0], [n]) for n in args.extend if n in args.reduce_overhead_extend]
+    for kind, size, mode, prefix, extend in shapes:
+        torch._dynamo.reset()
+        batch = make_batch(runner, mode, prefix, extend)
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        paths = {"eager": partial(step_fn, runner, model, batch),
+                 "reduce_overhead": partial(step_fn, runner, compiled, batch, keep_metadata=True)}  # fmt: skip
+        timed = time_paths(paths)
+        rows[kind][size].update({k: v for k, v in timed.items() if k.startswith("reduce_overhead")})
+        print(kind, size, "reduce_overhead", json.dumps(rows[kind][size].get("reduce_overhead")), flush=True)
+        free_batch(runner, batch)
+    torch._dynamo.reset()
 
 
 def run(args) -> None:
@@ -230,6 +253,8 @@ def run(args) -> None:
     hf = None if args.skip_hf else hf_model(args)
     info["decode"] = decode_rows(args, model, runner, piecewise.compiled, whole, ceilings, hf)
     info["extend"] = extend_rows(args, model, runner, piecewise.compiled, ceilings)
+    if not args.skip_reduce_overhead:
+        reduce_overhead_rows(args, model, runner, info)
     info["counters"] = counters.as_dict()
     json.dump(info, open(os.path.join(args.out, f"suite_{args.shape}.json"), "w"), indent=1)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -182,7 +183,9 @@ class GraphCapture:
         cublas_workspaces_into_pool()
         graph = torch.cuda.CUDAGraph()
         self._sync_mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
+        with warnings.catch_warnings():  # "a prototype feature": known, and all we rely on is .item() & co.
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
         try:
             graph.capture_begin(pool=self.pool)
         except BaseException:
