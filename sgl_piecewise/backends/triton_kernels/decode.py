@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from sgl_piecewise.backends.triton_kernels.launch import FastLauncher
 from sgl_piecewise.backends.triton_kernels.tiles import (
     check_attention_args,
     check_last_dim_contiguous,
@@ -262,6 +263,8 @@ def _decode_reduce_kernel(
 # Under TRITON_INTERPRET=1, triton.jit yields an interpreter object instead of
 # a JITFunction; its bf16 dot needs the UPCAST workaround (see mm).
 _INTERPRETED = not isinstance(_decode_split_kernel, JITFunction)
+# Launched once per layer per step: skip Triton's per-call binding (launch.py).
+_launch_split, _launch_reduce = FastLauncher(_decode_split_kernel), FastLauncher(_decode_reduce_kernel)
 
 
 def choose_num_kv_splits(
@@ -473,7 +476,8 @@ def decode_attention(
         return
     split_meta, reduce_meta = decode_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, launch)
     head_programs = num_kv_heads * split_meta["HEAD_BLOCKS"]
-    _decode_split_kernel[(bs, head_programs, grid_splits)](
+    _launch_split(
+        (bs, head_programs, grid_splits),
         q,
         k_cache,
         v_cache,
@@ -497,7 +501,8 @@ def decode_attention(
         grid_splits,
         **split_meta,
     )
-    _decode_reduce_kernel[(bs, num_q_heads)](
+    _launch_reduce(
+        (bs, num_q_heads),
         out,
         attn_logits,
         attn_lse,

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from sgl_piecewise.backends.triton_kernels.launch import FastLauncher
 from sgl_piecewise.backends.triton_kernels.tiles import (
     check_attention_args,
     check_last_dim_contiguous,
@@ -193,6 +194,7 @@ def _extend_kernel(
 # Under TRITON_INTERPRET=1, triton.jit yields an interpreter object instead of
 # a JITFunction; its bf16 dot needs the UPCAST workaround (see tiles.mm).
 _INTERPRETED = not isinstance(_extend_kernel, JITFunction)
+_launch_extend = FastLauncher(_extend_kernel)  # once per layer per step (launch.py)
 
 
 @functools.lru_cache(maxsize=256)
@@ -295,7 +297,8 @@ def extend_attention(
         return
     meta = extend_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, max_q_len, custom_mask is not None)
     grid = (bs, num_kv_heads, triton.cdiv(max_q_len * meta["GROUP"], meta["BLOCK_M"]))
-    _extend_kernel[grid](
+    _launch_extend(
+        grid,
         q,
         k_cache,
         v_cache,

@@ -1,0 +1,104 @@
+"""A launcher for our Triton kernels that skips Triton's per-call Python.
+
+``kernel[grid](*args, **meta)`` goes through ``JITFunction.run``: it binds
+the arguments to the signature, computes their specialisation (dtypes,
+16-byte alignment of pointers, integers equal to 1 or divisible by 16),
+looks the compiled kernel up and only then launches it. On an H200 host that
+is 30-45 µs of Python per launch: with two launches per layer it was most of
+the host time of the attention between compiled pieces, which runs once per
+layer per step.
+
+:class:`FastLauncher` launches the first call of each specialisation through
+``JITFunction.run`` and keeps the compiled kernel it returns; later calls
+with the same specialisation key launch that kernel directly through its
+own launcher. The key is computed here, more finely than Triton's (every
+integer and float by value, every tensor by dtype and 16-byte alignment,
+the device), so a reused kernel was always compiled for arguments like the
+ones it gets.
+
+Anything unexpected (the Triton interpreter, a Triton whose compiled-kernel
+launcher takes other arguments, a profiler's launch hooks) falls back to
+``kernel[grid](...)``, for good where it cannot change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+from triton.runtime.jit import JITFunction
+
+try:  # the launch hooks' home since Triton 3.4
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older Triton: always the slow path
+    _knobs = None
+
+
+def _arg_key(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    return arg  # ints and floats by value: Triton specialises some ints on theirs
+
+
+class FastLauncher:
+    """Launches one ``@triton.jit`` kernel as ``kernel[grid](*args, **meta)``
+    does, without ``JITFunction.run`` after the first call of each
+    specialisation. ``args`` are the kernel's runtime arguments in signature
+    order; ``meta`` holds every constexpr argument (by name) and the launch
+    options (``num_warps``, ``num_stages``)."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+        self.fast = isinstance(fn, JITFunction) and _knobs is not None
+        self._kernels: Dict[Tuple, Tuple[Any, Tuple]] = {}
+
+    # Keys hold integers by value; a long run of ever new values (say, a
+    # token count) must not grow the table without bound.
+    max_entries = 1024
+
+    def __call__(self, grid: Sequence[int], *args: Any, **meta: Any) -> None:
+        if not self.fast or self._hooked():
+            self.fn[grid](*args, **meta)
+            return
+        device = torch._C._cuda_getDevice()
+        key = (device, tuple(map(_arg_key, args)), tuple(meta.items()))
+        cached = self._kernels.get(key)
+        if cached is None:
+            self._first_launch(key, grid, args, meta)
+            return
+        kernel, constexprs = cached
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        grid_1 = grid[1] if len(grid) > 1 else 1
+        grid_2 = grid[2] if len(grid) > 2 else 1
+        try:
+            kernel.run(grid[0], grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       *args, *constexprs)  # fmt: skip
+        except TypeError:  # the compiled launcher parses its arguments before it launches anything
+            self.fast = False
+            self.fn[grid](*args, **meta)
+
+    def _first_launch(self, key: Tuple, grid: Sequence[int], args: Sequence[Any], meta: Dict[str, Any]) -> None:
+        kernel = self.fn[grid](*args, **meta)
+        constexprs = self._constexpr_values(len(args), meta)
+        usable = constexprs is not None and kernel is not None and hasattr(kernel, "packed_metadata")
+        if usable:
+            if len(self._kernels) >= self.max_entries:
+                self._kernels.clear()
+            self._kernels[key] = (kernel, constexprs)
+        else:
+            self.fast = False
+
+    def _constexpr_values(self, num_args: int, meta: Dict[str, Any]) -> Optional[Tuple]:
+        """The values of the parameters after the runtime arguments, in
+        signature order, as the compiled launcher takes them; None when a
+        parameter is missing (a default this launcher does not fill in)."""
+        names = self.fn.arg_names[num_args:]
+        if any(name not in meta for name in names):
+            return None
+        return tuple(meta[name] for name in names)
+
+    @staticmethod
+    def _hooked() -> bool:
+        """A profiler's launch hooks need ``JITFunction.run``'s launch metadata."""
+        runtime = _knobs.runtime
+        return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None

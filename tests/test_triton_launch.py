@@ -1,0 +1,64 @@
+"""``FastLauncher``: Triton launches without ``JITFunction.run`` after the
+first call of each specialisation, and exactly the kernel's results."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="the launcher wraps Triton kernels")
+tl = pytest.importorskip("triton.language")
+
+from sgl_piecewise.backends.triton_kernels.launch import FastLauncher  # noqa: E402
+
+
+@triton.jit
+def _axpy(x, y, out, n, alpha, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(out + i, alpha * tl.load(x + i, mask=m) + tl.load(y + i, mask=m), mask=m)
+
+
+def _launch_and_want(launch, x, y, n):
+    out = torch.full_like(x, float("nan"))
+    launch((triton.cdiv(n, 128),), x, y, out, n, 2.0, BLOCK=128, num_warps=4)
+    normal = torch.full_like(x, float("nan"))
+    _axpy[(triton.cdiv(n, 128),)](x, y, normal, n, 2.0, BLOCK=128, num_warps=4)
+    return out, normal
+
+
+@pytest.mark.triton_cpu
+def test_under_the_interpreter_the_launcher_launches_the_usual_way():
+    launch = FastLauncher(_axpy)
+    x, y = torch.randn(300), torch.randn(300)
+    out, normal = _launch_and_want(launch, x, y, 300)
+    assert not launch.fast
+    torch.testing.assert_close(out, normal, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_the_launcher_reuses_the_compiled_kernel_per_specialisation_bit_for_bit():
+    launch = FastLauncher(_axpy)
+    x, y = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
+    for _ in range(3):  # the first launch goes through Triton, the others straight to the kernel
+        out, normal = _launch_and_want(launch, x, y, 1000)
+        torch.testing.assert_close(out, normal, rtol=0, atol=0)
+    assert launch.fast and len(launch._kernels) == 1
+    # Pointers off 16-byte alignment and another length: other specialisations,
+    # each compiled (or found) by Triton first, then reused.
+    for _ in range(2):
+        out, normal = _launch_and_want(launch, x[1:], y[1:], 999)
+        torch.testing.assert_close(out, normal, rtol=0, atol=0)
+    assert len(launch._kernels) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_the_launcher_launches_on_the_current_stream_inside_a_cuda_graph():
+    launch = FastLauncher(_axpy)
+    x, y, out = torch.randn(256, device="cuda"), torch.randn(256, device="cuda"), torch.empty(256, device="cuda")
+    launch((2,), x, y, out, 256, 2.0, BLOCK=128)  # first call: through Triton, outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch((2,), x, y, out, 256, 2.0, BLOCK=128)
+    out.zero_()
+    x.copy_(torch.randn(256, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(out, 2.0 * x + y)
