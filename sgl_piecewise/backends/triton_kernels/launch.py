@@ -17,8 +17,8 @@ the device), so a reused kernel was always compiled for arguments like the
 ones it gets.
 
 Anything unexpected (the Triton interpreter, a Triton whose compiled-kernel
-launcher takes other arguments, a profiler's launch hooks) falls back to
-``kernel[grid](...)``, for good where it cannot change.
+launcher takes other arguments) falls back to ``kernel[grid](...)`` for good.
+Launch hooks (a profiler's) are called as ``JITFunction.run`` calls them.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class FastLauncher:
     max_entries = 1024
 
     def __call__(self, grid: Sequence[int], *args: Any, **meta: Any) -> None:
-        if not self.fast or self._hooked():
+        if not self.fast:
             self.fn[grid](*args, **meta)
             return
         device = torch._C._cuda_getDevice()
@@ -70,9 +70,13 @@ class FastLauncher:
         stream = torch._C._cuda_getCurrentRawStream(device)
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
+        # As JITFunction.run launches: a profiler's hooks get the launch metadata.
+        enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+        hooked = enter is not None or leave is not None
+        launch_metadata = kernel.launch_metadata(grid, stream, *args, *constexprs) if hooked else None
         try:
-            kernel.run(grid[0], grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                       *args, *constexprs)  # fmt: skip
+            kernel.run(grid[0], grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,
+                       enter, leave, *args, *constexprs)  # fmt: skip
         except TypeError:  # the compiled launcher parses its arguments before it launches anything
             self.fast = False
             self.fn[grid](*args, **meta)
@@ -96,9 +100,3 @@ class FastLauncher:
         if any(name not in meta for name in names):
             return None
         return tuple(meta[name] for name in names)
-
-    @staticmethod
-    def _hooked() -> bool:
-        """A profiler's launch hooks need ``JITFunction.run``'s launch metadata."""
-        runtime = _knobs.runtime
-        return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
