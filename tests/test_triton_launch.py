@@ -52,6 +52,22 @@ def test_gpu_the_launcher_reuses_the_compiled_kernel_per_specialisation_bit_for_
 
 
 @pytest.mark.gpu
+def test_gpu_a_launch_hook_sees_every_fast_launch():
+    launch = FastLauncher(_axpy)
+    x, y, out = torch.randn(256, device="cuda"), torch.randn(256, device="cuda"), torch.empty(256, device="cuda")
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+    launch((2,), x, y, out, 256, 2.0, BLOCK=128)  # through Triton: compiles
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch((2,), x, y, out, 256, 2.0, BLOCK=128)  # the fast path
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    launch((2,), x, y, out, 256, 2.0, BLOCK=128)
+    assert seen == ["_axpy"] and len(launch._kernels) == 1
+
+
+@pytest.mark.gpu
 def test_gpu_the_launcher_launches_on_the_current_stream_inside_a_cuda_graph():
     launch = FastLauncher(_axpy)
     x, y, out = torch.randn(256, device="cuda"), torch.randn(256, device="cuda"), torch.empty(256, device="cuda")

@@ -18,7 +18,8 @@ ones it gets.
 
 Anything unexpected (the Triton interpreter, a Triton whose compiled-kernel
 launcher takes other arguments) falls back to ``kernel[grid](...)`` for good.
-Launch hooks (a profiler's) are called as ``JITFunction.run`` calls them.
+Launch hooks (a profiler's) are called as ``JITFunction.run`` calls them;
+Triton's default empty hook chains are skipped.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def _arg_key(arg: Any) -> Any:
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
     return arg  # ints and floats by value: Triton specialises some ints on theirs
+
+
+def _active(hook: Any) -> Any:
+    """``hook``, or None when it is None or an empty ``knobs.HookChain``."""
+    return None if hook is None or getattr(hook, "calls", True) == [] else hook
 
 
 class FastLauncher:
@@ -70,8 +76,10 @@ class FastLauncher:
         stream = torch._C._cuda_getCurrentRawStream(device)
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
-        # As JITFunction.run launches: a profiler's hooks get the launch metadata.
-        enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+        # As JITFunction.run launches, except that hook chains with nothing in
+        # them (Triton's default) are left out: building the launch metadata
+        # for them and calling them cost more than the rest of the launch.
+        enter, leave = _active(_knobs.runtime.launch_enter_hook), _active(_knobs.runtime.launch_exit_hook)
         hooked = enter is not None or leave is not None
         launch_metadata = kernel.launch_metadata(grid, stream, *args, *constexprs) if hooked else None
         try:
