@@ -1,0 +1,113 @@
+"""Where the host time of the attention between compiled pieces goes (a
+script, not a test).
+
+The 0.5b shape of the suite, bf16, ``triton`` attention, one decode request
+with 1023 cached tokens. Each line is the host time of one call, averaged
+over 3000 calls launched back to back (after 50 warm-up calls) and
+synchronised only at the end: the Python and launch cost, not the kernels'
+device time. From the whole attention op down to its parts, and, for
+scale, an empty Triton kernel launched the usual way and through
+``FastLauncher``.
+
+    python benchmarks/profile_hop.py --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+from common import QWEN_05B, make_batch  # noqa: E402 (benchmarks/ is the script's folder)
+
+import sgl_piecewise as sp
+from sgl_piecewise.backends.triton_kernels import decode as dk
+from sgl_piecewise.backends.triton_kernels.launch import FastLauncher
+from sgl_piecewise.models import ModelConfig, build_random_model
+from sgl_piecewise.ops.attention import attention_with_output_direct
+from sgl_piecewise.runner import ModelRunner
+
+
+@triton.jit
+def _empty(a, b, c, d, e, f, g, h, i, j, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, BLOCK: tl.constexpr):
+    pass
+
+
+def per_call_us(fn, n: int = 3000) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * seconds / n
+
+
+def calls(runner, batch, ctx) -> dict:
+    """What to time: name -> a call of it on the step's tensors (layer 0)."""
+    config, pool, be = runner.config, runner.kv_pool, runner.backend
+    hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    q = torch.randn(1, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, hkv, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    meta, scale, k0, v0 = be.forward_metadata, 1 / math.sqrt(d), pool.k_buffers[0], pool.v_buffers[0]
+    empty_args = (q, k, v, out, q, k, v, out, q, k, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+    fast_empty = FastLauncher(_empty)
+    return {
+        "attention op body (attention_with_output_direct)": lambda: attention_with_output_direct(q, k, v, out, 0),
+        "pool.set_kv (2 index_copy_)": lambda: pool.set_kv(0, ctx.out_cache_loc, k, v),
+        "one index_copy_": lambda: k0.index_copy_(0, ctx.out_cache_loc, k),
+        "backend.forward (metadata lookup + decode_attention)": lambda: be.forward(q, k, v, out, 0, batch, scale),
+        "decode_attention (checks + 2 launches)": lambda: dk.decode_attention(
+            q,
+            k0,
+            v0,
+            out,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.attn_logits,
+            meta.attn_lse,
+            meta.num_kv_splits,
+            be.max_kv_splits,
+            scale,
+        ),  # fmt: skip
+        "_check_decode_args": lambda: dk._check_decode_args(
+            q, k0, v0, out, meta.attn_logits, meta.attn_lse, be.max_kv_splits, None
+        ),  # fmt: skip
+        "empty Triton kernel, 10 tensors + 10 ints (JITFunction.run)": lambda: _empty[(1,)](*empty_args, BLOCK=16),
+        "empty Triton kernel through FastLauncher": lambda: fast_empty((1,), *empty_args, BLOCK=16),
+        "empty torch op (torch.empty(0))": lambda: torch.empty(0, device="cuda"),
+        "out[1:].zero_() (no-op slice)": lambda: out[1:].zero_(),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    config = ModelConfig.from_hf_dict(QWEN_05B)
+    model = build_random_model(config, torch.bfloat16, "cuda", seed=0)
+    runner = ModelRunner(model, max_reqs=8, max_context_len=1025, kv_cache_gib=2.0, backend="triton")
+    batch = make_batch(runner, sp.ForwardMode.DECODE, [1023], [1])
+    runner.backend.init_forward_metadata(batch)
+    result = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d", time.gmtime()), "us_per_call": {}}  # fmt: skip
+    with torch.no_grad(), sp.forward_context(batch, runner.backend) as ctx:
+        for name, fn in calls(runner, batch, ctx).items():
+            result["us_per_call"][name] = per_call_us(fn)
+            print(f"{result['us_per_call'][name]:8.1f} us  {name}", flush=True)
+    json.dump(result, open(os.path.join(args.out, "hop.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
