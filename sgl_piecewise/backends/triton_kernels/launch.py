@@ -3,10 +3,12 @@
 ``kernel[grid](*args, **meta)`` goes through ``JITFunction.run``: it binds
 the arguments to the signature, computes their specialisation (dtypes,
 16-byte alignment of pointers, integers equal to 1 or divisible by 16),
-looks the compiled kernel up and only then launches it. On an H200 host that
-is 30-45 µs of Python per launch: with two launches per layer it was most of
-the host time of the attention between compiled pieces, which runs once per
-layer per step.
+looks the compiled kernel up, builds launch metadata for the launch hooks
+and only then launches it. The attention between compiled pieces launches
+two of our kernels per layer per step; on the H200 host measured
+(docs/BENCHMARKS.md, "Where the attention's host time goes") this launcher
+took an empty kernel's launch from 18 to 13 µs: the compiled launcher
+itself is most of what remains.
 
 :class:`FastLauncher` launches the first call of each specialisation through
 ``JITFunction.run`` and keeps the compiled kernel it returns; later calls
