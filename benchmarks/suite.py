@@ -3,6 +3,7 @@ one card, side by side in one process per model shape.
 
     python benchmarks/suite.py run --shape 0.5b --out results/
     python benchmarks/suite.py run --shape 0.5b --startup-only --out results/  # warm start: a 2nd process
+    # --cache-dir DIR on both runs: the 2nd process starts from the 1st's compile artifacts
     python benchmarks/suite.py run --shape 1b --out results/
     python benchmarks/suite.py report results/ --out docs/   # markdown table and PNG plot (matplotlib)
     python benchmarks/suite.py run --shape tiny --device cpu --out /tmp/smoke  # the logic, on a CPU
@@ -98,10 +99,13 @@ def timed_capture(capture: Callable[[], float]) -> dict:
     return {"seconds": seconds, "reserved_delta_gib": (memory_reserved() - before) / 2**30}
 
 
-def start_up(runner) -> tuple:
-    piecewise = PiecewiseCudaGraphRunner(runner, CompileOptions(cudagraphs=True))
+def start_up(runner, cache_dir=None) -> tuple:
+    """Compile and capture the piecewise graphs; ``cache_dir``: start from
+    (and save) compile artifacts there (``CompileOptions.cache_dir``)."""
+    piecewise = PiecewiseCudaGraphRunner(runner, CompileOptions(cudagraphs=True, cache_dir=cache_dir))
     result = timed_capture(lambda: piecewise.capture(progress=False))
-    result.update(first_size_seconds=piecewise.first_size_seconds, sizes=len(piecewise.options.capture_sizes))
+    result.update(first_size_seconds=piecewise.first_size_seconds, sizes=len(piecewise.options.capture_sizes),
+                  artifacts_loaded=counters.artifacts_loaded, artifacts_saved=counters.artifacts_saved)  # fmt: skip
     return piecewise, result
 
 
@@ -240,7 +244,7 @@ def run(args) -> None:
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "card": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}  # fmt: skip
     model, runner = build(args)
-    piecewise, info["startup"] = start_up(runner)
+    piecewise, info["startup"] = start_up(runner, args.cache_dir)
     print("startup", json.dumps(info["startup"]), flush=True)
     if args.startup_only:
         json.dump(info, open(os.path.join(args.out, f"startup_{args.shape}.json"), "w"), indent=1)
@@ -272,6 +276,7 @@ def main() -> None:
     r.add_argument("--extend", type=int, nargs="+", default=[16, 128, 512])
     r.add_argument("--reduce-overhead-extend", type=int, nargs="*", default=[16, 128, 512])
     r.add_argument("--startup-only", action="store_true", help="only the piecewise start-up (run as a 2nd process)")
+    r.add_argument("--cache-dir", default=None, help="compile artifacts: saved by a 1st process, loaded by a 2nd")
     r.add_argument("--skip-hf", action="store_true")
     r.add_argument("--skip-reduce-overhead", action="store_true")
     rep = sub.add_parser("report", help="markdown table and PNG plot of the runs in a folder")
