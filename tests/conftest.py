@@ -48,3 +48,15 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     """Every test draws fresh but reproducible randomness."""
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and the library's counters cleared around a test: its
+    compiles start from nothing and count only themselves."""
+    from sgl_piecewise.compile import counters
+
+    torch._dynamo.reset()
+    counters.reset()
+    yield
+    torch._dynamo.reset()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
@@ -13,14 +12,9 @@ from sgl_piecewise.cli import main
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models import load_model
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each compile here adds a Dynamo cache entry for the same model code;
-    entries left by other tests must not push it past the recompile limit."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+# Each compile here adds a Dynamo cache entry for the same model code; entries
+# left by other tests must not push it past the recompile limit.
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_bench_runs_every_policy_and_they_agree(capsys, monkeypatch):

@@ -18,12 +18,9 @@ from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7]]
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.reset()
-    yield
-    torch._dynamo.reset()
+# Each compile here adds a Dynamo cache entry for the same model code; entries
+# left by other tests must not push it past the recompile limit.
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def small_config():

@@ -26,12 +26,9 @@ CAPTURE = dict(capture_bs=(1, 2, 4), capture_sizes=(1, 2, 4, 8, 16, 32), piece_c
 E, D, M, IDLE = sp.ForwardMode.EXTEND, sp.ForwardMode.DECODE, sp.ForwardMode.MIXED, sp.ForwardMode.IDLE
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.reset()
-    yield
-    torch._dynamo.reset()
+# Each compile here adds a Dynamo cache entry for the same model code; entries
+# left by other tests must not push it past the recompile limit.
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _model(device="cpu", dtype=torch.float32, config=CONFIG):

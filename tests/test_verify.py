@@ -7,7 +7,6 @@ from __future__ import annotations
 from functools import partial
 
 import pytest
-import torch
 from test_whole_model_runner import CONFIG
 
 from sgl_piecewise.backends import create_backend
@@ -18,14 +17,9 @@ from sgl_piecewise.runners.breakable import BreakableCudaGraphRunner
 from sgl_piecewise.runners.whole_model import CudaGraphRunner
 from sgl_piecewise.verify import verify
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each compile here adds a Dynamo cache entry for the same model code;
-    entries left by other tests must not push it past the recompile limit."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+# Each compile here adds a Dynamo cache entry for the same model code; entries
+# left by other tests must not push it past the recompile limit.
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _verify(**kw):
