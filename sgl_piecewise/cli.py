@@ -23,7 +23,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 from rich.console import Console
@@ -140,6 +140,15 @@ def _resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.
     return device, DTYPES[dtype]
 
 
+def _load_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, Any]:
+    """``--device``, ``--dtype`` resolved, and ``--model`` (or the embedded
+    default, random weights of ``--seed``) loaded with them."""
+    from sgl_piecewise.models.loader import load_model_or_default
+
+    device, dtype = _resolve_device_dtype(args.device, args.dtype)
+    return device, dtype, load_model_or_default(args.model, dtype, device, seed=args.seed)
+
+
 def _prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> List[List[int]]:
     rng = random.Random(seed)
     lengths = [rng.randint(max(1, prompt_len // 2), prompt_len) for _ in range(batch_size)]
@@ -185,7 +194,6 @@ def _agreement(results: Sequence[PolicyResult]) -> List[str]:
 
 def bench(args: argparse.Namespace, console: Console) -> int:
     from sgl_piecewise.checks import check_positive_int
-    from sgl_piecewise.models.loader import load_model_or_default
 
     if args.draft is not None:
         from sgl_piecewise.speculative_bench import bench_draft
@@ -195,8 +203,7 @@ def bench(args: argparse.Namespace, console: Console) -> int:
         check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
     policies = _policies(args.graphs, POLICIES)
     _check_backend(args.backend, policies)
-    device, dtype = _resolve_device_dtype(args.device, args.dtype)
-    model = load_model_or_default(args.model, dtype, device, seed=args.seed)
+    device, dtype, model = _load_model(args)
     prompts = _prompts(args.batch_size, args.prompt_len, model.config.vocab_size, args.seed)
     console.print(
         f"model: {args.model or 'embedded default (random weights)'} | {model.config.architecture} | "
@@ -228,13 +235,11 @@ def bench(args: argparse.Namespace, console: Console) -> int:
 
 
 def verify_command(args: argparse.Namespace, console: Console) -> int:
-    from sgl_piecewise.models.loader import load_model_or_default
     from sgl_piecewise.verify import TOLERANCE, verify
 
     policies = _policies(args.graphs, [g for g in POLICIES if g != "none"])
     _check_backend(args.backend, policies)
-    device, dtype = _resolve_device_dtype(args.device, args.dtype)
-    model = load_model_or_default(args.model, dtype, device, seed=args.seed)
+    device, dtype, model = _load_model(args)
     reports = verify(
         model,
         _backend_factory(args.backend, model),

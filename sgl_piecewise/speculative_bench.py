@@ -94,16 +94,14 @@ def bench_draft(args: argparse.Namespace, console) -> int:
     from rich.table import Table
 
     from sgl_piecewise.backends.factory import get_backend_class
-    from sgl_piecewise.cli import _backend_factory, _check_backend, _prompts, _resolve_device_dtype
-    from sgl_piecewise.models.loader import load_model_or_default
+    from sgl_piecewise.cli import _backend_factory, _check_backend, _load_model, _prompts
 
     for name in ("batch_size", "prompt_len", "new_tokens"):
         check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
     spec = parse_draft_spec(args.draft)  # before the model loads
     _check_backend(args.backend, [])
     graphs = get_backend_class(args.backend).supports_cuda_graph
-    device, dtype = _resolve_device_dtype(args.device, args.dtype)
-    model = load_model_or_default(args.model, dtype, device, seed=args.seed)
+    device, dtype, model = _load_model(args)
     prompts = _prompts(args.batch_size, args.prompt_len, model.config.vocab_size, args.seed)
     console.print(
         f"model: {args.model or 'embedded default (random weights)'} | draft {spec} | device {device} | {dtype} | "
