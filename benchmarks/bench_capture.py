@@ -35,25 +35,19 @@ from sgl_piecewise.runners.capture import shared_capture
 from sgl_piecewise.runners.whole_model import default_capture_sizes
 
 
-def pool_reserved() -> int:
-    """Bytes of the segments in the shared capture core's graph pool."""
-    pool = tuple(shared_capture("cuda").pool)
-    segments = torch.cuda.memory._snapshot()["segments"]
-    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool)
-
-
 def measured(capture) -> dict:
     """Run ``capture()`` (returns its seconds); memory growth around it, and
     how much of the reserved growth is the graph pool's."""
     torch.cuda.synchronize()
-    reserved, allocated, pool = torch.cuda.memory_reserved(), torch.cuda.memory_allocated(), pool_reserved()
+    core = shared_capture("cuda")
+    reserved, allocated, pool = torch.cuda.memory_reserved(), torch.cuda.memory_allocated(), core.pool_bytes()
     seconds = capture()
     torch.cuda.synchronize()
     return {
         "seconds": seconds,
         "reserved_delta_gib": (torch.cuda.memory_reserved() - reserved) / 2**30,
         "allocated_delta_gib": (torch.cuda.memory_allocated() - allocated) / 2**30,
-        "pool_delta_gib": (pool_reserved() - pool) / 2**30,
+        "pool_delta_gib": (core.pool_bytes() - pool) / 2**30,
     }
 
 

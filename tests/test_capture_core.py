@@ -14,6 +14,7 @@ def test_without_cuda_a_recording_runs_the_function_once_and_keeps_no_graph():
     assert graph is None and calls == [1]
     torch.testing.assert_close(out, torch.ones(2))
     assert list(core.largest_first([2, 8, 4], "sizes", "size", progress=False)) == [8, 4, 2]
+    assert core.pool_bytes() == 0
 
 
 def test_a_refused_sync_is_explained_with_its_cause():
@@ -22,10 +23,8 @@ def test_a_refused_sync_is_explained_with_its_cause():
     assert explain_capture_failure(RuntimeError("out of memory"), "x") is None
 
 
-def _reserved_outside(pool) -> int:
-    segments = torch.cuda.memory._snapshot()["segments"]
-    in_pool = sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool))
-    return torch.cuda.memory_reserved() - in_pool
+def _reserved_outside(core: GraphCapture) -> int:
+    return torch.cuda.memory_reserved() - core.pool_bytes()
 
 
 @pytest.mark.gpu
@@ -37,13 +36,13 @@ def test_gpu_a_capture_phase_leaves_no_warmup_scratch_cached_and_its_graphs_stil
     x = torch.randn(4096, 4096, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    before = _reserved_outside(core.pool)
+    before = _reserved_outside(core)
     recorded = {}
     for size in core.largest_first([2, 1], "sizes", "size", progress=False):
         step = lambda size=size: (x[: 2048 * size] @ x).relu()  # noqa: E731
         core.warmup(step)
         recorded[size] = core.record(step)
-    assert _reserved_outside(core.pool) <= before
+    assert _reserved_outside(core) <= before
     for size, (graph, out) in recorded.items():
         out.fill_(float("nan"))
         graph.replay()

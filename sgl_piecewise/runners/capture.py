@@ -255,6 +255,15 @@ class GraphCapture:
             with torch.cuda.device(self.device):
                 torch.cuda.empty_cache()
 
+    def pool_bytes(self) -> int:
+        """Bytes of the segments the caching allocator holds for the pool
+        captures go to now (0 without CUDA): the graphs' own memory."""
+        if not self.use_cuda:
+            return 0
+        pool = tuple(self.pool)
+        segments = torch.cuda.memory._snapshot(self.device)["segments"]
+        return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool)
+
     def synchronize(self) -> None:
         if self.use_cuda:
             torch.cuda.synchronize(self.device)
