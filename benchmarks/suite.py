@@ -174,11 +174,20 @@ def step_paths(runner, batch, piecewise, whole: dict) -> Dict[str, Callable]:
     return paths
 
 
+def step_batch(args, runner, kind: str, size: int):
+    """The timed step: ``decode`` of ``size`` requests with ``--context``
+    tokens each (the new one included), or ``extend`` of ``size`` new tokens
+    of one request with no prefix."""
+    if kind == "decode":
+        return make_batch(runner, sp.ForwardMode.DECODE, [args.context - 1] * size, [1] * size)
+    return make_batch(runner, sp.ForwardMode.EXTEND, [0], [size])
+
+
 def decode_rows(args, model, runner, piecewise, whole, ceilings, hf) -> dict:
     rows = {}
     read_bytes, _ = weight_bytes(model)
     for bs in args.decode_bs:
-        batch = make_batch(runner, sp.ForwardMode.DECODE, [args.context - 1] * bs, [1] * bs)
+        batch = step_batch(args, runner, "decode", bs)
         row = time_paths(step_paths(runner, batch, piecewise, whole))
         if hf is not None:
             row["hf_eager"] = hf_decode_ms(hf, args, bs)
@@ -200,7 +209,7 @@ def extend_rows(args, model, runner, piecewise, ceilings) -> dict:
     rows = {}
     read_bytes, nonemb = weight_bytes(model)
     for n in args.extend:
-        batch = make_batch(runner, sp.ForwardMode.EXTEND, [0], [n])
+        batch = step_batch(args, runner, "extend", n)
         row = time_paths(step_paths(runner, batch, piecewise, {}))
         if ceilings:
             row["floor"] = extend_floor_ms(read_bytes, nonemb, n, ceilings["copy_rate_Bps"], ceilings["matmul_flops"])
@@ -220,11 +229,11 @@ def reduce_overhead_rows(args, model, runner, rows: dict) -> None:
     never replay after those tensors are gone. The reset leaves the other
     paths' compiled code to be compiled again, so they are all timed before.
     """
-    shapes = [("decode", bs, sp.ForwardMode.DECODE, [args.context - 1] * bs, [1] * bs) for bs in args.decode_bs]
-    shapes += [("extend", n, sp.ForwardMode.EXTEND, [0], [n]) for n in args.extend if n in args.reduce_overhead_extend]
-    for kind, size, mode, prefix, extend in shapes:
+    shapes = [("decode", bs) for bs in args.decode_bs]
+    shapes += [("extend", n) for n in args.extend if n in args.reduce_overhead_extend]
+    for kind, size in shapes:
         torch._dynamo.reset()
-        batch = make_batch(runner, mode, prefix, extend)
+        batch = step_batch(args, runner, kind, size)
         compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
         paths = {"eager": partial(step_fn, runner, model, batch),
                  "reduce_overhead": partial(step_fn, runner, compiled, batch, keep_metadata=True)}  # fmt: skip
