@@ -115,6 +115,7 @@ def ours(point: Point, max_kv_splits: int, launch: Optional[DecodeLaunch] = None
     bs = point.bs
     logits = torch.empty(bs, HQ, max_kv_splits, D, device="cuda", dtype=torch.float32)
     lse = torch.empty(bs, HQ, max_kv_splits, device="cuda", dtype=torch.float32)
+    counts = torch.zeros(bs, HQ, device="cuda", dtype=torch.int32)
     kv_lens = torch.full((bs,), point.ctx, dtype=torch.int32, device="cuda")
     splits = choose_num_kv_splits(kv_lens, max_kv_splits, torch.empty_like(kv_lens))
     if fixed_splits is not None:
@@ -122,7 +123,7 @@ def ours(point: Point, max_kv_splits: int, launch: Optional[DecodeLaunch] = None
 
     def call(b: Batch) -> None:
         decode_attention(b.q, point.k_cache, point.v_cache, b.out, b.kv_indptr, b.kv_indices,
-                         logits, lse, splits, max_kv_splits, D**-0.5, launch)  # fmt: skip
+                         logits, lse, counts, splits, max_kv_splits, D**-0.5, launch)  # fmt: skip
 
     return call
 

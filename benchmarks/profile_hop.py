@@ -5,9 +5,10 @@ The 0.5b shape of the suite, bf16, ``triton`` attention, one decode request
 with 1023 cached tokens. Each line is the host time of one call, averaged
 over 3000 calls launched back to back (after 50 warm-up calls) and
 synchronised only at the end: the Python and launch cost, not the kernels'
-device time. From the whole attention op down to its parts, and, for
-scale, an empty Triton kernel launched the usual way and through
-``FastLauncher``.
+device time. From the whole attention op down to its one launch, the
+unfused K/V write other backends still pay, and, for scale, an empty Triton
+kernel launched the usual way, through ``FastLauncher`` and as a bound
+kernel given addresses.
 
     python benchmarks/profile_hop.py --out results/
 """
@@ -60,31 +61,29 @@ def calls(runner, batch, ctx) -> dict:
     v = torch.randn(1, hkv, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     meta, scale, k0, v0 = be.forward_metadata, 1 / math.sqrt(d), pool.k_buffers[0], pool.v_buffers[0]
+    loc = ctx.out_cache_loc
+    step = (meta.kv_indptr, meta.kv_indices, meta.attn_logits, meta.attn_lse, meta.merge_counts, meta.num_kv_splits)
+    decode = lambda: dk.decode_attention(  # noqa: E731
+        q, k0, v0, out, *step, be.max_kv_splits, scale, new_k=k, new_v=v, out_cache_loc=loc, num_rows=1
+    )
+    plan = decode()
     empty_args = (q, k, v, out, q, k, v, out, q, k, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
     fast_empty = FastLauncher(_empty)
+    fast_empty((1,), *empty_args, BLOCK=16)
+    bound_empty = fast_empty.bound(empty_args, {"BLOCK": 16})
+    empty_addresses = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in empty_args)
     return {
         "attention op body (attention_with_output_direct)": lambda: attention_with_output_direct(q, k, v, out, 0),
-        "pool.set_kv (2 index_copy_)": lambda: pool.set_kv(0, ctx.out_cache_loc, k, v),
-        "one index_copy_": lambda: k0.index_copy_(0, ctx.out_cache_loc, k),
-        "backend.forward (metadata lookup + decode_attention)": lambda: be.forward(q, k, v, out, 0, batch, scale),
-        "decode_attention (checks + 2 launches)": lambda: dk.decode_attention(
-            q,
-            k0,
-            v0,
-            out,
-            meta.kv_indptr,
-            meta.kv_indices,
-            meta.attn_logits,
-            meta.attn_lse,
-            meta.num_kv_splits,
-            be.max_kv_splits,
-            scale,
-        ),  # fmt: skip
-        "_check_decode_args": lambda: dk._check_decode_args(
-            q, k0, v0, out, meta.attn_logits, meta.attn_lse, be.max_kv_splits, None
-        ),  # fmt: skip
+        "backend.write_kv_and_attend (the step's DecodePlan)": lambda: be.write_kv_and_attend(
+            q, k, v, out, 0, batch, scale, 1, loc
+        ),
+        "DecodePlan.launch (one layer: K/V write, splits, merge)": lambda: plan.launch(q, k0, v0, out, k, v),
+        "decode_attention (checks, a new plan, its launch)": decode,
+        "unfused path for comparison: pool.set_kv (2 index_copy_)": lambda: pool.set_kv(0, loc, k, v),
+        "one index_copy_": lambda: k0.index_copy_(0, loc, k),
         "empty Triton kernel, 10 tensors + 10 ints (JITFunction.run)": lambda: _empty[(1,)](*empty_args, BLOCK=16),
         "empty Triton kernel through FastLauncher": lambda: fast_empty((1,), *empty_args, BLOCK=16),
+        "empty Triton kernel, BoundKernel, addresses as ints": lambda: bound_empty((1,), *empty_addresses),
         "empty torch op (torch.empty(0))": lambda: torch.empty(0, device="cuda"),
         "out[1:].zero_() (no-op slice)": lambda: out[1:].zero_(),
     }

@@ -44,12 +44,12 @@ def build(fn, meta, types):
 for dtype, hq, hkv, d in [(torch.bfloat16, 32, 8, 128), (torch.bfloat16, 8, 1, 256),
                           (torch.float16, 14, 2, 80), (torch.bfloat16, 64, 1, 128),
                           (torch.float32, 8, 2, 128)]:
-    split, red = dec.decode_kernel_meta(hq, hkv, d, d, dtype)
-    t = {"q_ptr": PTR[dtype], "k_ptr": PTR[dtype], "v_ptr": PTR[dtype], "part_ptr": "*fp32",
-         "lse_ptr": "*fp32", "qk_scale": "fp32"}
-    print(json.dumps({"kernel": f"decode {dtype} {hq}/{hkv} d{d}", **build(dec._decode_split_kernel, split, t)}))
-    t = {"out_ptr": PTR[dtype], "part_ptr": "*fp32", "lse_ptr": "*fp32"}
-    print(json.dumps({"kernel": f"reduce {dtype} d{d}", **build(dec._decode_reduce_kernel, red, t)}))
+    for new_kv in (False, True):
+        meta = dec.decode_kernel_meta(hq, hkv, d, d, dtype, None, new_kv)
+        t = {n: PTR[dtype] for n in ("q_ptr", "k_ptr", "v_ptr", "new_k_ptr", "new_v_ptr", "out_ptr")}
+        t.update({"loc_ptr": "*i64", "part_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"})
+        name = f"decode {dtype} {hq}/{hkv} d{d} new_kv={new_kv}"
+        print(json.dumps({"kernel": name, **build(dec._decode_kernel, meta, t)}))
     for max_q, use_mask in [(4096, False), (4096, True), (7, True)]:
         meta = ext.extend_kernel_meta(hq, hkv, d, d, dtype, max_q, use_mask)
         t = {n: PTR[dtype] for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
@@ -82,7 +82,7 @@ def test_kernels_compile_for_sm90_without_spills_or_smem_overflow():
     if proc.stdout.startswith("SKIP"):
         pytest.skip(proc.stdout[5:].strip())
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert len(rows) == 5 * 5  # 5 shapes x (split, reduce, 3 extend variants)
+    assert len(rows) == 5 * 5  # 5 shapes x (decode with and without the K/V write, 3 extend variants)
     # H100: 227 KiB of shared memory per block at most; any spill is a tile
     # choice to revisit.
     bad = [r for r in rows if r["spill"] > 0 or r["smem"] > 227 * 1024]

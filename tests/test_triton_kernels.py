@@ -147,6 +147,7 @@ def run_decode(b: PagedBatch, max_kv_splits: int, num_splits: torch.Tensor, laun
     # Scratch with stale NaNs: unused splits must never be read.
     logits = torch.full((bs + 2, num_q_heads, max_kv_splits + 1, dv), float("nan"), device=b.q.device)
     lse = torch.full((bs + 2, num_q_heads, max_kv_splits + 1), float("nan"), device=b.q.device)
+    counts = torch.zeros(bs, num_q_heads, dtype=torch.int32, device=b.q.device)
     decode_attention(
         b.q,
         b.k_cache,
@@ -156,6 +157,7 @@ def run_decode(b: PagedBatch, max_kv_splits: int, num_splits: torch.Tensor, laun
         b.kv_indices,
         logits,
         lse,
+        counts,
         num_splits,
         max_kv_splits,
         b.q.shape[2] ** -0.5,
@@ -281,6 +283,82 @@ def test_choose_num_kv_splits_scales_with_length_and_caps():
         choose_num_kv_splits(kv_lens, 0, out)
 
 
+def _decode_scratch(rows: int, num_q_heads: int, dv: int, max_kv_splits: int, device=CPU):
+    # Stale NaNs in the scratch: a split that is never written must never be read.
+    logits = torch.full((rows, num_q_heads, max_kv_splits, dv), float("nan"), device=device)
+    lse = torch.full((rows, num_q_heads, max_kv_splits), float("nan"), device=device)
+    return logits, lse, torch.zeros(rows, num_q_heads, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_with_new_kv_writes_the_pool_and_attends_padded_rows_to_zero(dtype):
+    # Three requests; each one's last key is its new token, whose pool slot
+    # holds NaN until the launch writes it. Two padded rows follow.
+    kv_lens, bs, rows, hq, hkv, d = [1, 40, 300], 3, 5, 8, 2, 32
+    b = make_batch([1] * bs, kv_lens, hq, hkv, d, dtype)
+    last = [int(b.kv_indptr[r + 1]) - 1 for r in range(bs)]
+    loc = b.kv_indices[last].long()
+    new_k = torch.randn(rows, hkv, d).to(dtype)
+    new_v = torch.randn(rows, hkv, d).to(dtype)
+    expected_pool_k, expected_pool_v = b.k_cache.clone(), b.v_cache.clone()
+    expected_pool_k[loc], expected_pool_v[loc] = new_k[:bs], new_v[:bs]
+    b.k_cache[loc], b.v_cache[loc] = float("nan"), float("nan")
+    q = torch.cat([b.q, torch.full((rows - bs, hq, d), float("nan")).to(dtype)])
+    out = torch.full((rows, hq, d), float("nan")).to(dtype)
+    splits = choose_num_kv_splits(torch.tensor(kv_lens, dtype=torch.int32), 8, torch.empty(bs, dtype=torch.int32))
+    logits, lse, counts = _decode_scratch(bs, hq, d, 8)
+    decode_attention(
+        q, b.k_cache, b.v_cache, out, b.kv_indptr, b.kv_indices, logits, lse, counts, splits, 8, d**-0.5,
+        new_k=new_k, new_v=new_v, out_cache_loc=loc, num_rows=bs,
+    )  # fmt: skip
+    # Exactly the real requests' new rows were written, nothing else.
+    assert torch.equal(b.k_cache, expected_pool_k) and torch.equal(b.v_cache, expected_pool_v)
+    assert_close(out[:bs], decode_reference(b), dtype)
+    assert torch.equal(out[bs:], torch.zeros_like(out[bs:]))
+    # The split that merged reset every arrival count for the next launch.
+    assert splits.tolist() == [1, 1, 3] and torch.equal(counts, torch.zeros_like(counts))
+
+
+def test_decode_plan_launches_another_layer_like_a_fresh_call():
+    kv_lens, hq, hkv, d = [5, 70, 129], 4, 2, 16
+    layers = [make_batch([1] * 3, kv_lens, hq, hkv, d, torch.float32) for _ in range(2)]
+    for b in layers[1:]:  # one request table, two layers' pools
+        b.kv_indptr, b.kv_indices, b.q = layers[0].kv_indptr, layers[0].kv_indices, layers[0].q
+    splits = torch.tensor([1, 2, 3], dtype=torch.int32)
+    args = lambda b, out: (b.q, b.k_cache, b.v_cache, out, b.kv_indptr, b.kv_indices)  # noqa: E731
+    outs = [torch.empty(3, hq, d) for _ in range(3)]
+    plan = decode_attention(*args(layers[0], outs[0]), *_decode_scratch(3, hq, d, 4), splits, 4, 0.25)
+    assert plan.launch(layers[1].q, layers[1].k_cache, layers[1].v_cache, outs[1])
+    decode_attention(*args(layers[1], outs[2]), *_decode_scratch(3, hq, d, 4), splits, 4, 0.25)
+    assert torch.equal(outs[1], outs[2])
+    # A layer laid out unlike the plan's first is refused, not launched.
+    strided_q = torch.randn(3, hq + 2, d)[:, :hq]
+    assert not plan.launch(strided_q, layers[1].k_cache, layers[1].v_cache, outs[1])
+
+
+def test_decode_rejects_bad_merge_counts_and_new_kv():
+    b = make_batch([1, 1], [3, 4], 4, 2, 32, torch.float32)
+    out, splits = torch.empty(2, 4, 32), torch.ones(2, dtype=torch.int32)
+    logits, lse, counts = _decode_scratch(2, 4, 32, 2)
+    common = (b.q, b.k_cache, b.v_cache, out, b.kv_indptr, b.kv_indices, logits, lse)
+    with pytest.raises(InvalidInputError, match="merge_counts int32"):
+        decode_attention(*common, counts.long(), splits, 2, 0.1)
+    with pytest.raises(InvalidInputError, match="together"):
+        decode_attention(*common, counts, splits, 2, 0.1, new_k=torch.empty(2, 2, 32))
+    with pytest.raises(InvalidInputError, match="new_k"):
+        decode_attention(
+            *common, counts, splits, 2, 0.1,
+            new_k=torch.empty(2, 2, 16), new_v=torch.empty(2, 2, 32), out_cache_loc=torch.zeros(2, dtype=torch.int64),
+        )  # fmt: skip
+    with pytest.raises(InvalidInputError, match="out_cache_loc int64"):
+        decode_attention(
+            *common, counts, splits, 2, 0.1,
+            new_k=torch.empty(2, 2, 32), new_v=torch.empty(2, 2, 32), out_cache_loc=torch.zeros(2, dtype=torch.int32),
+        )  # fmt: skip
+    with pytest.raises(InvalidInputError, match="num_rows"):
+        decode_attention(*common, counts, splits, 2, 0.1, num_rows=3)
+
+
 def test_decode_rejects_mismatched_shapes():
     b = make_batch([1, 1], [3, 4], 4, 2, 32, torch.float32)
     bad_out = torch.empty(2, 4, 16)
@@ -294,6 +372,7 @@ def test_decode_rejects_mismatched_shapes():
             b.kv_indices,
             torch.empty(2, 4, 2, 32),
             torch.empty(2, 4, 2),
+            torch.zeros(2, 4, dtype=torch.int32),
             torch.ones(2, dtype=torch.int32),
             2,
             0.1,
@@ -308,6 +387,7 @@ def test_decode_rejects_mismatched_shapes():
             b.kv_indices,
             torch.empty(2, 4, 1, 32),
             torch.empty(2, 4, 1),
+            torch.zeros(2, 4, dtype=torch.int32),
             torch.ones(2, dtype=torch.int32),
             2,
             0.1,
@@ -479,12 +559,13 @@ def test_gpu_decode_and_extend_replay_in_a_cuda_graph_with_new_lengths():
     out_ext = torch.zeros_like(q_ext)
     logits = torch.empty(bs, hq, max_splits, d, device=cuda)
     lse = torch.empty(bs, hq, max_splits, device=cuda)
+    counts = torch.zeros(bs, hq, dtype=torch.int32, device=cuda)
     k_cache, v_cache = first.k_cache, first.v_cache
 
     def step():
         choose_num_kv_splits(kv_lens_buf, max_splits, splits)
         decode_attention(
-            q_dec, k_cache, v_cache, out_dec, kv_indptr, kv_indices, logits, lse, splits, max_splits, d**-0.5
+            q_dec, k_cache, v_cache, out_dec, kv_indptr, kv_indices, logits, lse, counts, splits, max_splits, d**-0.5
         )
         extend_attention(q_ext, k_cache, v_cache, out_ext, qo_indptr, kv_indptr, kv_indices, 2, d**-0.5)
 

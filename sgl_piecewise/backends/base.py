@@ -147,6 +147,26 @@ class AttentionBackend(ABC):
         else:
             self.forward_extend(q, k, v, out, layer_id, batch, scale)
 
+    def write_kv_and_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        scale: float,
+        num_tokens: int,
+        out_cache_loc: torch.Tensor,
+    ) -> bool:
+        """The attention op's whole work in one call, where the backend has a
+        kernel for it: write the K/V of the ``num_tokens`` real rows at
+        ``out_cache_loc``, attend, and zero ``out``'s rows past them (``q, k,
+        v, out`` may hold a graph's padded rows). Returns False where it has
+        none for this step; the op then writes the K/V itself and calls
+        :meth:`forward` on the real rows."""
+        return False
+
     @abstractmethod
     def forward_decode(self, q, k, v, out, layer_id, batch, scale) -> None: ...
 

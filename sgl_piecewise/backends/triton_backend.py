@@ -50,8 +50,11 @@ class TritonMetadata(LengthMetadata):
     num_kv_splits: Optional[torch.Tensor]  # [bs] int32
     attn_logits: Optional[torch.Tensor]  # [bs, Hq, S, Dv] f32 scratch, S = grid splits of bs
     attn_lse: Optional[torch.Tensor]  # [bs, Hq, S] f32 scratch
+    merge_counts: Optional[torch.Tensor]  # [bs, Hq] int32 split arrival counts, zero between launches
     # Steps with a tree mask only: the flat [q_len, kv_len] blocks, request-major.
     custom_mask: Optional[torch.Tensor]  # [M] bool
+    # The step's decode launch, built at its first layer: (what it was built for, DecodePlan).
+    decode_plan: Optional[tuple] = None
 
 
 def _is_decode_step(mode: ForwardMode) -> bool:
@@ -129,6 +132,7 @@ class TritonBackend(StaticGraphBackend):
             num_kv_splits=new(bs) if decode else None,
             attn_logits=new(bs, hq, splits, dv, dtype=torch.float32) if decode else None,
             attn_lse=new(bs, hq, splits, dtype=torch.float32) if decode else None,
+            merge_counts=torch.zeros(bs, hq, dtype=torch.int32, device=self.kv_pool.device) if decode else None,
             custom_mask=new(int((q_cpu * kv_cpu).sum()), dtype=torch.bool) if masked else None,
         )
 
@@ -149,6 +153,7 @@ class TritonBackend(StaticGraphBackend):
         buffers.alloc("kv_indices", (max_bs * context,), torch.int32)
         buffers.alloc("attn_logits", (split_rows * hq * dv,), torch.float32)
         buffers.alloc("attn_lse", (split_rows * hq,), torch.float32)
+        buffers.alloc("merge_counts", (max_bs * hq,), torch.int32)  # zeros; every launch leaves them so
         # One [context] row of mask per graph query row.
         buffers.alloc("custom_mask", (max_num_tokens * context,), torch.bool)
 
@@ -164,6 +169,7 @@ class TritonBackend(StaticGraphBackend):
             num_kv_splits=b["num_kv_splits"][:bs] if decode else None,
             attn_logits=b["attn_logits"][: bs * hq * splits * dv].view(bs, hq, splits, dv) if decode else None,
             attn_lse=b["attn_lse"][: bs * hq * splits].view(bs, hq, splits) if decode else None,
+            merge_counts=b["merge_counts"][: bs * hq].view(bs, hq) if decode else None,
             custom_mask=b["custom_mask"] if masked else None,
         )
 
@@ -177,20 +183,44 @@ class TritonBackend(StaticGraphBackend):
             copy_custom_mask(meta.custom_mask, spec_info.custom_mask)
 
     # ---- attention -------------------------------------------------------
+    def write_kv_and_attend(self, q, k, v, out, layer_id, batch, scale, num_tokens, out_cache_loc) -> bool:
+        """DECODE: one launch per layer writes the K/V, attends and zeroes
+        the padded rows. Everything but the layer's own tensors is fixed at
+        the step's first layer (``DecodePlan``)."""
+        if not batch.forward_mode.is_decode():
+            return False
+        meta = self.forward_metadata
+        cached = meta.decode_plan if meta is not None else None
+        kc, vc = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
+        if cached is not None and cached[0] == (num_tokens, scale, q.shape[0]) and cached[1] is out_cache_loc:
+            if cached[2].launch(q, kc, vc, out, k, v):
+                return True
+        self.check_supported(batch.forward_mode)
+        meta = self._current_metadata(q[:num_tokens], batch)
+        plan = self._decode(q, kc, vc, out, meta, scale, new_k=k, new_v=v, out_cache_loc=out_cache_loc,
+                            num_rows=num_tokens)  # fmt: skip
+        meta.decode_plan = ((num_tokens, scale, q.shape[0]), out_cache_loc, plan)
+        return True
+
     def forward_decode(self, q, k, v, out, layer_id, batch, scale) -> None:
         meta = self._current_metadata(q, batch)
-        decode_attention(
+        self._decode(q, self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id], out, meta, scale)
+
+    def _decode(self, q, k_cache, v_cache, out, meta, scale, **new_kv):
+        return decode_attention(
             q,
-            self.kv_pool.k_buffers[layer_id],
-            self.kv_pool.v_buffers[layer_id],
+            k_cache,
+            v_cache,
             out,
             meta.kv_indptr,
             meta.kv_indices,
             meta.attn_logits,
             meta.attn_lse,
+            meta.merge_counts,
             meta.num_kv_splits,
             self.max_kv_splits,
             scale,
+            **new_kv,
         )
 
     def forward_extend(self, q, k, v, out, layer_id, batch, scale) -> None:

@@ -136,8 +136,11 @@ class _CompilePieces(torch.fx.Interpreter):
         piece = self.pieces[target]
         if piece.is_splitting_op:
             # Fake run done (it needed the dispatcher); from now on it runs on
-            # real tensors only.
+            # real tensors only, called as its generated code: nn.Module's
+            # call machinery (hooks, forward lookup) costs microseconds per
+            # layer per step and does nothing here.
             bypass_dispatcher(piece.graph)
+            self.module.__dict__[target] = piece.graph.forward
         else:
             compiled = self.compiler(piece.graph, args)
             wrapper = PieceGraphs(target, compiled, self.state, _piece_static_args(self.module, target))

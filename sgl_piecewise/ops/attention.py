@@ -62,6 +62,9 @@ def _attention_into(
     n = ctx.num_tokens
     if not ctx.args_checked or ctx.debug_checks:
         _check_against_pool(q, k, v, pool, n)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if backend.write_kv_and_attend(q, k, v, out, layer_id, batch, scale, n, ctx.out_cache_loc):
+        return
     # Slices and the zeroing only where the rows are padded (a launch each,
     # per layer per step, that an unpadded step does not need).
     padded = q.shape[0] > n
@@ -70,7 +73,7 @@ def _attention_into(
         if padded:
             q, k, v, o = q[:n], k[:n], v[:n], out[:n]
         pool.set_kv(layer_id, ctx.out_cache_loc, k, v)
-        backend.forward(q, k, v, o, layer_id, batch, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+        backend.forward(q, k, v, o, layer_id, batch, scale)
     if padded:
         out[n:].zero_()
 

@@ -1,12 +1,16 @@
 """Split-KV ("flash-decoding") attention: one query token per request over the
 paged KV pool.
 
-Stage 1 splits each request's keys into up to ``max_kv_splits`` contiguous
-ranges; one program per (request, kv head, split) attends all query heads of
-that kv head at once (grouped-query tile), so every K/V row is read from the
-pool once per kv head rather than once per query head. It writes the split's
-normalised partial output and its log-sum-exp to caller-owned scratch.
-Stage 2 merges the splits of each (request, query head).
+One launch per call. Each request's keys are split into up to
+``max_kv_splits`` contiguous ranges; one program per (request, kv head,
+split) attends all query heads of that kv head at once (grouped-query tile),
+so every K/V row is read from the pool once per kv head rather than once per
+query head. A request with one split writes its output directly; otherwise
+each split writes its normalised partial output and log-sum-exp to
+caller-owned scratch, and the split that finishes last (an arrival count per
+request and kv head) merges them. Optionally the launch also writes the new
+tokens' K/V into the pool, so a decode step's attention is one kernel per
+layer.
 
 Graph safety: the grid depends only on ``bs``, head counts and
 ``max_kv_splits``; the per-request split count is read on the device, so one
@@ -45,9 +49,6 @@ DECODE_BLOCK_H = 16  # query heads per program; tl.dot needs >= 16 rows
 # older grouped kernel did (BLOCK_H = max(16, next_pow2(group))), so K/V are
 # still read once per kv head; 64 rows compile for sm_90 without spills.
 DECODE_MAX_BLOCK_H = 64
-# The split reducer: SGLang's settings for the same loop.
-REDUCE_NUM_WARPS = 4
-REDUCE_NUM_STAGES = 2
 # Split boundaries are multiples of this (SGLang's MIN_BLOCK_KV), so splits
 # start on whole 32-key tiles.
 SPLIT_GRANULE = 32
@@ -118,15 +119,73 @@ def _split_range(kv_len, num_splits, split_id, GRANULE: tl.constexpr):
 
 
 @triton.jit
-def _decode_split_kernel(
+def _merge_splits(
+    part_ptr,
+    lse_ptr,
+    req,
+    heads,
+    mask_h,
+    offs_dv,
+    mask_dv,
+    kv_len,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    GRANULE: tl.constexpr,
+):
+    """The output rows of ``heads``: the filled splits' partial outputs
+    weighed by their log-sum-exp. Loads bypass L1 (``.cg``): other programs
+    wrote the partials during this launch."""
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    part_rows = part_ptr + req * stride_pb + heads[:, None] * stride_ph + offs_dv[None, :]
+    lse_rows = lse_ptr + req * stride_lb + heads * stride_lh
+    for split_id in range(0, num_splits):
+        start, end = _split_range(kv_len, num_splits, split_id, GRANULE)
+        # Empty splits left their scratch stale; only count filled ones.
+        if start < end:
+            lse = tl.load(lse_rows + split_id, mask=mask_h, other=float("-inf"), cache_modifier=".cg")
+            part = tl.load(
+                part_rows + split_id * stride_ps,
+                mask=mask_h[:, None] & mask_dv[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            m_new = tl.maximum(m_i, lse)
+            # lse = -inf (weightless keys): shift by 0, not -inf - -inf = NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            w = tl.exp(lse - m_safe)
+            acc = acc * alpha[:, None] + w[:, None] * part
+            l_i = l_i * alpha + w
+            m_i = m_new
+    # l_i == 0: no key carried weight, so zeros, not 0/0. Not `l_i > 0`: a NaN
+    # l_i fails that too, and NaN must reach the output (see softmax_step).
+    return tl.where(l_i[:, None] == 0, 0.0, acc / l_i[:, None])
+
+
+@triton.jit
+def _decode_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    loc_ptr,
     kv_indptr_ptr,
     kv_indices_ptr,
     num_splits_ptr,
     part_ptr,
     lse_ptr,
+    count_ptr,
+    out_ptr,
+    num_rows,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -134,11 +193,18 @@ def _decode_split_kernel(
     stride_kh,
     stride_vt,
     stride_vh,
+    stride_nkb,
+    stride_nkh,
+    stride_nvb,
+    stride_nvh,
     stride_pb,
     stride_ph,
     stride_ps,
     stride_lb,
     stride_lh,
+    stride_cb,
+    stride_ob,
+    stride_oh,
     max_splits,
     GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
@@ -151,22 +217,16 @@ def _decode_split_kernel(
     GRANULE: tl.constexpr,
     F32X3: tl.constexpr,
     UPCAST: tl.constexpr,
+    NEW_KV: tl.constexpr,
 ):
-    # Grid: (bs, num_kv_heads * HEAD_BLOCKS, max_splits).
+    # Grid: (rows, num_kv_heads * HEAD_BLOCKS, max_splits); one launch does
+    # the K/V write, every split and their merge.
     req = tl.program_id(0)
-    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    head_program = tl.program_id(1)
+    kv_head = head_program // HEAD_BLOCKS
     split_id = tl.program_id(2)
-    num_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + req), 1), max_splits)
-    kv_start = tl.load(kv_indptr_ptr + req)
-    kv_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
-    start, end = _split_range(kv_len, num_splits, split_id, GRANULE)
-    # Splits past the request's count, or past its keys, write nothing:
-    # stage 2 recomputes the same ranges and skips them.
-    if (split_id >= num_splits) | (start >= end):
-        return
-
     # Query heads kv_head*GROUP + in_group share this kv head.
-    in_group = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_group = (head_program % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = in_group < GROUP
     heads = kv_head * GROUP + in_group
     offs_d = tl.arange(0, BLOCK_D)
@@ -174,6 +234,31 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     mask_d = offs_d < D
     mask_dv = offs_dv < DV
+    out_rows = out_ptr + req * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
+    mask_out = mask_h[:, None] & mask_dv[None, :]
+
+    if req >= num_rows:  # a padded row (a graph's): zeros, no K/V, no metadata read
+        if split_id == 0:
+            tl.store(out_rows, tl.zeros([BLOCK_H, BLOCK_DV], dtype=out_ptr.dtype.element_ty), mask=mask_out)
+        return
+    num_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + req), 1), max_splits)
+    # Splits past the request's count take no part, not even in the merge count.
+    if split_id >= num_splits:
+        return
+    kv_start = tl.load(kv_indptr_ptr + req)
+    kv_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
+    start, end = _split_range(kv_len, num_splits, split_id, GRANULE)
+    # The request's new token is its last key. With NEW_KV this launch writes
+    # its K/V to the pool and takes it from new_k/new_v, never from the
+    # pool, so no program reads a row another program is writing.
+    new_key = kv_len - 1 if NEW_KV else -1
+    if NEW_KV:
+        new_k = tl.load(new_k_ptr + req * stride_nkb + kv_head * stride_nkh + offs_d, mask=mask_d, other=0.0)
+        new_v = tl.load(new_v_ptr + req * stride_nvb + kv_head * stride_nvh + offs_dv, mask=mask_dv, other=0.0)
+        if (split_id == 0) & (head_program % HEAD_BLOCKS == 0):
+            slot = tl.load(loc_ptr + req).to(tl.int64)
+            tl.store(k_ptr + slot * stride_kt + kv_head * stride_kh + offs_d, new_k, mask=mask_d)
+            tl.store(v_ptr + slot * stride_vt + kv_head * stride_vh + offs_dv, new_v, mask=mask_dv)
 
     q = tl.load(
         q_ptr + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -188,83 +273,68 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         keys = n0 + offs_n
         mask_n = keys < end
+        from_pool = mask_n & (keys != new_key)
         # int64: slot * row stride can pass 2**31 in a large pool.
-        slots = tl.load(kv_indices_ptr + kv_start + keys, mask=mask_n, other=0).to(tl.int64)
-        k = load_rows(k_base, slots, stride_kt, offs_d, mask_n, mask_d)
+        slots = tl.load(kv_indices_ptr + kv_start + keys, mask=from_pool, other=0).to(tl.int64)
+        k = load_rows(k_base, slots, stride_kt, offs_d, from_pool, mask_d)
+        if NEW_KV:
+            k = tl.where((keys == new_key)[:, None], new_k[None, :], k)
         # Logits in the exp2 domain (qk_scale = sm_scale * log2(e)).
         s = mm(q, tl.trans(k), F32X3, UPCAST) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-        v = load_rows(v_base, slots, stride_vt, offs_dv, mask_n, mask_dv)
+        v = load_rows(v_base, slots, stride_vt, offs_dv, from_pool, mask_dv)
+        if NEW_KV:
+            v = tl.where((keys == new_key)[:, None], new_v[None, :], v)
         acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, F32X3, UPCAST)
 
-    part_off = req * stride_pb + heads[:, None] * stride_ph + split_id * stride_ps
-    # Keys that all weigh 0 (logits -inf) store 0, not 0/0: the merge weighs
+    # Keys that all weigh 0 (logits -inf) give 0, not 0/0: the merge weighs
     # the split exp(-inf) = 0, and 0 * NaN would still be NaN.
     part = tl.where(l_i[:, None] == 0, 0.0, acc / l_i[:, None])
-    tl.store(part_ptr + part_off + offs_dv[None, :], part, mask=mask_h[:, None] & mask_dv[None, :])
-    # Natural-log LSE of the sm_scale-scaled logits.
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    tl.store(lse_ptr + req * stride_lb + heads * stride_lh + split_id, lse, mask=mask_h)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    out_ptr,
-    part_ptr,
-    lse_ptr,
-    kv_indptr_ptr,
-    num_splits_ptr,
-    stride_ob,
-    stride_oh,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    max_splits,
-    DV: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    GRANULE: tl.constexpr,
-):
-    # Grid: (bs, num_q_heads).
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    num_splits = tl.minimum(tl.maximum(tl.load(num_splits_ptr + req), 1), max_splits)
-    kv_len = tl.load(kv_indptr_ptr + req + 1) - tl.load(kv_indptr_ptr + req)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < DV
-
-    m_i = tl.zeros([1], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    part_base = part_ptr + req * stride_pb + head * stride_ph
-    lse_base = lse_ptr + req * stride_lb + head * stride_lh
-    for split_id in range(0, num_splits):
-        start, end = _split_range(kv_len, num_splits, split_id, GRANULE)
-        # Empty splits left their scratch stale; only count filled ones.
-        if start < end:
-            lse = tl.load(lse_base + split_id + tl.zeros([1], dtype=tl.int32))
-            part = tl.load(part_base + split_id * stride_ps + offs_dv, mask=mask_dv, other=0.0)
-            m_new = tl.maximum(m_i, lse)
-            # lse = -inf (weightless keys): shift by 0, not -inf - -inf = NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            w = tl.exp(lse - m_safe)
-            acc = acc * alpha + w * part
-            l_i = l_i * alpha + w
-            m_i = m_new
-    # l_i == 0: no key carried weight, so zeros, not 0/0. Not `l_i > 0`: a NaN
-    # l_i fails that too, and NaN must reach the output (see softmax_step).
-    result = tl.where(l_i == 0, 0.0, acc / l_i)
-    tl.store(out_ptr + req * stride_ob + head * stride_oh + offs_dv, result.to(out_ptr.dtype.element_ty), mask=mask_dv)
+    if num_splits == 1:  # nothing to merge: the split's output is the row's
+        tl.store(out_rows, part.to(out_ptr.dtype.element_ty), mask=mask_out)
+        return
+    if start < end:
+        part_off = req * stride_pb + heads[:, None] * stride_ph + split_id * stride_ps
+        tl.store(part_ptr + part_off + offs_dv[None, :], part, mask=mask_out)
+        # Natural-log LSE of the sm_scale-scaled logits.
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+        tl.store(lse_ptr + req * stride_lb + heads * stride_lh + split_id, lse, mask=mask_h)
+    # The split that arrives last merges (its partials stored before the
+    # count: barrier, then a release-acquire increment) and resets the count
+    # to 0 for the next launch.
+    tl.debug_barrier()
+    count = count_ptr + req * stride_cb + head_program
+    arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        result = _merge_splits(
+            part_ptr,
+            lse_ptr,
+            req,
+            heads,
+            mask_h,
+            offs_dv,
+            mask_dv,
+            kv_len,
+            num_splits,
+            stride_pb,
+            stride_ph,
+            stride_ps,
+            stride_lb,
+            stride_lh,
+            BLOCK_H,
+            BLOCK_DV,
+            GRANULE,
+        )
+        tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=mask_out)
+        tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
 
 # Under TRITON_INTERPRET=1, triton.jit yields an interpreter object instead of
 # a JITFunction; its bf16 dot needs the UPCAST workaround (see mm).
-_INTERPRETED = not isinstance(_decode_split_kernel, JITFunction)
+_INTERPRETED = not isinstance(_decode_kernel, JITFunction)
 # Launched once per layer per step: skip Triton's per-call binding (launch.py).
-_launch_split, _launch_reduce = FastLauncher(_decode_split_kernel), FastLauncher(_decode_reduce_kernel)
+_launch_decode = FastLauncher(_decode_kernel)
 
 
 def choose_num_kv_splits(
@@ -361,16 +431,17 @@ def decode_kernel_meta(
     dv: int,
     dtype: torch.dtype,
     launch: Optional[DecodeLaunch] = None,
-) -> tuple[dict, dict]:
-    """Compile-time arguments (constexprs, num_warps, num_stages) of the split
-    and reduce kernels; one place, shared by the launcher and the sm_90
-    compile test. ``launch=None``: :func:`default_decode_launch`. Cached: it
-    runs once per layer per step otherwise. The dicts are shared; callers
-    only unpack them."""
+    new_kv: bool = False,
+) -> dict:
+    """Compile-time arguments (constexprs, num_warps, num_stages) of the
+    decode kernel; one place, shared by the launcher and the sm_90 compile
+    test. ``launch=None``: :func:`default_decode_launch`; ``new_kv``: the
+    launch writes the new tokens' K/V. Cached; the dict is shared, callers
+    only unpack it."""
     launch = launch or default_decode_launch(dtype)
     group = num_q_heads // num_kv_heads
     block_h = decode_block_h(group, dtype)
-    split_meta = dict(
+    return dict(
         GROUP=group,
         HEAD_BLOCKS=triton.cdiv(group, block_h),
         D=head_dim,
@@ -382,25 +453,13 @@ def decode_kernel_meta(
         GRANULE=SPLIT_GRANULE,
         F32X3=dtype == torch.float32,
         UPCAST=_INTERPRETED and dtype == torch.bfloat16,
+        NEW_KV=new_kv,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
-    reduce_meta = dict(
-        DV=dv,
-        BLOCK_DV=triton.next_power_of_2(dv),
-        GRANULE=SPLIT_GRANULE,
-        num_warps=REDUCE_NUM_WARPS,
-        num_stages=REDUCE_NUM_STAGES,
-    )
-    return split_meta, reduce_meta
 
 
-def _check_decode_args(q, k_cache, v_cache, out, attn_logits, attn_lse, max_kv_splits, launch) -> int:
-    """Shape/dtype/layout checks that read no tensor values (no sync).
-    Returns the grid's split count, which the scratch must hold."""
-    bs, num_q_heads, dv = check_attention_args("decode_attention", "bs", q, k_cache, v_cache, out)
-    # grid_kv_splits checks max_kv_splits.
-    splits = grid_kv_splits(bs, num_q_heads, k_cache.shape[1], q.dtype, max_kv_splits, q.device, launch)
+def _check_scratch(bs, num_q_heads, dv, splits, max_kv_splits, attn_logits, attn_lse, merge_counts) -> None:
     ok_logits = (
         attn_logits.dim() == 4
         and attn_logits.shape[0] >= bs
@@ -421,11 +480,138 @@ def _check_decode_args(q, k_cache, v_cache, out, attn_logits, attn_lse, max_kv_s
             f"(grid_kv_splits of max_kv_splits={max_kv_splits}), "
             f"got {attn_logits.dtype} {list(attn_logits.shape)} and {attn_lse.dtype} {list(attn_lse.shape)}"
         )
-    check_last_dim_contiguous(
-        "decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, out=out,
-        attn_logits=attn_logits, attn_lse=attn_lse,
-    )  # fmt: skip
-    return splits
+    ok_counts = merge_counts.dim() == 2 and merge_counts.shape[0] >= bs and merge_counts.shape[1] >= num_q_heads
+    if not ok_counts or merge_counts.dtype != torch.int32 or merge_counts.stride(1) != 1:
+        raise InvalidInputError(
+            f"decode_attention: expected merge_counts int32 [>={bs}, >={num_q_heads}], contiguous rows, "
+            f"zeroed once (every launch leaves it zero), got {merge_counts.dtype} {list(merge_counts.shape)} "
+            f"strides {merge_counts.stride()}"
+        )
+
+
+def _check_new_kv(rows: int, bs: int, k_cache, v_cache, new_k, new_v, out_cache_loc) -> None:
+    if (new_k is None) != (new_v is None) or (new_k is None) != (out_cache_loc is None):
+        raise InvalidInputError("decode_attention: expected new_k, new_v and out_cache_loc together, got some of them")
+    if new_k is None:
+        return
+    want_k, want_v = (rows, k_cache.shape[1], k_cache.shape[2]), (rows, v_cache.shape[1], v_cache.shape[2])
+    if tuple(new_k.shape) != want_k or tuple(new_v.shape) != want_v or not new_k.dtype == new_v.dtype == k_cache.dtype:
+        raise InvalidInputError(
+            f"decode_attention: expected new_k {list(want_k)} and new_v {list(want_v)} of {k_cache.dtype}, "
+            f"got {list(new_k.shape)} {new_k.dtype} and {list(new_v.shape)} {new_v.dtype}"
+        )
+    if out_cache_loc.dim() != 1 or out_cache_loc.shape[0] < bs or out_cache_loc.dtype != torch.int64:
+        raise InvalidInputError(
+            f"decode_attention: expected out_cache_loc int64 [>={bs}], "
+            f"got {out_cache_loc.dtype} {list(out_cache_loc.shape)}"
+        )
+    if out_cache_loc.device != k_cache.device or out_cache_loc.stride(0) != 1:
+        raise InvalidInputError(
+            f"decode_attention: expected out_cache_loc contiguous on {k_cache.device}, "
+            f"got {out_cache_loc.device} with stride {out_cache_loc.stride(0)}"
+        )
+
+
+class DecodePlan:
+    """A decode launch with everything fixed that is the same for every layer
+    of a step: the checks, the grid, the constexprs, the metadata and
+    scratch addresses, the compiled kernel. :meth:`launch` then takes one
+    layer's tensors and launches; the attention between compiled pieces runs
+    one per layer per step.
+
+    Built from the first layer's tensors (all checked); a later layer's are
+    compared with them at launch (shapes and strides: what the checks and the
+    compiled kernel assumed; 16-byte alignment: else the launch takes
+    Triton's own path). Args as :func:`decode_attention`.
+    """
+
+    def __init__(
+        self, q, k_cache, v_cache, out, kv_indptr, kv_indices, attn_logits, attn_lse, merge_counts,
+        num_kv_splits, max_kv_splits, sm_scale, launch=None, *, new_k=None, new_v=None,
+        out_cache_loc=None, num_rows=None,
+    ):  # fmt: skip
+        rows, num_q_heads, dv = check_attention_args("decode_attention", "rows", q, k_cache, v_cache, out)
+        bs = rows if num_rows is None else num_rows
+        if isinstance(bs, bool) or not isinstance(bs, int) or not 0 <= bs <= rows:
+            raise InvalidInputError(f"decode_attention: expected num_rows an int in [0, {rows}], got {num_rows!r}")
+        # grid_kv_splits checks max_kv_splits.
+        splits = grid_kv_splits(bs, num_q_heads, k_cache.shape[1], q.dtype, max_kv_splits, q.device, launch)
+        _check_scratch(bs, num_q_heads, dv, splits, max_kv_splits, attn_logits, attn_lse, merge_counts)
+        _check_new_kv(rows, bs, k_cache, v_cache, new_k, new_v, out_cache_loc)
+        check_last_dim_contiguous(
+            "decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, out=out,
+            attn_logits=attn_logits, attn_lse=attn_lse,
+            **({} if new_k is None else dict(new_k=new_k, new_v=new_v)),
+        )  # fmt: skip
+        num_kv_heads, head_dim = k_cache.shape[1], q.shape[2]
+        self.meta = decode_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, launch, new_k is not None)
+        self.grid = (rows, num_kv_heads * self.meta["HEAD_BLOCKS"], splits)
+        self.new_kv = new_k is not None
+        self.num_rows = bs
+        # Per-step arguments, in the kernel's order around the per-layer ones.
+        self._metadata = (out_cache_loc, kv_indptr, kv_indices, num_kv_splits, attn_logits, attn_lse, merge_counts)
+        self._scale = sm_scale * _LOG2E
+        self._scratch_strides = (
+            *attn_logits.stride()[:3], *attn_lse.stride()[:2], merge_counts.stride(0),
+        )  # fmt: skip
+        self._splits = splits
+        self._layout = self._layout_of(q, k_cache, out, new_k, new_v)
+        self._bound = None  # (BoundKernel, per-step addresses) after the first launch
+        self._tail = ()
+        self._bindable = True
+
+    def _layout_of(self, q, k_cache, out, new_k, new_v) -> tuple:
+        """What the compiled kernel assumed of one layer's tensors."""
+        new = (new_k.stride(), new_v.stride()) if self.new_kv else ()
+        return q.shape, q.stride(), k_cache.shape, k_cache.stride(), out.stride(), new
+
+    def _args(self, q, k_cache, v_cache, out, new_k, new_v, metadata) -> tuple:
+        new_k, new_v = (new_k, new_v) if self.new_kv else (q, q)  # not read when the launch writes no K/V
+        loc, kv_indptr, kv_indices, num_kv_splits, attn_logits, attn_lse, merge_counts = metadata
+        loc = q if loc is None else loc
+        return (
+            q, k_cache, v_cache, new_k, new_v, loc, kv_indptr, kv_indices, num_kv_splits,
+            attn_logits, attn_lse, merge_counts, out, self.num_rows, self._scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
+            *self._scratch_strides, out.stride(0), out.stride(1), self._splits,
+        )  # fmt: skip
+
+    def launch(self, q, k_cache, v_cache, out, new_k=None, new_v=None) -> bool:
+        """Attend one layer: ``q, out`` (and ``new_k, new_v``) are its
+        tensors, ``k_cache, v_cache`` its pools; the rest is the plan's.
+        Returns False, launching nothing, when the layer's tensors are laid
+        out unlike the first layer's (build a plan for them)."""
+        layout = self._layout_of(q, k_cache, out, new_k, new_v)
+        if layout != self._layout:
+            return False
+        if self.grid[0] == 0:
+            return True
+        if self._bound is not None:
+            ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr())
+            new = (new_k.data_ptr(), new_v.data_ptr()) if self.new_kv else ptrs[:1] * 2
+            if not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | new[0] | new[1]) & 15:  # as compiled: 16-byte aligned
+                kernel, metadata = self._bound
+                try:
+                    kernel(self.grid, ptrs[0], ptrs[1], ptrs[2], *new, *metadata, ptrs[3], *self._tail)
+                    return True
+                except TypeError:  # a launcher that takes no addresses: it parsed, launched nothing
+                    self._bindable = False
+                    self._bound = None
+        args = self._args(q, k_cache, v_cache, out, new_k, new_v, self._metadata)
+        _launch_decode(self.grid, *args, **self.meta)
+        if self._bindable:
+            self._bind(args)
+        return True
+
+    def _bind(self, args: tuple) -> None:
+        """After a launch through the launcher: keep its compiled kernel, and
+        the per-step tensors as addresses, if every pointer was aligned as
+        the next launches' are checked to be."""
+        kernel = _launch_decode.bound(args, self.meta)
+        if kernel is not None and all(a.data_ptr() % 16 == 0 for a in args[:13] if isinstance(a, torch.Tensor)):
+            self._bound = (kernel, tuple(t.data_ptr() for t in args[5:12]))
+            self._tail = args[13:]  # the scalars after `out`
 
 
 def decode_attention(
@@ -437,18 +623,28 @@ def decode_attention(
     kv_indices: torch.Tensor,
     attn_logits: torch.Tensor,
     attn_lse: torch.Tensor,
+    merge_counts: torch.Tensor,
     num_kv_splits: torch.Tensor,
     max_kv_splits: int,
     sm_scale: float,
     launch: Optional[DecodeLaunch] = None,
-) -> None:
-    """Attention of one query token per request over its paged keys; writes ``out``.
+    *,
+    new_k: Optional[torch.Tensor] = None,
+    new_v: Optional[torch.Tensor] = None,
+    out_cache_loc: Optional[torch.Tensor] = None,
+    num_rows: Optional[int] = None,
+) -> DecodePlan:
+    """Attention of one query token per request over its paged keys; writes
+    ``out``. One kernel launch: every split, and the merge of the splits by
+    the split that finishes last.
 
     Args:
-        q: ``[bs, Hq, D]`` one query token per request.
+        q: ``[rows, Hq, D]`` one query token per request; rows past
+            ``num_rows`` are padding.
         k_cache: ``[num_slots, Hkv, D]`` the layer's key pool.
         v_cache: ``[num_slots, Hkv, Dv]`` the layer's value pool.
-        out: ``[bs, Hq, Dv]`` written, q's dtype. A request with no keys gets zeros.
+        out: ``[rows, Hq, Dv]`` written, q's dtype. A request with no keys
+            gets zeros, and so does every padded row.
         kv_indptr: ``[bs + 1]`` int32; request r's keys are
             ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``.
         kv_indices: ``[>= kv_indptr[bs]]`` int32/int64 slot ids into the pool.
@@ -457,64 +653,33 @@ def decode_attention(
             (at most ``max_kv_splits``).
         attn_lse: ``[>= bs, Hq, >= S]`` float32 scratch for the splits'
             natural-log log-sum-exp of the scaled logits.
+        merge_counts: ``[>= bs, >= Hq]`` int32 arrival counts of the splits,
+            zero before the first launch; every launch leaves them zero.
+            Launches that may run at once need their own.
         num_kv_splits: ``[bs]`` int32 splits per request, clamped on the
             device to ``[1, grid splits]`` (see :func:`choose_num_kv_splits`).
         max_kv_splits: the scratch's split axis; the grid's is
             :func:`grid_kv_splits` of it (``bs`` and the card decide).
         sm_scale: logit scale, usually ``D ** -0.5``.
-        launch: tile, warp and split-axis settings of the split kernel
-            (speed only); None: :func:`default_decode_launch` of q's dtype.
+        launch: tile, warp and split-axis settings (speed only); None:
+            :func:`default_decode_launch` of q's dtype.
+        new_k, new_v, out_cache_loc: the new tokens' ``[rows, Hkv, D|Dv]``
+            K/V and their ``[>= bs]`` int64 slots. Given, the launch writes
+            them into the pool and takes each request's last key (its new
+            token) from them; not given, every key comes from the pool.
+        num_rows: ``bs``, the rows that are requests (default: all).
 
-    The launch grids depend only on ``bs``, the head counts and
+    Returns the :class:`DecodePlan` of the call, which launches the same
+    attention for another layer of the step without the checks.
+
+    The launch grid depends only on ``rows``, ``bs``, the head counts and
     ``max_kv_splits``, and nothing reads tensor values on the host, so the call
     can be captured in a CUDA graph and replayed with new lengths.
     """
-    grid_splits = _check_decode_args(q, k_cache, v_cache, out, attn_logits, attn_lse, max_kv_splits, launch)
-    bs, num_q_heads, head_dim = q.shape
-    num_kv_heads, dv = k_cache.shape[1], v_cache.shape[2]
-    if bs == 0:
-        return
-    split_meta, reduce_meta = decode_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, launch)
-    head_programs = num_kv_heads * split_meta["HEAD_BLOCKS"]
-    _launch_split(
-        (bs, head_programs, grid_splits),
-        q,
-        k_cache,
-        v_cache,
-        kv_indptr,
-        kv_indices,
-        num_kv_splits,
-        attn_logits,
-        attn_lse,
-        sm_scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        attn_logits.stride(0),
-        attn_logits.stride(1),
-        attn_logits.stride(2),
-        attn_lse.stride(0),
-        attn_lse.stride(1),
-        grid_splits,
-        **split_meta,
-    )
-    _launch_reduce(
-        (bs, num_q_heads),
-        out,
-        attn_logits,
-        attn_lse,
-        kv_indptr,
-        num_kv_splits,
-        out.stride(0),
-        out.stride(1),
-        attn_logits.stride(0),
-        attn_logits.stride(1),
-        attn_logits.stride(2),
-        attn_lse.stride(0),
-        attn_lse.stride(1),
-        grid_splits,
-        **reduce_meta,
-    )
+    plan = DecodePlan(
+        q, k_cache, v_cache, out, kv_indptr, kv_indices, attn_logits, attn_lse, merge_counts,
+        num_kv_splits, max_kv_splits, sm_scale, launch, new_k=new_k, new_v=new_v,
+        out_cache_loc=out_cache_loc, num_rows=num_rows,
+    )  # fmt: skip
+    plan.launch(q, k_cache, v_cache, out, new_k, new_v)  # its own tensors: always launches
+    return plan

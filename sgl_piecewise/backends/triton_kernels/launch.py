@@ -48,6 +48,31 @@ def _active(hook: Any) -> Any:
     return None if hook is None or getattr(hook, "calls", True) == [] else hook
 
 
+class BoundKernel:
+    """One compiled kernel with its constexprs: ``bound(grid, *args)`` is a
+    launch through the kernel's own compiled launcher and nothing else.
+    Pointer arguments may be given as integers (device addresses): the
+    launcher then skips both the ``data_ptr()`` call and its pointer query
+    per argument. Launch hooks (a profiler's) are called as
+    ``JITFunction.run`` calls them; Triton's default empty hook chains are
+    skipped: building the launch metadata for them and calling them cost
+    more than the rest of the launch."""
+
+    def __init__(self, kernel: Any, constexprs: Tuple):
+        self.kernel, self.constexprs = kernel, constexprs
+
+    def __call__(self, grid: Sequence[int], *args: Any) -> None:
+        kernel = self.kernel
+        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+        grid_1 = grid[1] if len(grid) > 1 else 1
+        grid_2 = grid[2] if len(grid) > 2 else 1
+        enter, leave = _active(_knobs.runtime.launch_enter_hook), _active(_knobs.runtime.launch_exit_hook)
+        hooked = enter is not None or leave is not None
+        launch_metadata = kernel.launch_metadata(grid, stream, *args, *self.constexprs) if hooked else None
+        kernel.run(grid[0], grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,
+                   enter, leave, *args, *self.constexprs)  # fmt: skip
+
+
 class FastLauncher:
     """Launches one ``@triton.jit`` kernel as ``kernel[grid](*args, **meta)``
     does, without ``JITFunction.run`` after the first call of each
@@ -58,7 +83,7 @@ class FastLauncher:
     def __init__(self, fn: Any):
         self.fn = fn
         self.fast = isinstance(fn, JITFunction) and _knobs is not None
-        self._kernels: Dict[Tuple, Tuple[Any, Tuple]] = {}
+        self._kernels: Dict[Tuple, BoundKernel] = {}
 
     # Keys hold integers by value; a long run of ever new values (say, a
     # token count) must not grow the table without bound.
@@ -68,28 +93,26 @@ class FastLauncher:
         if not self.fast:
             self.fn[grid](*args, **meta)
             return
-        device = torch._C._cuda_getDevice()
-        key = (device, tuple(map(_arg_key, args)), tuple(meta.items()))
-        cached = self._kernels.get(key)
-        if cached is None:
+        key = self._key(args, meta)
+        bound = self._kernels.get(key)
+        if bound is None:
             self._first_launch(key, grid, args, meta)
             return
-        kernel, constexprs = cached
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        grid_1 = grid[1] if len(grid) > 1 else 1
-        grid_2 = grid[2] if len(grid) > 2 else 1
-        # As JITFunction.run launches, except that hook chains with nothing in
-        # them (Triton's default) are left out: building the launch metadata
-        # for them and calling them cost more than the rest of the launch.
-        enter, leave = _active(_knobs.runtime.launch_enter_hook), _active(_knobs.runtime.launch_exit_hook)
-        hooked = enter is not None or leave is not None
-        launch_metadata = kernel.launch_metadata(grid, stream, *args, *constexprs) if hooked else None
         try:
-            kernel.run(grid[0], grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,
-                       enter, leave, *args, *constexprs)  # fmt: skip
+            bound(grid, *args)
         except TypeError:  # the compiled launcher parses its arguments before it launches anything
             self.fast = False
             self.fn[grid](*args, **meta)
+
+    def bound(self, args: Sequence[Any], meta: Dict[str, Any]) -> Optional[BoundKernel]:
+        """The compiled kernel that launches with ``args`` and ``meta`` took
+        (None before the first such launch, or on the slow path): for a
+        caller that launches it many times with arguments of the same
+        specialisation (the same dtypes, alignments and integer values)."""
+        return self._kernels.get(self._key(args, meta)) if self.fast else None
+
+    def _key(self, args: Sequence[Any], meta: Dict[str, Any]) -> Tuple:
+        return torch._C._cuda_getDevice(), tuple(map(_arg_key, args)), tuple(meta.items())
 
     def _first_launch(self, key: Tuple, grid: Sequence[int], args: Sequence[Any], meta: Dict[str, Any]) -> None:
         kernel = self.fn[grid](*args, **meta)
@@ -98,7 +121,7 @@ class FastLauncher:
         if usable:
             if len(self._kernels) >= self.max_entries:
                 self._kernels.clear()
-            self._kernels[key] = (kernel, constexprs)
+            self._kernels[key] = BoundKernel(kernel, constexprs)
         else:
             self.fast = False
 
