@@ -290,33 +290,46 @@ def _decode_scratch(rows: int, num_q_heads: int, dv: int, max_kv_splits: int, de
     return logits, lse, torch.zeros(rows, num_q_heads, dtype=torch.int32, device=device)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_with_new_kv_writes_the_pool_and_attends_padded_rows_to_zero(dtype):
-    # Three requests; each one's last key is its new token, whose pool slot
-    # holds NaN until the launch writes it. Two padded rows follow.
-    kv_lens, bs, rows, hq, hkv, d = [1, 40, 300], 3, 5, 8, 2, 32
-    b = make_batch([1] * bs, kv_lens, hq, hkv, d, dtype)
+def _check_decode_with_new_kv(dtype, kv_lens, device=CPU, hq=8, hkv=2, d=32, max_splits=8, launches=1):
+    """Returns the split counts and the last launch's plan."""
+    # Each request's last key is its new token, whose pool slot holds NaN
+    # until the launch writes it; two padded rows follow the requests.
+    bs = len(kv_lens)
+    rows = bs + 2
+    b = make_batch([1] * bs, kv_lens, hq, hkv, d, dtype, device=device)
     last = [int(b.kv_indptr[r + 1]) - 1 for r in range(bs)]
-    loc = b.kv_indices[last].long()
-    new_k = torch.randn(rows, hkv, d).to(dtype)
-    new_v = torch.randn(rows, hkv, d).to(dtype)
+    # The slots at an 8-byte (not 16-byte) aligned address, as a slice of a batch's slots can be.
+    loc = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), b.kv_indices[last].long()])[1:]
+    new_k = torch.randn(rows, hkv, d, device=device).to(dtype)
+    new_v = torch.randn(rows, hkv, d, device=device).to(dtype)
     expected_pool_k, expected_pool_v = b.k_cache.clone(), b.v_cache.clone()
     expected_pool_k[loc], expected_pool_v[loc] = new_k[:bs], new_v[:bs]
-    b.k_cache[loc], b.v_cache[loc] = float("nan"), float("nan")
-    q = torch.cat([b.q, torch.full((rows - bs, hq, d), float("nan")).to(dtype)])
-    out = torch.full((rows, hq, d), float("nan")).to(dtype)
-    splits = choose_num_kv_splits(torch.tensor(kv_lens, dtype=torch.int32), 8, torch.empty(bs, dtype=torch.int32))
-    logits, lse, counts = _decode_scratch(bs, hq, d, 8)
-    decode_attention(
-        q, b.k_cache, b.v_cache, out, b.kv_indptr, b.kv_indices, logits, lse, counts, splits, 8, d**-0.5,
-        new_k=new_k, new_v=new_v, out_cache_loc=loc, num_rows=bs,
-    )  # fmt: skip
+    q = torch.cat([b.q, torch.full((rows - bs, hq, d), float("nan"), device=device).to(dtype)])
+    kv_lens_t = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    splits = choose_num_kv_splits(kv_lens_t, max_splits, torch.empty_like(kv_lens_t))
+    logits, lse, counts = _decode_scratch(bs, hq, d, max_splits, device)
+    outs = []
+    for _ in range(launches):  # every launch must leave the arrival counts at zero for the next
+        b.k_cache[loc], b.v_cache[loc] = float("nan"), float("nan")
+        out = torch.full((rows, hq, d), float("nan"), device=device).to(dtype)
+        plan = decode_attention(
+            q, b.k_cache, b.v_cache, out, b.kv_indptr, b.kv_indices, logits, lse, counts, splits, max_splits,
+            d**-0.5, new_k=new_k, new_v=new_v, out_cache_loc=loc, num_rows=bs,
+        )  # fmt: skip
+        outs.append(out)
     # Exactly the real requests' new rows were written, nothing else.
     assert torch.equal(b.k_cache, expected_pool_k) and torch.equal(b.v_cache, expected_pool_v)
-    assert_close(out[:bs], decode_reference(b), dtype)
-    assert torch.equal(out[bs:], torch.zeros_like(out[bs:]))
-    # The split that merged reset every arrival count for the next launch.
-    assert splits.tolist() == [1, 1, 3] and torch.equal(counts, torch.zeros_like(counts))
+    assert_close(outs[0][:bs], decode_reference(b), dtype)
+    assert torch.equal(outs[0][bs:], torch.zeros_like(outs[0][bs:]))
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    assert torch.equal(counts, torch.zeros_like(counts))
+    return splits, plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_with_new_kv_writes_the_pool_and_attends_padded_rows_to_zero(dtype):
+    splits, _ = _check_decode_with_new_kv(dtype, [1, 40, 300])
+    assert splits.tolist() == [1, 1, 3]  # one request goes through the merge
 
 
 def test_decode_plan_launches_another_layer_like_a_fresh_call():
@@ -524,6 +537,38 @@ def test_gpu_extend_bf16_model_sizes(num_q_heads, num_kv_heads, head_dim):
     mask, indptr = flat_mask(visible)
     out = run_extend(b, max(q_lens), mask.to(cuda), indptr.to(cuda))
     assert_close(out, reference(b, head_dim**-0.5, visible), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_with_new_kv_merges_by_the_last_split_on_every_launch():
+    # 64 requests of up to 8 splits on a real card: splits finish in any
+    # order; 30 launches in a row with one set of arrival counts.
+    rng = random.Random(5)
+    kv_lens = [rng.randint(1, 1100) for _ in range(64)]
+    cuda = torch.device("cuda")
+    _, plan = _check_decode_with_new_kv(torch.bfloat16, kv_lens, cuda, hq=14, hkv=2, d=64, max_splits=8, launches=30)
+    # Its next layer launches through the bound kernel: the step's slots need no 16-byte alignment.
+    assert plan._bound is not None
+
+
+@pytest.mark.gpu
+def test_gpu_decode_plan_bound_launch_equals_a_fresh_call_bit_for_bit():
+    cuda = torch.device("cuda")
+    kv_lens, hq, hkv, d = [5, 700, 129, 1024], 14, 2, 64
+    layers = [make_batch([1] * 4, kv_lens, hq, hkv, d, torch.bfloat16, device=cuda) for _ in range(2)]
+    base = layers[0]
+    splits = choose_num_kv_splits(torch.tensor(kv_lens, dtype=torch.int32, device=cuda), 16,
+                                  torch.empty(4, dtype=torch.int32, device=cuda))  # fmt: skip
+    scratch = _decode_scratch(4, hq, d, 16, cuda)
+    outs = [torch.empty(4, hq, d, device=cuda, dtype=torch.bfloat16) for _ in range(3)]
+    plan = decode_attention(base.q, base.k_cache, base.v_cache, outs[0], base.kv_indptr, base.kv_indices,
+                            *scratch, splits, 16, 0.125)  # fmt: skip
+    for _ in range(2):  # the second launch of a plan goes through its bound kernel
+        assert plan.launch(base.q, layers[1].k_cache, layers[1].v_cache, outs[1])
+    assert plan._bound is not None
+    decode_attention(base.q, layers[1].k_cache, layers[1].v_cache, outs[2], base.kv_indptr, base.kv_indices,
+                     *_decode_scratch(4, hq, d, 16, cuda), splits, 16, 0.125)  # fmt: skip
+    assert torch.equal(outs[1], outs[2])
 
 
 @pytest.mark.gpu

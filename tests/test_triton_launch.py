@@ -79,3 +79,17 @@ def test_gpu_the_launcher_launches_on_the_current_stream_inside_a_cuda_graph():
     x.copy_(torch.randn(256, device="cuda"))
     graph.replay()
     torch.testing.assert_close(out, 2.0 * x + y)
+
+
+@pytest.mark.gpu
+def test_gpu_a_bound_kernel_takes_device_addresses_as_integers():
+    launch = FastLauncher(_axpy)
+    x, y = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
+    out, normal = _launch_and_want(launch, x, y, 1000)
+    bound = launch.bound((x, y, out, 1000, 2.0), {"BLOCK": 128, "num_warps": 4})
+    assert bound is not None
+    by_address = torch.full_like(x, float("nan"))
+    bound((8,), x.data_ptr(), y.data_ptr(), by_address.data_ptr(), 1000, 2.0)
+    torch.testing.assert_close(by_address, normal, rtol=0, atol=0)
+    # Another specialisation (a length not divisible by 16) was never launched: nothing bound.
+    assert launch.bound((x, y, out, 999, 2.0), {"BLOCK": 128, "num_warps": 4}) is None

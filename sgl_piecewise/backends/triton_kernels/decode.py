@@ -605,11 +605,14 @@ class DecodePlan:
         return True
 
     def _bind(self, args: tuple) -> None:
-        """After a launch through the launcher: keep its compiled kernel, and
-        the per-step tensors as addresses, if every pointer was aligned as
-        the next launches' are checked to be."""
+        """After a launch through the launcher: keep its compiled kernel and
+        the per-step tensors as addresses, if the layer's tensors were 16-byte
+        aligned, as the next launches' are checked to be."""
         kernel = _launch_decode.bound(args, self.meta)
-        if kernel is not None and all(a.data_ptr() % 16 == 0 for a in args[:13] if isinstance(a, torch.Tensor)):
+        # The step's tensors keep their addresses (the kernel was compiled for
+        # their alignment); a layer's own are checked to be aligned at launch.
+        layer_tensors = (args[0], args[1], args[2], args[3], args[4], args[12])
+        if kernel is not None and all(t.data_ptr() % 16 == 0 for t in layer_tensors):
             self._bound = (kernel, tuple(t.data_ptr() for t in args[5:12]))
             self._tail = args[13:]  # the scalars after `out`
 
