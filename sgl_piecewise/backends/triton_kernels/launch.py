@@ -5,10 +5,11 @@ the arguments to the signature, computes their specialisation (dtypes,
 16-byte alignment of pointers, integers equal to 1 or divisible by 16),
 looks the compiled kernel up, builds launch metadata for the launch hooks
 and only then launches it. The attention between compiled pieces launches
-two of our kernels per layer per step; on the H200 host measured
+one of our kernels per layer per step; on the H200 host measured
 (docs/BENCHMARKS.md, "Where the attention's host time goes") this launcher
-took an empty kernel's launch from 18 to 13 µs: the compiled launcher
-itself is most of what remains.
+took an empty kernel's launch from 18 to 14 µs, and a :class:`BoundKernel`
+given device addresses as integers to 6 µs: Triton's launcher then neither
+calls ``data_ptr()`` nor asks the driver about each pointer.
 
 :class:`FastLauncher` launches the first call of each specialisation through
 ``JITFunction.run`` and keeps the compiled kernel it returns; later calls
@@ -16,7 +17,9 @@ with the same specialisation key launch that kernel directly through its
 own launcher. The key is computed here, more finely than Triton's (every
 integer and float by value, every tensor by dtype and 16-byte alignment,
 the device), so a reused kernel was always compiled for arguments like the
-ones it gets.
+ones it gets. :meth:`FastLauncher.bound` hands that kernel to a caller that
+launches it many times with arguments of one specialisation
+(``decode.DecodePlan``).
 
 Anything unexpected (the Triton interpreter, a Triton whose compiled-kernel
 launcher takes other arguments) falls back to ``kernel[grid](...)`` for good.
