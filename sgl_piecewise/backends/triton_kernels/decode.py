@@ -119,25 +119,9 @@ def _split_range(kv_len, num_splits, split_id, GRANULE: tl.constexpr):
 
 
 @triton.jit
-def _merge_splits(
-    part_ptr,
-    lse_ptr,
-    req,
-    heads,
-    mask_h,
-    offs_dv,
-    mask_dv,
-    kv_len,
-    num_splits,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    BLOCK_H: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    GRANULE: tl.constexpr,
-):
+def _merge_splits(part_ptr, lse_ptr, req, heads, mask_h, offs_dv, mask_dv, kv_len, num_splits,
+                  stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                  BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, GRANULE: tl.constexpr):  # fmt: skip
     """The output rows of ``heads``: the filled splits' partial outputs
     weighed by their log-sum-exp. Loads bypass L1 (``.cg``): other programs
     wrote the partials during this launch."""
@@ -307,25 +291,9 @@ def _decode_kernel(
     count = count_ptr + req * stride_cb + head_program
     arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
     if arrived == num_splits - 1:
-        result = _merge_splits(
-            part_ptr,
-            lse_ptr,
-            req,
-            heads,
-            mask_h,
-            offs_dv,
-            mask_dv,
-            kv_len,
-            num_splits,
-            stride_pb,
-            stride_ph,
-            stride_ps,
-            stride_lb,
-            stride_lh,
-            BLOCK_H,
-            BLOCK_DV,
-            GRANULE,
-        )
+        result = _merge_splits(part_ptr, lse_ptr, req, heads, mask_h, offs_dv, mask_dv, kv_len, num_splits,
+                               stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                               BLOCK_H, BLOCK_DV, GRANULE)  # fmt: skip
         tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=mask_out)
         tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
