@@ -30,6 +30,7 @@ from common import (  # noqa: E402 (benchmarks/ is the script's folder)
     make_batch,
     matmul_rate,
     step_fn,
+    time_paths,
     weight_bytes,
 )
 
@@ -119,21 +120,7 @@ def time_modes(runner, modes, batch, decode_graphs=None):
         steps["decode_graphs"] = lambda: graph_step_fn(runner, decode_graphs, batch)
     if "reduce_overhead" in steps:  # last: the only mode whose graph reads another step's tensors
         steps["reduce_overhead"] = steps.pop("reduce_overhead")
-    result, ref = {}, None
-    for name, make in steps.items():
-        try:
-            run = make()
-            with torch.no_grad():
-                logits = run()
-                result[name] = cuda_median_ms(run)
-            diff = 0.0 if ref is None else (logits - ref).abs().max().item()
-            ref = logits if ref is None else ref
-            result[name + "_maxdiff"] = diff
-        except Exception as e:  # record and go on: one mode failing must not hide the rest
-            result[name] = None
-            result[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            print(f"[{name}] failed: {result[name + '_error']}", file=sys.stderr)
-    return result
+    return time_paths(steps)
 
 
 def main():

@@ -8,6 +8,7 @@ runs of the scripts' logic), wall time. Nothing here is a test.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from typing import Callable, Dict
 
@@ -86,6 +87,25 @@ def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> flo
 
 
 cuda_median_ms = median_ms
+
+
+def time_paths(paths: Dict[str, Callable[[], Callable]]) -> dict:
+    """Median ms of each path (a factory of its step), and its max |logit
+    difference| to the first path; a failing path records its error."""
+    result, ref = {}, None
+    for name, make in paths.items():
+        try:
+            run = make()
+            with torch.no_grad():
+                logits = run()
+                result[name] = median_ms(run)
+            result[name + "_maxdiff"] = 0.0 if ref is None else float((logits - ref).abs().max())
+            ref = logits if ref is None else ref
+        except Exception as e:  # one path failing must not hide the rest
+            result[name] = None
+            result[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"[{name}] failed: {result[name + '_error']}", file=sys.stderr)
+    return result
 
 
 def copy_rate() -> float:

@@ -60,6 +60,7 @@ from common import (  # noqa: E402 (benchmarks/ is the script's folder)
     matmul_rate,
     median_ms,
     step_fn,
+    time_paths,
     weight_bytes,
 )
 from suite_profile import hop_host_us_per_layer, kernels_per_replay  # noqa: E402
@@ -144,25 +145,6 @@ def hf_decode_ms(hf, args, bs: int) -> float:
             cache.crop(-1)  # drop the token just added (negative: the same in transformers 4 and 5)
 
         return median_ms(step, 3, 20)
-
-
-def time_paths(paths: Dict[str, Callable[[], Callable]]) -> dict:
-    """Median ms of each path (a factory of its step), and its max |logit
-    difference| to the first path; a failing path records its error."""
-    result, ref = {}, None
-    for name, make in paths.items():
-        try:
-            run = make()
-            with torch.no_grad():
-                logits = run()
-                result[name] = median_ms(run)
-            result[name + "_maxdiff"] = 0.0 if ref is None else float((logits - ref).abs().max())
-            ref = logits if ref is None else ref
-        except Exception as e:  # one path failing must not hide the rest
-            result[name] = None
-            result[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            print(f"[{name}] failed: {result[name + '_error']}", file=sys.stderr)
-    return result
 
 
 def step_paths(runner, batch, piecewise, whole: dict) -> Dict[str, Callable]:
