@@ -347,6 +347,15 @@ def test_decode_plan_launches_another_layer_like_a_fresh_call():
     # A layer laid out unlike the plan's first is refused, not launched.
     strided_q = torch.randn(3, hq + 2, d)[:, :hq]
     assert not plan.launch(strided_q, layers[1].k_cache, layers[1].v_cache, outs[1])
+    # So is one whose output has fewer rows (the kernel would write past it),
+    # a value pool of another width, or another dtype.
+    short_out = torch.full((2, hq, d), float("nan"))
+    assert not plan.launch(layers[1].q, layers[1].k_cache, layers[1].v_cache, short_out)
+    narrow_v = torch.randn(layers[1].v_cache.shape[0], hkv, d // 2)
+    assert not plan.launch(layers[1].q, layers[1].k_cache, narrow_v, outs[1])
+    half = [t.half() for t in (layers[1].q, layers[1].k_cache, layers[1].v_cache, outs[1])]
+    assert not plan.launch(*half)
+    assert torch.isnan(short_out).all() and torch.equal(outs[1], outs[2])  # nothing was written
 
 
 def test_decode_rejects_bad_merge_counts_and_new_kv():

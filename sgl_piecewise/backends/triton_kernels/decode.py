@@ -488,8 +488,8 @@ class DecodePlan:
     one per layer per step.
 
     Built from the first layer's tensors (all checked); a later layer's are
-    compared with them at launch (shapes and strides: what the checks and the
-    compiled kernel assumed; 16-byte alignment: else the launch takes
+    compared with them at launch (shapes, strides and dtypes: what the checks
+    and the compiled kernel assumed; 16-byte alignment: else the launch takes
     Triton's own path). Args as :func:`decode_attention`.
     """
 
@@ -523,15 +523,16 @@ class DecodePlan:
             *attn_logits.stride()[:3], *attn_lse.stride()[:2], merge_counts.stride(0),
         )  # fmt: skip
         self._splits = splits
-        self._layout = self._layout_of(q, k_cache, out, new_k, new_v)
+        self._layout = self._layout_of(q, k_cache, v_cache, out, new_k, new_v)
         self._bound = None  # (BoundKernel, per-step addresses) after the first launch
         self._tail = ()
         self._bindable = True
 
-    def _layout_of(self, q, k_cache, out, new_k, new_v) -> tuple:
-        """What the compiled kernel assumed of one layer's tensors."""
-        new = (new_k.stride(), new_v.stride()) if self.new_kv else ()
-        return q.shape, q.stride(), k_cache.shape, k_cache.stride(), out.stride(), new
+    @staticmethod
+    def _layout_of(*tensors) -> tuple:
+        """What the checks and the compiled kernel assumed of one layer's
+        tensors: each one's shape, strides and dtype (None: not passed)."""
+        return tuple(None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors)
 
     def _args(self, q, k_cache, v_cache, out, new_k, new_v, metadata) -> tuple:
         new_k, new_v = (new_k, new_v) if self.new_kv else (q, q)  # not read when the launch writes no K/V
@@ -550,7 +551,7 @@ class DecodePlan:
         tensors, ``k_cache, v_cache`` its pools; the rest is the plan's.
         Returns False, launching nothing, when the layer's tensors are laid
         out unlike the first layer's (build a plan for them)."""
-        layout = self._layout_of(q, k_cache, out, new_k, new_v)
+        layout = self._layout_of(q, k_cache, v_cache, out, new_k, new_v)
         if layout != self._layout:
             return False
         if self.grid[0] == 0:
