@@ -529,10 +529,17 @@ class DecodePlan:
         self._bindable = True
 
     @staticmethod
-    def _layout_of(*tensors) -> tuple:
+    def _layout_of(q, k_cache, v_cache, out, new_k, new_v) -> tuple:
         """What the checks and the compiled kernel assumed of one layer's
-        tensors: each one's shape, strides and dtype (None: not passed)."""
-        return tuple(None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors)
+        tensors: each one's shape, strides and dtype. Spelled out, not a
+        loop: it runs once per layer per step."""
+        layout = (
+            q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), k_cache.dtype,
+            v_cache.shape, v_cache.stride(), v_cache.dtype, out.shape, out.stride(), out.dtype,
+        )  # fmt: skip
+        if new_k is None or new_v is None:
+            return layout + (new_k is None, new_v is None)
+        return layout + (new_k.shape, new_k.stride(), new_k.dtype, new_v.shape, new_v.stride(), new_v.dtype)
 
     def _args(self, q, k_cache, v_cache, out, new_k, new_v, metadata) -> tuple:
         new_k, new_v = (new_k, new_v) if self.new_kv else (q, q)  # not read when the launch writes no K/V
