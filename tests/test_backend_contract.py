@@ -238,6 +238,80 @@ def test_replay_hook_moves_no_value_between_host_and_device(name, case):
             attend(backend, batch, qkv)
 
 
+# ---- the bound fill: eager decode through a binding, replayed fills ----------
+DECODE_CASE = CASE["decode"]
+TRITON_DEVICES = [pytest.param("cpu", marks=pytest.mark.triton_cpu), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _pools_on(device):
+    return make_pools() if device == "cpu" else make_pools("cuda", torch.bfloat16, 128)
+
+
+def _in_static_buffers(backend, t):
+    return any(lo <= t.data_ptr() < hi for lo, hi in _storage_ranges(backend.cuda_graph_buffers()))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_eager_decode_fills_a_binding_and_attends_exactly_like_fresh_metadata(device):
+    """A triton backend with graph state fills eager DECODE steps of up to
+    ``max_bs`` requests into its static buffers (through a recorded fill on
+    CUDA); the outputs equal, bit for bit, those of a backend that fills
+    fresh tensors. Sizes above ``max_bs`` still get fresh tensors."""
+    rng = random.Random(f"eager-bound-{device}")
+    pools = _pools_on(device)
+    bound, fresh = graph_backend("triton", ForwardMode.DECODE, pools), make_backend("triton", pools)
+    capture(bound, pad_for_graph(draw_batch(pools, DECODE_CASE, 3, rng), 4, 1))  # a graph binding of bs 4
+    for bs in (1, 4, 4, MAX_BS, 2, MAX_BS + 2):
+        batch = draw_batch(pools, DECODE_CASE, bs, rng)
+        qkv = random_qkv(batch.num_tokens, pools, torch.Generator().manual_seed(rng.randrange(2**31)))
+        got = eager(bound, batch, qkv)
+        assert _in_static_buffers(bound, bound.forward_metadata.kv_indptr) == (bs <= MAX_BS), bs
+        want = eager(fresh, batch, qkv)
+        assert not _in_static_buffers(fresh, fresh.forward_metadata.kv_indptr)
+        for layer, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), f"bs {bs}, layer {layer}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GRAPH_BACKENDS)
+def test_gpu_replay_fill_is_recorded_once_and_writes_what_the_plain_fill_writes(name):
+    """The replay hook records each binding's fill once and replays it; every
+    replayed fill of a fresh batch writes the lengths and key slots an eager
+    fill computes, and a tree-masked binding keeps the plain fill."""
+    rng = random.Random(f"fill-graph-{name}")
+    pools = make_pools("cuda", torch.bfloat16, 128)
+    backend, fresh = graph_backend(name, ForwardMode.DECODE, pools), make_backend(name, pools)
+    capture(backend, pad_for_graph(draw_batch(pools, DECODE_CASE, 4, rng), 4, 1))
+    recorded = dict(backend._fill_graphs)
+    assert len(recorded) == 1 and next(iter(recorded.values())).graph is not None
+    for _ in range(3):
+        batch = draw_batch(pools, DECODE_CASE, 4, rng)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            replay(backend, batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        g = backend.forward_metadata
+        fresh.init_forward_metadata(batch)
+        e = fresh.forward_metadata
+        for field in ("q_lens", "kv_lens", "qo_indptr", "kv_indptr"):
+            assert torch.equal(getattr(e, field), getattr(g, field)), field
+        if name == "triton":
+            total = int(e.kv_indptr[-1])
+            assert torch.equal(e.kv_indices, g.kv_indices[:total])
+            assert torch.equal(e.num_kv_splits, g.num_kv_splits)
+        else:
+            width = e.page_table.shape[1]
+            assert torch.equal(e.page_table, g.page_table[:, :width])
+            assert torch.equal(e.allowed, g.allowed[:, :, :width])
+    assert backend._fill_graphs == recorded  # replayed, never recorded again
+
+    masked = graph_backend(name, ForwardMode.TARGET_VERIFY, pools)
+    capture(masked, pad_for_graph(draw_batch(pools, CASE["verify_tree_mask"], 4, rng), 4, 1))
+    assert not masked._fill_graphs  # the flat mask's length changes per step: plain fill
+
+
 # ---- misuse -----------------------------------------------------------------
 def test_graph_hooks_reject_misuse_with_actionable_errors():
     rng = random.Random("misuse")

@@ -88,6 +88,7 @@ class TritonBackend(StaticGraphBackend):
     """
 
     name = "triton"
+    eager_decode_bound = True  # a decode step's page table fits its binding: bs * context slots
 
     def __init__(
         self,
@@ -162,10 +163,13 @@ class TritonBackend(StaticGraphBackend):
         decode = _is_decode_step(mode)
         masked = has_custom_mask(spec_info)
         hq, dv, splits = self.num_q_heads, self.kv_pool.head_dim, self._grid_splits(bs)
+        context = self.req_to_token_pool.max_context_len
         return TritonMetadata(
             **b.length_views(bs, width, mode, masked),
             mask_indptr=b["mask_indptr"][: bs + 1] if masked else None,
-            kv_indices=b["kv_indices"],
+            # Each request's keys fit its req_to_token row, so bs rows of it
+            # hold the step's page table; the fill rewrites all of them.
+            kv_indices=b["kv_indices"][: bs * context],
             num_kv_splits=b["num_kv_splits"][:bs] if decode else None,
             attn_logits=b["attn_logits"][: bs * hq * splits * dv].view(bs, hq, splits, dv) if decode else None,
             attn_lse=b["attn_lse"][: bs * hq * splits].view(bs, hq, splits) if decode else None,
