@@ -251,18 +251,20 @@ def _in_static_buffers(backend, t):
     return any(lo <= t.data_ptr() < hi for lo, hi in _storage_ranges(backend.cuda_graph_buffers()))
 
 
+@pytest.mark.parametrize("case_id", ["decode", "extend_prefix", "mixed"])
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_eager_decode_fills_a_binding_and_attends_exactly_like_fresh_metadata(device):
-    """A triton backend with graph state fills eager DECODE steps of up to
-    ``max_bs`` requests into its static buffers (through a recorded fill on
-    CUDA); the outputs equal, bit for bit, those of a backend that fills
-    fresh tensors. Sizes above ``max_bs`` still get fresh tensors."""
-    rng = random.Random(f"eager-bound-{device}")
-    pools = _pools_on(device)
+def test_eager_steps_fill_a_binding_and_attend_exactly_like_fresh_metadata(device, case_id):
+    """A triton backend with graph state fills eager DECODE, EXTEND and MIXED
+    steps of up to ``max_bs`` requests into its static buffers (through a
+    recorded fill on CUDA); the outputs equal, bit for bit, those of a
+    backend that fills fresh tensors, over ragged batches whose sizes come
+    back. Sizes above ``max_bs`` still get fresh tensors."""
+    rng = random.Random(f"eager-bound-{device}-{case_id}")
+    pools, case = _pools_on(device), CASE[case_id]
     bound, fresh = graph_backend("triton", ForwardMode.DECODE, pools), make_backend("triton", pools)
     capture(bound, pad_for_graph(draw_batch(pools, DECODE_CASE, 3, rng), 4, 1))  # a graph binding of bs 4
     for bs in (1, 4, 4, MAX_BS, 2, MAX_BS + 2):
-        batch = draw_batch(pools, DECODE_CASE, bs, rng)
+        batch = draw_batch(pools, case, bs, rng)
         qkv = random_qkv(batch.num_tokens, pools, torch.Generator().manual_seed(rng.randrange(2**31)))
         got = eager(bound, batch, qkv)
         assert _in_static_buffers(bound, bound.forward_metadata.kv_indptr) == (bs <= MAX_BS), bs

@@ -90,6 +90,7 @@ class FlashInferBackend(StaticGraphBackend):
     """
 
     name = "flashinfer"
+    fill_on_device = False  # the fill ends in plan(), host work a recorded fill would skip
 
     def __init__(
         self,

@@ -30,6 +30,9 @@ from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode
 
+# Eager steps a binding can serve: no tree mask, lengths from the batch alone.
+_EAGER_BOUND_MODES = frozenset((ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED))
+
 
 class StaticBuffers:
     """Named device buffers allocated once (``init_cuda_graph_state``); graph
@@ -84,21 +87,21 @@ class StaticGraphBackend(AttentionBackend):
 
     A bound fill on CUDA is recorded once per binding and replayed
     (``fill_graphs.py``) where ``fill_on_device`` says the fill is device
-    work alone. Where ``eager_decode_bound`` is set, an eager DECODE step of
-    up to ``max_bs`` requests fills a binding too, so it gets the same
-    replayed fill instead of fresh tensors.
+    work alone. Where ``eager_steps_bound`` is set, an eager DECODE, EXTEND
+    or MIXED step of up to ``max_bs`` requests fills a binding too, so it
+    gets a replayed fill instead of fresh tensors.
     """
 
     supports_cuda_graph = True
     fill_on_device = True  # False where the fill also runs host work (FlashInfer's plan())
-    eager_decode_bound = False
+    eager_steps_bound = False
 
     def __init__(self, req_to_token_pool, kv_pool, num_q_heads: Optional[int] = None):
         super().__init__(req_to_token_pool, kv_pool, num_q_heads)
         self.forward_metadata: Optional[LengthMetadata] = None
         self._buffers: Optional[StaticBuffers] = None
         self._graph_metadata: Dict[Tuple[ForwardMode, int], LengthMetadata] = {}
-        self._eager_metadata: Dict[int, LengthMetadata] = {}  # eager DECODE bindings of sizes no graph bound
+        self._eager_metadata: Dict[Tuple[ForwardMode, int], LengthMetadata] = {}  # eager steps' own bindings
         self._fill_graphs: Dict[Tuple[str, ForwardMode, int], FillGraph] = {}
         self.max_bs = 0
         self.max_num_tokens = 0
@@ -210,50 +213,64 @@ class StaticGraphBackend(AttentionBackend):
         # "restore max_seq_len_q after replay" exception upstream SGLang needed for draft extend (PR 26665) does
         # not arise). The capture's spec_info carries the real mask kind, so
         # tree-masked verify delegates to replay like every other mode.
-        self._fill_bound(("graph", forward_mode, bs), meta, req_pool_indices[:bs], seq_lens[:bs], spec_info)
+        self._fill_bound(("graph", forward_mode, bs), meta, (req_pool_indices[:bs], seq_lens[:bs]), spec_info)
         self.forward_metadata = meta
 
-    def _fill_bound(self, key, meta: LengthMetadata, req_pool_indices, seq_lens, spec_info) -> None:
-        """Fill a binding: through its recorded fill where that is exact
-        (``fill_graphs.py``), else with plain operations."""
+    def _fill_bound(self, key, meta: LengthMetadata, inputs: Tuple[torch.Tensor, ...], spec_info) -> None:
+        """Fill a binding from ``inputs``: ``(req_pool_indices, seq_lens)``,
+        plus ``extend_lens`` for a ragged step (else every request has the
+        binding's uniform width). Through its recorded fill where that is
+        exact (``fill_graphs.py``), else with plain operations."""
         bs, width, mode = meta.bs, meta.max_q_len, meta.forward_mode
 
-        def fill(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
-            extend_lens = lengths.uniform_query_lens(bs, width, seq_lens.device)
+        def fill(req_pool_indices, seq_lens, extend_lens=None) -> None:
+            if extend_lens is None:
+                extend_lens = lengths.uniform_query_lens(bs, width, seq_lens.device)
             self._fill_metadata(meta, bs, req_pool_indices, seq_lens, extend_lens, mode, spec_info)
 
         graph = self._fill_graphs.get(key)
-        if graph is None and self.fill_on_device and can_record_fill(seq_lens.device, meta.masked):
+        device = inputs[0].device
+        if graph is None and self.fill_on_device and can_record_fill(device, meta.masked):
             graph = self._fill_graphs[key] = FillGraph(f"{self.name} metadata fill of {mode.name} bs {bs}")
         if graph is None or torch.cuda.is_current_stream_capturing():
-            fill(req_pool_indices, seq_lens)
+            fill(*inputs)
         else:
-            graph.run(fill, req_pool_indices, seq_lens)
+            graph.run(fill, inputs)
 
-    # ---- eager DECODE through a binding ------------------------------------
+    # ---- eager steps through a binding -------------------------------------
     def _eager_binding_fits(self, batch: ForwardBatch) -> bool:
         return (
-            self.eager_decode_bound
+            self.eager_steps_bound
             and self._buffers is not None
-            and batch.forward_mode.is_decode()
+            and batch.forward_mode in _EAGER_BOUND_MODES
             and 0 < batch.batch_size <= self.max_bs
             and not has_custom_mask(batch.spec_info)
         )
 
     def _fill_eager_bound(self, batch: ForwardBatch) -> None:
-        """An eager DECODE step filled into the static buffers: the graph
-        binding of its size if one exists, else an eager one (never offered
-        to replay). Eager steps and replays run one at a time, and each
-        rewrites what it reads."""
+        """An eager step filled into the static buffers: for DECODE the graph
+        binding of its size if one exists, else an eager binding (never
+        offered to replay). Eager steps and replays run one at a time, and
+        each rewrites what it reads.
+
+        A ragged step's binding takes the step's query lengths as an input
+        of its fill, and its host sizes (``max_q_len``, ``num_tokens``) from
+        the batch: they size the launches, not the buffers.
+        """
         bs, mode = batch.batch_size, batch.forward_mode
-        key = ("graph", mode, bs)
-        meta = self._graph_metadata.get((mode, bs))
-        if meta is None:
+        if mode.is_decode() and (mode, bs) in self._graph_metadata:
+            key, meta = ("graph", mode, bs), self._graph_metadata[(mode, bs)]
+        else:
             key = ("eager", mode, bs)
-            meta = self._eager_metadata.get(bs)
+            meta = self._eager_metadata.get((mode, bs))
             if meta is None:
-                meta = self._eager_metadata[bs] = self._bind_metadata(bs, 1, mode, batch.spec_info)
-        self._fill_bound(key, meta, batch.req_pool_indices, batch.seq_lens, batch.spec_info)
+                meta = self._eager_metadata[(mode, bs)] = self._bind_metadata(bs, 1, mode, batch.spec_info)
+        inputs = (batch.req_pool_indices, batch.seq_lens)
+        if not mode.is_decode():
+            meta.max_q_len = max(batch.extend_seq_lens_cpu)
+            meta.num_tokens = batch.num_tokens
+            inputs += (batch.extend_seq_lens,)
+        self._fill_bound(key, meta, inputs, batch.spec_info)
         self.forward_metadata = meta
 
     @staticmethod

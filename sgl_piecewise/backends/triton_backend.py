@@ -88,7 +88,7 @@ class TritonBackend(StaticGraphBackend):
     """
 
     name = "triton"
-    eager_decode_bound = True  # a decode step's page table fits its binding: bs * context slots
+    eager_steps_bound = True  # any step's page table fits its binding (bs * context slots)
 
     def __init__(
         self,
