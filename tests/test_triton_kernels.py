@@ -20,6 +20,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the `triton` packa
 
 from sgl_piecewise.backends.triton_kernels import (  # noqa: E402
     DecodeLaunch,
+    ExtendPlan,
     choose_num_kv_splits,
     decode_attention,
     extend_attention,
@@ -513,6 +514,68 @@ def test_extend_rejects_mask_without_indptr():
         )
 
 
+def _extend_with_new_kv(b: PagedBatch, rows: int, device=CPU, mask=None, mask_indptr=None):
+    """``b``'s new tokens' K/V as separate tensors, their slots, and the pool
+    as the unfused path leaves it (the new rows written at those slots)."""
+    hkv, d, dv = b.k_cache.shape[1], b.k_cache.shape[2], b.v_cache.shape[2]
+    ends = [int(b.kv_indptr[r + 1]) for r in range(len(b.q_lens))]
+    loc = torch.cat([b.kv_indices[end - q : end] for end, q in zip(ends, b.q_lens)]).long()
+    t = loc.shape[0]
+    new_k = torch.randn(rows, hkv, d, device=device).to(b.k_cache.dtype)
+    new_v = torch.randn(rows, hkv, dv, device=device).to(b.v_cache.dtype)
+    want_k, want_v = b.k_cache.clone(), b.v_cache.clone()
+    want_k[loc], want_v[loc] = new_k[:t], new_v[:t]
+    return loc, new_k, new_v, want_k, want_v
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_extend_plan_writes_the_pool_attends_and_zeroes_padded_rows_like_the_unfused_path(masked):
+    """The plan's K/V write + attention equals ``index_copy_`` + a fresh
+    ``extend_attention`` bit for bit, on a second layer too; padded rows of
+    ``q`` get zeros; a layer laid out unlike the first is refused."""
+    rng = random.Random(7)
+    q_lens, kv_lens, hq, hkv, d = [5, 1, 12], [5, 30, 40], 8, 2, 32
+    t, rows = sum(q_lens), sum(q_lens) + 3
+    layers = [make_batch(q_lens, kv_lens, hq, hkv, d, torch.float32) for _ in range(2)]
+    layers[1].kv_indices, layers[1].q = layers[0].kv_indices, layers[0].q  # one request table
+    mask, indptr = flat_mask([tree_visible(q, k, rng) for q, k in zip(q_lens, kv_lens)]) if masked else (None, None)
+    q = torch.cat([layers[0].q, torch.full((rows - t, hq, d), float("nan"))])
+    plan, outs = None, []
+    for b in layers:
+        loc, new_k, new_v, want_k, want_v = _extend_with_new_kv(b, rows)
+        want = torch.full((t, hq, d), float("nan"))
+        ref_k, ref_v = b.k_cache.clone(), b.v_cache.clone()
+        ref_k[loc], ref_v[loc] = new_k[:t], new_v[:t]
+        extend_attention(q[:t], ref_k, ref_v, want, b.qo_indptr, b.kv_indptr, b.kv_indices, 12, 0.2,
+                         custom_mask=mask, mask_indptr=indptr)  # fmt: skip
+        out = torch.full((rows, hq, d), float("nan"))
+        if plan is None:
+            plan = ExtendPlan(q, b.k_cache, b.v_cache, out, b.qo_indptr, b.kv_indptr, b.kv_indices, 12, 0.2,
+                              mask, indptr, new_k=new_k, new_v=new_v, out_cache_loc=loc, num_rows=t)  # fmt: skip
+        assert plan.launch(q, b.k_cache, b.v_cache, out, new_k, new_v)
+        assert torch.equal(b.k_cache, want_k) and torch.equal(b.v_cache, want_v)
+        assert torch.equal(out[:t], want) and torch.equal(out[t:], torch.zeros_like(out[t:]))
+        outs.append(out)
+    short_out = torch.full((rows - 1, hq, d), float("nan"))
+    b = layers[1]
+    assert not plan.launch(q, b.k_cache, b.v_cache, short_out, new_k, new_v)
+    assert not plan.launch(q, b.k_cache, b.v_cache, outs[1], new_k[:, :, : d // 2], new_v)
+    assert torch.isnan(short_out).all()
+
+
+def test_extend_plan_rejects_bad_new_kv_and_rows():
+    b = make_batch([2, 3], [4, 3], 4, 2, 16, torch.float32)
+    out, loc = torch.empty(5, 4, 16), torch.zeros(5, dtype=torch.int64)
+    common = (b.q, b.k_cache, b.v_cache, out, b.qo_indptr, b.kv_indptr, b.kv_indices, 3, 0.25)
+    good = torch.empty(5, 2, 16)
+    with pytest.raises(InvalidInputError, match="new_k"):
+        ExtendPlan(*common, new_k=torch.empty(5, 2, 8), new_v=good, out_cache_loc=loc, num_rows=5)
+    with pytest.raises(InvalidInputError, match="out_cache_loc int64"):
+        ExtendPlan(*common, new_k=good, new_v=good, out_cache_loc=loc.int(), num_rows=5)
+    with pytest.raises(InvalidInputError, match="num_rows"):
+        ExtendPlan(*common, new_k=good, new_v=good, out_cache_loc=loc, num_rows=6)
+
+
 # ---------------------------------------------------------------- GPU
 
 
@@ -578,6 +641,27 @@ def test_gpu_decode_plan_bound_launch_equals_a_fresh_call_bit_for_bit():
     decode_attention(base.q, layers[1].k_cache, layers[1].v_cache, outs[2], base.kv_indptr, base.kv_indices,
                      *_decode_scratch(4, hq, d, 16, cuda), splits, 16, 0.125)  # fmt: skip
     assert torch.equal(outs[1], outs[2])
+
+
+@pytest.mark.gpu
+def test_gpu_extend_plan_bound_launches_equal_the_unfused_path_bit_for_bit():
+    cuda = torch.device("cuda")
+    q_lens, kv_lens, hq, hkv, d = [16, 3, 100], [16, 900, 400], 14, 2, 64
+    t, rows = sum(q_lens), sum(q_lens) + 9
+    b = make_batch(q_lens, kv_lens, hq, hkv, d, torch.bfloat16, device=cuda)
+    q = torch.cat([b.q, torch.zeros(rows - t, hq, d, device=cuda, dtype=torch.bfloat16)])
+    loc, new_k, new_v, want_k, want_v = _extend_with_new_kv(b, rows, cuda)
+    want = torch.empty(t, hq, d, device=cuda, dtype=torch.bfloat16)
+    extend_attention(b.q, want_k, want_v, want, b.qo_indptr, b.kv_indptr, b.kv_indices, 100, 0.125)
+    out = torch.full((rows, hq, d), float("nan"), device=cuda, dtype=torch.bfloat16)
+    plan = ExtendPlan(q, b.k_cache, b.v_cache, out, b.qo_indptr, b.kv_indptr, b.kv_indices, 100, 0.125,
+                      new_k=new_k, new_v=new_v, out_cache_loc=loc, num_rows=t)  # fmt: skip
+    for _ in range(3):  # later launches go through the bound kernels, pointers as integers
+        out.fill_(float("nan"))
+        assert plan.launch(q, b.k_cache, b.v_cache, out, new_k, new_v)
+        assert torch.equal(b.k_cache, want_k) and torch.equal(b.v_cache, want_v)
+        assert torch.equal(out[:t], want) and not out[t:].any()
+    assert plan._attend._kernel is not None and plan._store._kernel is not None
 
 
 @pytest.mark.gpu

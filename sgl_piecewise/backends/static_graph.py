@@ -214,7 +214,12 @@ class StaticGraphBackend(AttentionBackend):
         # not arise). The capture's spec_info carries the real mask kind, so
         # tree-masked verify delegates to replay like every other mode.
         self._fill_bound(("graph", forward_mode, bs), meta, (req_pool_indices[:bs], seq_lens[:bs]), spec_info)
+        self._begin_step(meta)
         self.forward_metadata = meta
+
+    def _begin_step(self, meta: LengthMetadata) -> None:
+        """A binding serves step after step: drop the host state a subclass
+        keeps on it for one step (the triton backend's launch plans)."""
 
     def _fill_bound(self, key, meta: LengthMetadata, inputs: Tuple[torch.Tensor, ...], spec_info) -> None:
         """Fill a binding from ``inputs``: ``(req_pool_indices, seq_lens)``,
@@ -271,6 +276,7 @@ class StaticGraphBackend(AttentionBackend):
             meta.num_tokens = batch.num_tokens
             inputs += (batch.extend_seq_lens,)
         self._fill_bound(key, meta, inputs, batch.spec_info)
+        self._begin_step(meta)
         self.forward_metadata = meta
 
     @staticmethod

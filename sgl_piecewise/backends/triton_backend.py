@@ -31,6 +31,7 @@ from sgl_piecewise.backends.metadata import (
 from sgl_piecewise.backends.static_graph import StaticBuffers, StaticGraphBackend
 from sgl_piecewise.backends.triton_kernels import (
     DEFAULT_MAX_KV_SPLITS,
+    ExtendPlan,
     choose_num_kv_splits,
     decode_attention,
     extend_attention,
@@ -53,8 +54,9 @@ class TritonMetadata(LengthMetadata):
     merge_counts: Optional[torch.Tensor]  # [bs, Hq] int32 split arrival counts, zero between launches
     # Steps with a tree mask only: the flat [q_len, kv_len] blocks, request-major.
     custom_mask: Optional[torch.Tensor]  # [M] bool
-    # The step's decode launch, built at its first layer: (what it was built for, DecodePlan).
-    decode_plan: Optional[tuple] = None
+    # The step's launches, built at its first layer: (what they were built
+    # for, out_cache_loc, DecodePlan or ExtendPlan); cleared by every fill.
+    step_plan: Optional[tuple] = None
 
 
 def _is_decode_step(mode: ForwardMode) -> bool:
@@ -186,24 +188,35 @@ class TritonBackend(StaticGraphBackend):
             fill_mask_indptr(meta.mask_indptr, meta.q_lens, meta.kv_lens)
             copy_custom_mask(meta.custom_mask, spec_info.custom_mask)
 
+    def _begin_step(self, meta: TritonMetadata) -> None:
+        meta.step_plan = None
+
     # ---- attention -------------------------------------------------------
     def write_kv_and_attend(self, q, k, v, out, layer_id, batch, scale, num_tokens, out_cache_loc) -> bool:
-        """DECODE: one launch per layer writes the K/V, attends and zeroes
-        the padded rows. Everything but the layer's own tensors is fixed at
-        the step's first layer (``DecodePlan``)."""
-        if not batch.forward_mode.is_decode():
+        """One layer's K/V write and attention, padded rows zeroed, through
+        the step's plan: built at its first layer (checks, grids, metadata),
+        then one launch per layer for DECODE (``DecodePlan``) and two for the
+        extend modes (``ExtendPlan``)."""
+        mode = batch.forward_mode
+        if mode.is_idle() or num_tokens == 0:  # nothing to write or attend: the op zeroes the rows
             return False
         meta = self.forward_metadata
-        cached = meta.decode_plan if meta is not None else None
+        cached = meta.step_plan if meta is not None else None
         kc, vc = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        if cached is not None and cached[0] == (num_tokens, scale, q.shape[0]) and cached[1] is out_cache_loc:
+        key = (mode, num_tokens, scale, q.shape[0], meta.max_q_len if meta is not None else None)
+        if cached is not None and cached[0] == key and cached[1] is out_cache_loc:
             if cached[2].launch(q, kc, vc, out, k, v):
                 return True
-        self.check_supported(batch.forward_mode)
+        self.check_supported(mode)
         meta = self._current_metadata(q[:num_tokens], batch)
-        plan = self._decode(q, kc, vc, out, meta, scale, new_k=k, new_v=v, out_cache_loc=out_cache_loc,
-                            num_rows=num_tokens)  # fmt: skip
-        meta.decode_plan = ((num_tokens, scale, q.shape[0]), out_cache_loc, plan)
+        new_kv = dict(new_k=k, new_v=v, out_cache_loc=out_cache_loc, num_rows=num_tokens)
+        if mode.is_decode():
+            plan = self._decode(q, kc, vc, out, meta, scale, **new_kv)
+        else:
+            plan = ExtendPlan(q, kc, vc, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.max_q_len, scale,
+                              meta.custom_mask, meta.mask_indptr, **new_kv)  # fmt: skip
+            plan.launch(q, kc, vc, out, k, v)
+        meta.step_plan = (key, out_cache_loc, plan)
         return True
 
     def forward_decode(self, q, k, v, out, layer_id, batch, scale) -> None:

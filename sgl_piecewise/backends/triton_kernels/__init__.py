@@ -24,11 +24,12 @@ from sgl_piecewise.backends.triton_kernels.decode import (
     decode_attention,
     grid_kv_splits,
 )
-from sgl_piecewise.backends.triton_kernels.extend import extend_attention
+from sgl_piecewise.backends.triton_kernels.extend import ExtendPlan, extend_attention
 
 __all__ = [
     "DEFAULT_MAX_KV_SPLITS",
     "DecodeLaunch",
+    "ExtendPlan",
     "choose_num_kv_splits",
     "decode_attention",
     "extend_attention",

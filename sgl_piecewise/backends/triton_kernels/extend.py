@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from sgl_piecewise.backends.triton_kernels.launch import FastLauncher
+from sgl_piecewise.backends.triton_kernels.launch import FastLauncher, StepLaunch
+from sgl_piecewise.backends.triton_kernels.store_kv import launch_store_kv, store_kv_args, store_kv_meta
 from sgl_piecewise.backends.triton_kernels.tiles import (
     check_attention_args,
     check_last_dim_contiguous,
@@ -290,33 +291,93 @@ def extend_attention(
         mask_indptr: ``[bs + 1]`` int32/int64, with ``custom_mask``.
     """
     _check_extend_args(q, k_cache, v_cache, out, custom_mask, mask_indptr)
+    launch = _extend_launch(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len, sm_scale,
+                            custom_mask, mask_indptr)  # fmt: skip
+    if launch is not None:
+        launch.launch(q, k_cache, v_cache, out)
+
+
+def _extend_launch(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len, sm_scale,
+                   custom_mask, mask_indptr) -> Optional[StepLaunch]:  # fmt: skip
+    """The kernel's grid, arguments and constexprs for these (checked)
+    tensors; None when there is nothing to compute."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, dv = k_cache.shape[1], v_cache.shape[2]
     bs = qo_indptr.shape[0] - 1
     if bs <= 0 or max_q_len <= 0 or q.shape[0] == 0:
-        return
+        return None
     meta = extend_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, max_q_len, custom_mask is not None)
     grid = (bs, num_kv_heads, triton.cdiv(max_q_len * meta["GROUP"], meta["BLOCK_M"]))
-    _launch_extend(
-        grid,
-        q,
-        k_cache,
-        v_cache,
-        out,
-        qo_indptr,
-        kv_indptr,
-        kv_indices,
+    args = (
+        q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices,
         # Unused pointers when there is no mask: any tensor will do.
         kv_indptr if custom_mask is None else custom_mask,
         kv_indptr if mask_indptr is None else mask_indptr,
         sm_scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        out.stride(0),
-        out.stride(1),
-        **meta,
-    )
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+    )  # fmt: skip
+    return StepLaunch(_launch_extend, grid, args, meta, layer_positions=(0, 1, 2, 3))
+
+
+class ExtendPlan:
+    """An extend step's launches for every layer: the new tokens' K/V written
+    into the pool (and the padded output rows zeroed) by one kernel, then
+    the attention, with the checks, grids, constexprs and metadata fixed at
+    the first layer. :meth:`launch` takes one layer's tensors, compares
+    their shapes, strides and dtypes with the first layer's, and launches
+    both kernels (``StepLaunch``).
+
+    Args as :func:`extend_attention`, plus ``new_k, new_v [rows, Hkv, D|Dv]``,
+    the new tokens' K/V, ``out_cache_loc [>= num_rows]`` int64, their slots,
+    and ``num_rows``, the rows of ``q`` that are tokens (the rest, padding,
+    get zeros in ``out``).
+    """
+
+    def __init__(self, q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len, sm_scale,
+                 custom_mask=None, mask_indptr=None, *, new_k, new_v, out_cache_loc, num_rows):  # fmt: skip
+        _check_extend_args(q, k_cache, v_cache, out, custom_mask, mask_indptr)
+        rows = q.shape[0]
+        if isinstance(num_rows, bool) or not isinstance(num_rows, int) or not 0 <= num_rows <= rows:
+            raise InvalidInputError(f"extend_attention: expected num_rows an int in [0, {rows}], got {num_rows!r}")
+        for name, t, cache in (("new_k", new_k, k_cache), ("new_v", new_v, v_cache)):
+            if t.dim() != 3 or t.shape[0] != rows or t.shape[1:] != cache.shape[1:] or t.dtype != cache.dtype:
+                raise InvalidInputError(
+                    f"extend_attention: expected {name} [{rows}, {list(cache.shape[1:])}] {cache.dtype} "
+                    f"(q's rows, the pool's layout), got {list(t.shape)} {t.dtype}"
+                )
+        if out_cache_loc.dtype != torch.int64 or out_cache_loc.dim() != 1 or out_cache_loc.shape[0] < num_rows:
+            raise InvalidInputError(
+                f"extend_attention: expected out_cache_loc int64 [>= {num_rows}], "
+                f"got {out_cache_loc.dtype} {list(out_cache_loc.shape)}"
+            )
+        check_last_dim_contiguous("extend_attention", new_k=new_k, new_v=new_v)
+        self._layout = self._layout_of(q, k_cache, v_cache, out, new_k, new_v)
+        meta = store_kv_meta(k_cache.shape[1], q.shape[1], k_cache.shape[2], v_cache.shape[2])
+        args = store_kv_args(new_k, new_v, k_cache, v_cache, out_cache_loc, out, num_rows)
+        self._store = StepLaunch(launch_store_kv, (rows,), args, meta, layer_positions=(0, 1, 2, 3, 5))
+        self._attend = _extend_launch(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len,
+                                      sm_scale, custom_mask, mask_indptr) if num_rows else None  # fmt: skip
+
+    @staticmethod
+    def _layout_of(q, k_cache, v_cache, out, new_k, new_v) -> tuple:
+        """Each of one layer's tensors' shape, strides and dtype: what the
+        checks and the compiled kernels assumed. Spelled out: it runs once
+        per layer per step."""
+        return (
+            q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), k_cache.dtype,
+            v_cache.shape, v_cache.stride(), v_cache.dtype, out.shape, out.stride(), out.dtype,
+            new_k.shape, new_k.stride(), new_k.dtype, new_v.shape, new_v.stride(), new_v.dtype,
+        )  # fmt: skip
+
+    def launch(self, q, k_cache, v_cache, out, new_k, new_v) -> bool:
+        """One layer: its K/V written, then its attention. Returns False,
+        launching nothing, when its tensors are laid out unlike the first
+        layer's (build a plan for them)."""
+        if self._layout_of(q, k_cache, v_cache, out, new_k, new_v) != self._layout:
+            return False
+        if self._store.grid[0]:
+            self._store.launch(new_k, new_v, k_cache, v_cache, out)
+        if self._attend is not None:
+            self._attend.launch(q, k_cache, v_cache, out)
+        return True

@@ -19,7 +19,7 @@ integer and float by value, every tensor by dtype and 16-byte alignment,
 the device), so a reused kernel was always compiled for arguments like the
 ones it gets. :meth:`FastLauncher.bound` hands that kernel to a caller that
 launches it many times with arguments of one specialisation
-(``decode.DecodePlan``).
+(``decode.DecodePlan``, and :class:`StepLaunch` for the extend steps).
 
 Anything unexpected (the Triton interpreter, a Triton whose compiled-kernel
 launcher takes other arguments) falls back to ``kernel[grid](...)`` for good.
@@ -29,7 +29,7 @@ Triton's default empty hook chains are skipped.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from triton.runtime.jit import JITFunction
@@ -136,3 +136,49 @@ class FastLauncher:
         if any(name not in meta for name in names):
             return None
         return tuple(meta[name] for name in names)
+
+
+class StepLaunch:
+    """One kernel launched once per layer of a step with the same arguments
+    but a layer's own tensors (at ``layer_positions`` of ``args``).
+
+    The first launch goes through the ``FastLauncher``; later ones through
+    its compiled kernel with every pointer given as a device address, while
+    the layer's tensors are 16-byte aligned as the first layer's were (the
+    kernel was compiled for that), else through the launcher again. The
+    caller compares a layer's shapes, strides and dtypes with the first's.
+    """
+
+    def __init__(self, launcher: FastLauncher, grid: Tuple[int, ...], args: Sequence[Any],
+                 meta: Dict[str, Any], layer_positions: Tuple[int, ...]):  # fmt: skip
+        self.launcher, self.grid, self.meta = launcher, grid, meta
+        self.layer_positions = layer_positions
+        self._args = list(args)
+        self._addresses: Optional[List[Any]] = None  # after the first launch: every pointer as an int
+        self._kernel: Optional[BoundKernel] = None
+        self._bindable = True
+
+    def launch(self, *layer_tensors: torch.Tensor) -> None:
+        if self._kernel is not None:
+            ptrs = [t.data_ptr() for t in layer_tensors]
+            if not any(p & 15 for p in ptrs):
+                args = self._addresses.copy()
+                for i, p in zip(self.layer_positions, ptrs):
+                    args[i] = p
+                try:
+                    self._kernel(self.grid, *args)
+                    return
+                except TypeError:  # a launcher that takes no addresses: it parsed, launched nothing
+                    self._bindable, self._kernel = False, None
+        args = self._args.copy()
+        for i, t in zip(self.layer_positions, layer_tensors):
+            args[i] = t
+        self.launcher(self.grid, *args, **self.meta)
+        if self._bindable and self._kernel is None:
+            self._bind(args, layer_tensors)
+
+    def _bind(self, args: List[Any], layer_tensors: Sequence[torch.Tensor]) -> None:
+        kernel = self.launcher.bound(args, self.meta)
+        if kernel is not None and all(t.data_ptr() % 16 == 0 for t in layer_tensors):
+            self._kernel = kernel
+            self._addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
