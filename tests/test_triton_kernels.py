@@ -9,7 +9,9 @@ the checks at model-like sizes in bf16 on CUDA, including graph replay.
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 from dataclasses import dataclass
 from typing import List
 
@@ -561,6 +563,21 @@ def test_extend_plan_writes_the_pool_attends_and_zeroes_padded_rows_like_the_unf
     assert not plan.launch(q, b.k_cache, b.v_cache, short_out, new_k, new_v)
     assert not plan.launch(q, b.k_cache, b.v_cache, outs[1], new_k[:, :, : d // 2], new_v)
     assert torch.isnan(short_out).all()
+
+
+def test_extend_plan_keeps_no_layer_tensor_alive():
+    """A plan outlives its first layer; the layer's q, K/V and output must not
+    (inside a graph pool, a tensor kept alive breaks the recording)."""
+    b = make_batch([3, 2], [3, 9], 4, 2, 16, torch.float32)
+    q, out = b.q.clone(), torch.empty(5, 4, 16)
+    loc, new_k, new_v, _, _ = _extend_with_new_kv(b, 5)
+    plan = ExtendPlan(q, b.k_cache, b.v_cache, out, b.qo_indptr, b.kv_indptr, b.kv_indices, 3, 0.25,
+                      new_k=new_k, new_v=new_v, out_cache_loc=loc, num_rows=5)  # fmt: skip
+    assert plan.launch(q, b.k_cache, b.v_cache, out, new_k, new_v)
+    kept = [weakref.ref(t) for t in (q, out, new_k, new_v)]
+    del q, out, new_k, new_v
+    gc.collect()
+    assert all(ref() is None for ref in kept)
 
 
 def test_extend_plan_rejects_bad_new_kv_and_rows():

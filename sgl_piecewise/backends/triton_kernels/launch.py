@@ -153,7 +153,10 @@ class StepLaunch:
                  meta: Dict[str, Any], layer_positions: Tuple[int, ...]):  # fmt: skip
         self.launcher, self.grid, self.meta = launcher, grid, meta
         self.layer_positions = layer_positions
-        self._args = list(args)
+        # Not the first layer's own tensors: a plan outlives its first layer,
+        # and a tensor it kept alive would stay allocated (inside a graph
+        # pool, torch's cudagraph trees refuse to record past one).
+        self._args = [None if i in layer_positions else a for i, a in enumerate(args)]
         self._addresses: Optional[List[Any]] = None  # after the first launch: every pointer as an int
         self._kernel: Optional[BoundKernel] = None
         self._bindable = True
