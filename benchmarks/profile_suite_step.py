@@ -1,0 +1,103 @@
+"""Where a suite step's time goes (a script, not a test): the kernels of one
+whole-model decode replay, host enqueue time against wall time of a
+piecewise step, a whole-model step and the attention metadata alone, the
+kernels of a piecewise step, and cProfile of piecewise steps. The 0.5b shape
+of ``suite.py``, bf16, triton backend, context 1024.
+
+    python benchmarks/profile_suite_step.py
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import statistics
+import time
+import types
+
+import suite
+import torch
+from common import free_batch, graph_step_fn, median_ms, step_fn  # noqa: E402 (benchmarks/ is the script's folder)
+from torch.profiler import ProfilerActivity, profile
+
+
+def kernel_table(fn, reps: int = 10, top: int = 25) -> None:
+    """Kernels per call of ``fn`` and their summed device time, largest first."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            count_us = per_kernel.setdefault(e.name[:90], [0, 0.0])
+            count_us[0] += 1
+            count_us[1] += e.device_time_total
+    total = sum(us for _, us in per_kernel.values()) / reps
+    count = sum(n for n, _ in per_kernel.values()) / reps
+    print(f"  kernels/step {count:.0f}, summed device time/step {total:.1f} us")
+    for name, (n, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {n / reps:6.1f} x {us / n:7.2f} us = {us / reps:8.1f} us  {name}")
+
+
+def host_and_wall_ms(run, reps: int = 30) -> tuple:
+    """(median host time to enqueue one ``run``, median CUDA-event wall time)."""
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    hosts = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        hosts.append(1e3 * (time.perf_counter() - start))
+        torch.cuda.synchronize()
+    return statistics.median(hosts), median_ms(run)
+
+
+def cprofile(run, reps: int = 30, top: int = 30) -> None:
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        run()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    print("\n".join(line for line in out.getvalue().splitlines()[4:] if line.strip()))
+
+
+def main() -> None:
+    args = types.SimpleNamespace(shape="0.5b", device="cuda", backend="triton", context=1024,
+                                 decode_bs=[1, 32], extend=[16])  # fmt: skip
+    model, runner = suite.build(args)
+    piecewise, _ = suite.start_up(runner)
+    whole, _ = suite.whole_model_runners(runner, 32)
+    graphs = whole["whole_model"]
+    with torch.no_grad():
+        for bs in args.decode_bs:
+            batch = suite.step_batch(args, runner, "decode", bs)
+            print(f"\n=== decode bs {bs}: whole-model replay kernels")
+            kernel_table(graphs.captured_graph(batch.forward_mode, graphs.padded_bs(batch)).replay)
+            paths = {
+                "piecewise step": step_fn(runner, piecewise.compiled, batch),
+                "whole_model step": graph_step_fn(runner, graphs, batch),
+                "attention metadata only": lambda b=batch: runner.backend.init_forward_metadata(b),
+            }
+            for name, run in paths.items():
+                host, wall = host_and_wall_ms(run)
+                print(f"  {name}: host enqueue {host:.3f} ms, wall {wall:.3f} ms")
+            print(f"=== decode bs {bs}: piecewise step kernels")
+            kernel_table(paths["piecewise step"], reps=5, top=20)
+            print(f"=== decode bs {bs}: cProfile of 30 piecewise steps")
+            cprofile(paths["piecewise step"])
+            free_batch(runner, batch)
+
+
+if __name__ == "__main__":
+    main()
