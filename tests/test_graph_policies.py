@@ -296,3 +296,25 @@ def test_gpu_every_policy_generates_the_eager_tokens_for_7_ragged_prompts(backen
     expected = {"auto": {"piecewise": 1, "whole_model": 63}, "full": {"eager": 1, "whole_model": 63},
                 "piecewise": {"piecewise": 64}, "breakable": {"breakable": 64}, "none": {"eager": 64}}  # fmt: skip
     assert paths == expected[graphs]
+
+
+@pytest.mark.triton_cpu
+@pytest.mark.parametrize("graphs", ["piecewise", "breakable"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_runners_with_eager_attention_reserve_bindings_where_the_backend_fills_eager_steps_there(graphs, backend):
+    """Piecewise and breakable graphs run attention eagerly every step: the
+    triton backend gets static buffers for their steps (up to the largest
+    capture size's tokens, as many requests as the request table holds), so
+    those steps fill a binding; the torch backend, which fills fresh tensors,
+    gets none. Tokens stay the eager ones."""
+    model = _model()
+    eager = _runner(model).generate(PROMPTS, 4)
+    runner = _captured(model, graphs, backend)
+    if backend == "torch":
+        assert runner.backend.cuda_graph_buffers() == {}
+    else:
+        assert (runner.backend.max_bs, runner.backend.max_num_tokens) == (8, 32)  # min(max_reqs, 32), 32
+    assert runner.generate(PROMPTS, 4) == eager
+    meta, buffers = runner.backend.forward_metadata, runner.backend.cuda_graph_buffers()
+    in_buffers = any(b.data_ptr() <= meta.kv_indptr.data_ptr() < b.data_ptr() + b.nbytes for b in buffers.values())
+    assert in_buffers == (backend == "triton")

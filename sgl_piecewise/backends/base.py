@@ -70,6 +70,14 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Prepare kernel metadata for ``batch`` (eager path)."""
 
+    def reserve_eager_bindings(self, max_bs: int, max_num_tokens: int) -> None:
+        """Room for eager steps of up to ``max_bs`` requests and
+        ``max_num_tokens`` tokens to fill static buffers instead of fresh
+        tensors, where the backend does that (``StaticGraphBackend``'s
+        ``eager_steps_bound``); a no-op elsewhere. Runners whose attention
+        runs eagerly (piecewise, breakable) call it."""
+        return None  # here eager steps always fill fresh tensors
+
     # ---- CUDA graph -------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self._no_graphs()

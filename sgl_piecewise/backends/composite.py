@@ -82,6 +82,10 @@ class CompositeBackend(AttentionBackend):
         for member in self.members:
             member.init_cuda_graph_state(max_bs, max_num_tokens)
 
+    def reserve_eager_bindings(self, max_bs: int, max_num_tokens: int) -> None:
+        for member in self.members:
+            member.reserve_eager_bindings(max_bs, max_num_tokens)
+
     def init_forward_metadata_capture_cuda_graph(
         self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info
     ) -> None:

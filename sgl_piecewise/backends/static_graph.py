@@ -243,6 +243,10 @@ class StaticGraphBackend(AttentionBackend):
             graph.run(fill, inputs)
 
     # ---- eager steps through a binding -------------------------------------
+    def reserve_eager_bindings(self, max_bs: int, max_num_tokens: int) -> None:
+        if self.eager_steps_bound:
+            self.init_cuda_graph_state(max_bs, max_num_tokens)
+
     def _eager_binding_fits(self, batch: ForwardBatch) -> bool:
         return (
             self.eager_steps_bound

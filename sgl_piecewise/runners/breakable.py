@@ -56,7 +56,7 @@ from sgl_piecewise.errors import InvalidInputError, SglPiecewiseError
 from sgl_piecewise.forward import ForwardBatch, ForwardContext, ForwardMode, forward_context
 from sgl_piecewise.ops.attention import attention_with_output_direct
 from sgl_piecewise.runners.buffer_registry import FillContext
-from sgl_piecewise.runners.capture import GraphCapture, explain_capture_failure, shared_capture
+from sgl_piecewise.runners.capture import GraphCapture, explain_capture_failure, reserve_eager_bindings, shared_capture
 from sgl_piecewise.runners.input_registries import build_prefill_registry
 
 TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc")
@@ -196,6 +196,7 @@ class BreakableCudaGraphRunner:
             seq_len_fill_value=model_runner.backend.get_cuda_graph_seq_len_fill_value(),
         )
         self.capture_core = capture if capture is not None else shared_capture(device)
+        reserve_eager_bindings(model_runner, self.max_size)
         self.graphs: Dict[int, SizeGraphs] = {}
         self.capture_seconds = 0.0
         model_runner.token_graphs = self
