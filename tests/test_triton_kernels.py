@@ -591,6 +591,10 @@ def test_extend_plan_rejects_bad_new_kv_and_rows():
         ExtendPlan(*common, new_k=good, new_v=good, out_cache_loc=loc.int(), num_rows=5)
     with pytest.raises(InvalidInputError, match="num_rows"):
         ExtendPlan(*common, new_k=good, new_v=good, out_cache_loc=loc, num_rows=6)
+    # Slots the kernel would read with a stride of one: a strided view would write other slots.
+    strided_loc = torch.zeros(10, dtype=torch.int64)[::2]
+    with pytest.raises(InvalidInputError, match="out_cache_loc contiguous"):
+        ExtendPlan(*common, new_k=good, new_v=good, out_cache_loc=strided_loc, num_rows=5)
 
 
 # ---------------------------------------------------------------- GPU

@@ -37,6 +37,9 @@ from sgl_piecewise.backends.triton_kernels.launch import FastLauncher
 from sgl_piecewise.backends.triton_kernels.tiles import (
     check_attention_args,
     check_last_dim_contiguous,
+    check_new_kv,
+    check_num_rows,
+    layer_layout,
     load_rows,
     mm,
     softmax_step,
@@ -457,29 +460,6 @@ def _check_scratch(bs, num_q_heads, dv, splits, max_kv_splits, attn_logits, attn
         )
 
 
-def _check_new_kv(rows: int, bs: int, k_cache, v_cache, new_k, new_v, out_cache_loc) -> None:
-    if (new_k is None) != (new_v is None) or (new_k is None) != (out_cache_loc is None):
-        raise InvalidInputError("decode_attention: expected new_k, new_v and out_cache_loc together, got some of them")
-    if new_k is None:
-        return
-    want_k, want_v = (rows, k_cache.shape[1], k_cache.shape[2]), (rows, v_cache.shape[1], v_cache.shape[2])
-    if tuple(new_k.shape) != want_k or tuple(new_v.shape) != want_v or not new_k.dtype == new_v.dtype == k_cache.dtype:
-        raise InvalidInputError(
-            f"decode_attention: expected new_k {list(want_k)} and new_v {list(want_v)} of {k_cache.dtype}, "
-            f"got {list(new_k.shape)} {new_k.dtype} and {list(new_v.shape)} {new_v.dtype}"
-        )
-    if out_cache_loc.dim() != 1 or out_cache_loc.shape[0] < bs or out_cache_loc.dtype != torch.int64:
-        raise InvalidInputError(
-            f"decode_attention: expected out_cache_loc int64 [>={bs}], "
-            f"got {out_cache_loc.dtype} {list(out_cache_loc.shape)}"
-        )
-    if out_cache_loc.device != k_cache.device or out_cache_loc.stride(0) != 1:
-        raise InvalidInputError(
-            f"decode_attention: expected out_cache_loc contiguous on {k_cache.device}, "
-            f"got {out_cache_loc.device} with stride {out_cache_loc.stride(0)}"
-        )
-
-
 class DecodePlan:
     """A decode launch with everything fixed that is the same for every layer
     of a step: the checks, the grid, the constexprs, the metadata and
@@ -499,13 +479,11 @@ class DecodePlan:
         out_cache_loc=None, num_rows=None,
     ):  # fmt: skip
         rows, num_q_heads, dv = check_attention_args("decode_attention", "rows", q, k_cache, v_cache, out)
-        bs = rows if num_rows is None else num_rows
-        if isinstance(bs, bool) or not isinstance(bs, int) or not 0 <= bs <= rows:
-            raise InvalidInputError(f"decode_attention: expected num_rows an int in [0, {rows}], got {num_rows!r}")
+        bs = check_num_rows("decode_attention", rows, num_rows)
         # grid_kv_splits checks max_kv_splits.
         splits = grid_kv_splits(bs, num_q_heads, k_cache.shape[1], q.dtype, max_kv_splits, q.device, launch)
         _check_scratch(bs, num_q_heads, dv, splits, max_kv_splits, attn_logits, attn_lse, merge_counts)
-        _check_new_kv(rows, bs, k_cache, v_cache, new_k, new_v, out_cache_loc)
+        check_new_kv("decode_attention", rows, bs, k_cache, v_cache, new_k, new_v, out_cache_loc)
         check_last_dim_contiguous(
             "decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, out=out,
             attn_logits=attn_logits, attn_lse=attn_lse,
@@ -523,23 +501,10 @@ class DecodePlan:
             *attn_logits.stride()[:3], *attn_lse.stride()[:2], merge_counts.stride(0),
         )  # fmt: skip
         self._splits = splits
-        self._layout = self._layout_of(q, k_cache, v_cache, out, new_k, new_v)
+        self._layout = layer_layout(q, k_cache, v_cache, out, new_k, new_v)
         self._bound = None  # (BoundKernel, per-step addresses) after the first launch
         self._tail = ()
         self._bindable = True
-
-    @staticmethod
-    def _layout_of(q, k_cache, v_cache, out, new_k, new_v) -> tuple:
-        """What the checks and the compiled kernel assumed of one layer's
-        tensors: each one's shape, strides and dtype. Spelled out, not a
-        loop: it runs once per layer per step."""
-        layout = (
-            q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), k_cache.dtype,
-            v_cache.shape, v_cache.stride(), v_cache.dtype, out.shape, out.stride(), out.dtype,
-        )  # fmt: skip
-        if new_k is None or new_v is None:
-            return layout + (new_k is None, new_v is None)
-        return layout + (new_k.shape, new_k.stride(), new_k.dtype, new_v.shape, new_v.stride(), new_v.dtype)
 
     def _args(self, q, k_cache, v_cache, out, new_k, new_v, metadata) -> tuple:
         new_k, new_v = (new_k, new_v) if self.new_kv else (q, q)  # not read when the launch writes no K/V
@@ -558,7 +523,7 @@ class DecodePlan:
         tensors, ``k_cache, v_cache`` its pools; the rest is the plan's.
         Returns False, launching nothing, when the layer's tensors are laid
         out unlike the first layer's (build a plan for them)."""
-        layout = self._layout_of(q, k_cache, v_cache, out, new_k, new_v)
+        layout = layer_layout(q, k_cache, v_cache, out, new_k, new_v)
         if layout != self._layout:
             return False
         if self.grid[0] == 0:

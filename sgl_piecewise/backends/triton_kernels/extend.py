@@ -40,6 +40,9 @@ from sgl_piecewise.backends.triton_kernels.store_kv import launch_store_kv, stor
 from sgl_piecewise.backends.triton_kernels.tiles import (
     check_attention_args,
     check_last_dim_contiguous,
+    check_new_kv,
+    check_num_rows,
+    layer_layout,
     load_rows,
     mm,
     softmax_step,
@@ -338,43 +341,23 @@ class ExtendPlan:
                  custom_mask=None, mask_indptr=None, *, new_k, new_v, out_cache_loc, num_rows):  # fmt: skip
         _check_extend_args(q, k_cache, v_cache, out, custom_mask, mask_indptr)
         rows = q.shape[0]
-        if isinstance(num_rows, bool) or not isinstance(num_rows, int) or not 0 <= num_rows <= rows:
-            raise InvalidInputError(f"extend_attention: expected num_rows an int in [0, {rows}], got {num_rows!r}")
-        for name, t, cache in (("new_k", new_k, k_cache), ("new_v", new_v, v_cache)):
-            if t.dim() != 3 or t.shape[0] != rows or t.shape[1:] != cache.shape[1:] or t.dtype != cache.dtype:
-                raise InvalidInputError(
-                    f"extend_attention: expected {name} [{rows}, {list(cache.shape[1:])}] {cache.dtype} "
-                    f"(q's rows, the pool's layout), got {list(t.shape)} {t.dtype}"
-                )
-        if out_cache_loc.dtype != torch.int64 or out_cache_loc.dim() != 1 or out_cache_loc.shape[0] < num_rows:
-            raise InvalidInputError(
-                f"extend_attention: expected out_cache_loc int64 [>= {num_rows}], "
-                f"got {out_cache_loc.dtype} {list(out_cache_loc.shape)}"
-            )
+        num_rows = check_num_rows("extend_attention", rows, num_rows)
+        if new_k is None or new_v is None or out_cache_loc is None:
+            raise InvalidInputError("extend_attention: expected new_k, new_v and out_cache_loc for a plan, got None")
+        check_new_kv("extend_attention", rows, num_rows, k_cache, v_cache, new_k, new_v, out_cache_loc)
         check_last_dim_contiguous("extend_attention", new_k=new_k, new_v=new_v)
-        self._layout = self._layout_of(q, k_cache, v_cache, out, new_k, new_v)
+        self._layout = layer_layout(q, k_cache, v_cache, out, new_k, new_v)
         meta = store_kv_meta(k_cache.shape[1], q.shape[1], k_cache.shape[2], v_cache.shape[2])
         args = store_kv_args(new_k, new_v, k_cache, v_cache, out_cache_loc, out, num_rows)
         self._store = StepLaunch(launch_store_kv, (rows,), args, meta, layer_positions=(0, 1, 2, 3, 5))
         self._attend = _extend_launch(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len,
                                       sm_scale, custom_mask, mask_indptr) if num_rows else None  # fmt: skip
 
-    @staticmethod
-    def _layout_of(q, k_cache, v_cache, out, new_k, new_v) -> tuple:
-        """Each of one layer's tensors' shape, strides and dtype: what the
-        checks and the compiled kernels assumed. Spelled out: it runs once
-        per layer per step."""
-        return (
-            q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), k_cache.dtype,
-            v_cache.shape, v_cache.stride(), v_cache.dtype, out.shape, out.stride(), out.dtype,
-            new_k.shape, new_k.stride(), new_k.dtype, new_v.shape, new_v.stride(), new_v.dtype,
-        )  # fmt: skip
-
     def launch(self, q, k_cache, v_cache, out, new_k, new_v) -> bool:
         """One layer: its K/V written, then its attention. Returns False,
         launching nothing, when its tensors are laid out unlike the first
         layer's (build a plan for them)."""
-        if self._layout_of(q, k_cache, v_cache, out, new_k, new_v) != self._layout:
+        if layer_layout(q, k_cache, v_cache, out, new_k, new_v) != self._layout:
             return False
         if self._store.grid[0]:
             self._store.launch(new_k, new_v, k_cache, v_cache, out)

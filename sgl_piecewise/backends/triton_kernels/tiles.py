@@ -4,6 +4,7 @@ host-side checks of their arguments."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -94,3 +95,51 @@ def check_last_dim_contiguous(kernel: str, **tensors) -> None:
                 f"{kernel}: expected {name} contiguous in its last dim, "
                 f"got strides {t.stride()}; pass a .contiguous() tensor"
             )
+
+
+def check_num_rows(kernel: str, rows: int, num_rows) -> int:
+    """``num_rows``, the rows of a launch that are tokens (the rest padding):
+    an int in ``[0, rows]``; None means all of them."""
+    n = rows if num_rows is None else num_rows
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= rows:
+        raise InvalidInputError(f"{kernel}: expected num_rows an int in [0, {rows}], got {num_rows!r}")
+    return n
+
+
+def check_new_kv(kernel: str, rows: int, num_rows: int, k_cache, v_cache, new_k, new_v, out_cache_loc) -> None:
+    """The new tokens' K/V a launch writes into the pool: ``[rows, Hkv, D|Dv]``
+    in the pool's dtype, and their slots, contiguous int64 ``[>= num_rows]``
+    on the pool's device. All three or none."""
+    if (new_k is None) != (new_v is None) or (new_k is None) != (out_cache_loc is None):
+        raise InvalidInputError(f"{kernel}: expected new_k, new_v and out_cache_loc together, got some of them")
+    if new_k is None:
+        return
+    want_k, want_v = (rows, k_cache.shape[1], k_cache.shape[2]), (rows, v_cache.shape[1], v_cache.shape[2])
+    if tuple(new_k.shape) != want_k or tuple(new_v.shape) != want_v or not new_k.dtype == new_v.dtype == k_cache.dtype:
+        raise InvalidInputError(
+            f"{kernel}: expected new_k {list(want_k)} and new_v {list(want_v)} of {k_cache.dtype}, "
+            f"got {list(new_k.shape)} {new_k.dtype} and {list(new_v.shape)} {new_v.dtype}"
+        )
+    if out_cache_loc.dim() != 1 or out_cache_loc.shape[0] < num_rows or out_cache_loc.dtype != torch.int64:
+        raise InvalidInputError(
+            f"{kernel}: expected out_cache_loc int64 [>={num_rows}], "
+            f"got {out_cache_loc.dtype} {list(out_cache_loc.shape)}"
+        )
+    if out_cache_loc.device != k_cache.device or out_cache_loc.stride(0) != 1:
+        raise InvalidInputError(
+            f"{kernel}: expected out_cache_loc contiguous on {k_cache.device}, "
+            f"got {out_cache_loc.device} with stride {out_cache_loc.stride(0)}"
+        )
+
+
+def layer_layout(q, k_cache, v_cache, out, new_k, new_v) -> tuple:
+    """What a plan's checks and compiled kernels assumed of one layer's
+    tensors: each one's shape, strides and dtype. Spelled out, not a loop:
+    it runs once per layer per step."""
+    layout = (
+        q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), k_cache.dtype,
+        v_cache.shape, v_cache.stride(), v_cache.dtype, out.shape, out.stride(), out.dtype,
+    )  # fmt: skip
+    if new_k is None or new_v is None:
+        return layout + (new_k is None, new_v is None)
+    return layout + (new_k.shape, new_k.stride(), new_k.dtype, new_v.shape, new_v.stride(), new_v.dtype)
