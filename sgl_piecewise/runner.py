@@ -32,7 +32,7 @@ from sgl_piecewise.backends.factory import backend_names, create_backend
 from sgl_piecewise.backends.reference import ReferenceBackend
 from sgl_piecewise.batch_checks import check_batch
 from sgl_piecewise.checks import check_positive_int
-from sgl_piecewise.compile.compiled_model import mark_token_axis
+from sgl_piecewise.compile.compiled_model import CompiledModel, mark_token_axis
 from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, KVPoolExhaustedError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
@@ -239,8 +239,10 @@ class ModelRunner:
         ids, positions = batch.input_ids[:n], batch.positions[:n]
         # A compiled forward then traces one graph for every token count (1
         # included) from its first call: no recompile, and the first call's
-        # graph already has a token axis to pad for graphs.
-        mark_token_axis(ids, positions)
+        # graph already has a token axis to pad for graphs. CompiledModel
+        # marks the axis itself, its own way (compile/token_guards.py).
+        if not isinstance(forward, CompiledModel):
+            mark_token_axis(ids, positions)
         with forward_context(batch, self.backend, check=False, debug_checks=self.debug_checks):
             return forward(ids, positions)
 

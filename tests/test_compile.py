@@ -88,6 +88,9 @@ def test_no_recompile_when_the_token_count_changes(arch):
             want = model(batch.input_ids, batch.positions)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert counters.graphs_split == 1
+    # The one trace bound the token count only from below: its shape guards
+    # were dropped, so 1 token ran the same graph.
+    assert compiled.token_guards.dropped == 1 and compiled.token_guards.kept_reason is None
 
 
 def test_counters_count_pieces_captures_replays_and_fallbacks():

@@ -1,5 +1,6 @@
 """``CompiledModel``: ``torch.compile(model, backend=sgl_piecewise)`` with the
-token axis marked dynamic, so no token count recompiles."""
+token axis marked dynamic, so no token count recompiles (``token_guards.py``
+says how)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ import torch
 
 from sgl_piecewise.compile.backend import SglPiecewiseBackend
 from sgl_piecewise.compile.options import CompileOptions
+from sgl_piecewise.compile.token_guards import TokenShapeGuards, mark_token_axis_backed, size_oblivious_tracing
 from sgl_piecewise.errors import UnsupportedModeError
 
 
 def mark_token_axis(*tensors: torch.Tensor) -> None:
-    """Make dim 0 dynamic for Dynamo without 0/1 specialisation (no recompile at 1 token)."""
+    """Make dim 0 dynamic for Dynamo without 0/1 specialisation (no recompile
+    at 1 token), for a model you ``torch.compile`` yourself: unbacked, so no
+    guard names the token count. ``CompiledModel`` marks it its own way,
+    which fuses more (``token_guards.py``)."""
     for t in tensors:
         torch._dynamo.decorators.mark_unbacked(t, 0)
 
@@ -22,7 +27,10 @@ def mark_token_axis(*tensors: torch.Tensor) -> None:
 class CompiledModel:
     """``forward(input_ids, positions)`` of ``model`` compiled by the
     ``sgl_piecewise`` backend with ``options``; the first call marks the token
-    axis of its inputs (Dynamo keeps that for every later call).
+    axis of its inputs backed (Dynamo keeps that for every later call), every
+    call traces size-obliviously, and the shape guards that only bound the
+    token count are dropped (``token_guards.py``): one graph for every token
+    count, 1 included, with Inductor's fusions of a backed size.
 
     The model must trace as one graph (``fullgraph=True``): a graph break
     raises ``UnsupportedModeError`` naming its cause and place.
@@ -30,15 +38,19 @@ class CompiledModel:
 
     def __init__(self, model: torch.nn.Module, options: Optional[CompileOptions] = None):
         self.backend = SglPiecewiseBackend(options or CompileOptions())
-        self.compiled = torch.compile(model, backend=self.backend, fullgraph=True)
+        self.token_guards = self.backend.token_guards = TokenShapeGuards()
+        self.compiled = torch.compile(
+            model, backend=self.backend, fullgraph=True, options={"guard_filter_fn": self.token_guards}
+        )
         self._marked = False
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         if not self._marked:
-            mark_token_axis(input_ids, positions)
+            mark_token_axis_backed(input_ids, positions)
             self._marked = True
         try:
-            return self.compiled(input_ids, positions)
+            with size_oblivious_tracing():
+                return self.compiled(input_ids, positions)
         except torch._dynamo.exc.Unsupported as exc:  # raised while tracing, never on a traced call
             raise UnsupportedModeError(
                 f"torch.compile: expected a model Dynamo traces as one graph, got a graph break: "

@@ -99,11 +99,10 @@ class RotaryEmbedding(nn.Module):
         cache = cache.to(device=device, dtype=dtype)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # positions: [T]; x: [T, heads, D], rotated by each token's position
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return _rotate(x, cos.unsqueeze(1), sin.unsqueeze(1))  # cos, sin: [T, 1, D/2]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -143,11 +142,12 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         # x: [T, H]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k rotate as one [T, Hq + Hkv, D] tensor: one fused kernel
+        # instead of one each, and the same arithmetic per element.
+        qk = rotary(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = rotary(positions, q, k)
         o = unified_attention(q, k, v, layer_id=self.layer_id, scale=self.scaling)  # [T, Hq, D]
         return self.o_proj(o.reshape(-1, self.q_size))  # [T, H]
 

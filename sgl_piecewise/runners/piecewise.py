@@ -3,7 +3,7 @@
 
 The backend's own wrapper does the capturing (one place, not two); this
 runner only drives it: it compiles with the token axis marked dynamic
-(unbacked, so sizes 0 and 1 share the graph too), and calls the compiled
+(``CompiledModel``: one graph for every size, 1 included), and calls the compiled
 model once per capture size through the capture core (``capture.py``):
 largest first — so smaller sizes reuse the pool memory the largest one
 reserved — with Python's gc frozen and a progress bar.

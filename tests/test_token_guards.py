@@ -1,0 +1,92 @@
+"""``CompiledModel``'s backed token axis: Dynamo's shape guards are dropped
+only when they merely bound the token count from below (``token_guards.py``);
+a guard that selects what the graph computes keeps every shape guard, so
+that step recompiles and stays equal to eager."""
+
+import pytest
+import sympy
+import torch
+
+import sgl_piecewise as sp
+from sgl_piecewise.backends import ReferenceBackend
+from sgl_piecewise.compile import CompiledModel, CompileOptions
+from sgl_piecewise.compile.token_guards import _only_bounds_token_count
+from sgl_piecewise.models import ModelConfig, build_random_model
+from sgl_piecewise.testing import random_batch
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+S0, S1, OTHER = sympy.symbols("s0 s1 s9", integer=True, positive=True)
+TOKENS = {S0, S1}
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [S0 >= 2, S0 > 1, sympy.Le(2, S0), sympy.Lt(1, S0), S0 >= 0, sympy.Ne(S0, 1), sympy.Ne(0, S0), sympy.Eq(S0, S1)],
+)
+def test_lower_bounds_of_at_most_two_and_token_equalities_are_droppable(expr):
+    assert _only_bounds_token_count(expr, TOKENS)
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        S0 > 4,  # a Python branch on the token count
+        S0 >= 3,
+        S0 <= 512,  # an upper bound: larger counts would run code traced for smaller ones
+        sympy.Lt(S0, 9),
+        sympy.Eq(S0, 1),  # a specialisation to one size
+        sympy.Ne(S0, 3),
+        sympy.Eq(S0, OTHER),  # another dynamic size
+        OTHER >= 2,
+        sympy.Eq(sympy.Mod(S0, 8), 0),
+        sympy.Eq(2 * S0, S1),
+    ],
+)
+def test_any_other_shape_guard_is_kept(expr):
+    assert not _only_bounds_token_count(expr, TOKENS)
+
+
+class BranchesOnTokenCount(torch.nn.Module):
+    """A model whose Python takes another path above 4 tokens: Dynamo guards
+    the trace on that comparison."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, positions):
+        hidden = self.inner(input_ids, positions)
+        if input_ids.shape[0] > 4:
+            return hidden * 2
+        return hidden
+
+
+def _step(fn, backend, n):
+    batch = random_batch(sp.ForwardMode.EXTEND, backend.req_to_token_pool, backend.kv_pool, [0], [n], vocab_size=256)
+    backend.init_forward_metadata(batch)
+    with torch.no_grad(), sp.forward_context(batch, backend):
+        return batch, fn(batch.input_ids, batch.positions)
+
+
+def test_a_branch_on_the_token_count_keeps_the_guards_and_recompiles_instead_of_running_the_wrong_side():
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+    )
+    model = BranchesOnTokenCount(build_random_model(config, seed=1))
+    backend = ReferenceBackend(sp.ReqToTokenPool(max_reqs=8, max_context_len=64), sp.KVPool(512, 2, 2, 16))
+    compiled = CompiledModel(model, CompileOptions(piece_compiler="eager"))
+    for n in (7, 3, 1, 9):  # both sides of the branch, and 1 token
+        batch, got = _step(compiled, backend, n)
+        with torch.no_grad(), sp.forward_context(batch, backend):
+            want = model(batch.input_ids, batch.positions)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert compiled.token_guards.dropped == 0
+    assert "selects what the graph computes" in compiled.token_guards.kept_reason
