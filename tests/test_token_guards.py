@@ -90,3 +90,33 @@ def test_a_branch_on_the_token_count_keeps_the_guards_and_recompiles_instead_of_
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert compiled.token_guards.dropped == 0
     assert "selects what the graph computes" in compiled.token_guards.kept_reason
+
+
+def test_a_first_call_of_one_token_traces_for_every_count():
+    """A hint of 1 would make Inductor guard ``Eq(s0, 1)`` and keep the
+    trace to one token; the hint is at least 2, so 2 and 5 tokens replay the
+    first trace."""
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+    )
+    model = build_random_model(config, seed=1)
+    backend = ReferenceBackend(sp.ReqToTokenPool(max_reqs=8, max_context_len=64), sp.KVPool(512, 2, 2, 16))
+    compiled = CompiledModel(model, CompileOptions(piece_compiler="inductor"))
+    for i, n in enumerate((1, 2, 5)):
+        if i == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            batch, got = _step(compiled, backend, n)
+        finally:
+            torch.compiler.set_stance("default")
+        with torch.no_grad(), sp.forward_context(batch, backend):
+            want = model(batch.input_ids, batch.positions)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert compiled.token_guards.dropped == 1 and compiled.token_guards.kept_reason is None

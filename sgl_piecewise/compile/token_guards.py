@@ -43,9 +43,16 @@ _SHAPE_GUARD = "SHAPE_ENV"
 
 
 def mark_token_axis_backed(*tensors: torch.Tensor) -> None:
-    """Dim 0 dynamic and backed (trace under ``size_oblivious_tracing``)."""
+    """Dim 0 dynamic and backed (trace under ``size_oblivious_tracing``).
+
+    The symbol's hint, which Inductor's choices read, is the token count,
+    but at least 2: Inductor evaluates some choices on the hint and guards
+    them, and a hint of 1 would give ``Eq(s0, 1)``, a guard that keeps the
+    trace to 1 token.
+    """
     for t in tensors:
-        torch._dynamo.mark_dynamic(t, 0)
+        hint = t.shape[0] if t.shape[0] >= 2 else 2
+        torch._dynamo.mark_dynamic(t, 0, hint_override=hint)
 
 
 class size_oblivious_tracing:
