@@ -9,8 +9,8 @@ import torch
 
 import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend
-from sgl_piecewise.compile import CompiledModel, CompileOptions
-from sgl_piecewise.compile.token_guards import _only_bounds_token_count
+from sgl_piecewise.compile import CompiledModel, CompileOptions, compiled_model, counters, token_guards
+from sgl_piecewise.compile.token_guards import MAX_TRACED_TOKENS, _only_bounds_token_count
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.testing import random_batch
 
@@ -22,7 +22,20 @@ TOKENS = {S0, S1}
 
 @pytest.mark.parametrize(
     "expr",
-    [S0 >= 2, S0 > 1, sympy.Le(2, S0), sympy.Lt(1, S0), S0 >= 0, sympy.Ne(S0, 1), sympy.Ne(0, S0), sympy.Eq(S0, S1)],
+    [
+        S0 >= 2,
+        S0 > 1,
+        sympy.Le(2, S0),
+        sympy.Lt(1, S0),
+        S0 >= 0,
+        3 * S0 >= 6,
+        sympy.Ne(S0, 1),
+        sympy.Ne(0, S0),
+        sympy.Eq(S0, S1),
+        896 * S0 <= 2**31 - 1,  # int32 indexing, far above the traced bound
+        S0 <= MAX_TRACED_TOKENS,
+        sympy.Lt(S0, MAX_TRACED_TOKENS + 1),
+    ],
 )
 def test_lower_bounds_of_at_most_two_and_token_equalities_are_droppable(expr):
     assert _only_bounds_token_count(expr, TOKENS)
@@ -33,8 +46,11 @@ def test_lower_bounds_of_at_most_two_and_token_equalities_are_droppable(expr):
     [
         S0 > 4,  # a Python branch on the token count
         S0 >= 3,
-        S0 <= 512,  # an upper bound: larger counts would run code traced for smaller ones
+        2 * S0 - 1 >= 7,
+        S0 <= 512,  # an upper bound below the traced one: larger counts would run code traced for smaller ones
         sympy.Lt(S0, 9),
+        S0 < MAX_TRACED_TOKENS,
+        S0**2 <= 2**31 - 1,
         sympy.Eq(S0, 1),  # a specialisation to one size
         sympy.Ne(S0, 3),
         sympy.Eq(S0, OTHER),  # another dynamic size
@@ -93,9 +109,9 @@ def test_a_branch_on_the_token_count_keeps_the_guards_and_recompiles_instead_of_
 
 
 def test_a_first_call_of_one_token_traces_for_every_count():
-    """A hint of 1 would make Inductor guard ``Eq(s0, 1)`` and keep the
-    trace to one token; the hint is at least 2, so 2 and 5 tokens replay the
-    first trace."""
+    """Backed, Inductor would read the hint 1 and guard ``Eq(s0, 1)``,
+    keeping the trace to one token; a first call below 2 tokens marks the
+    axis unbacked, so 2 and 5 tokens run the first trace."""
     config = ModelConfig(
         architecture="LlamaForCausalLM",
         hidden_size=64,
@@ -119,4 +135,35 @@ def test_a_first_call_of_one_token_traces_for_every_count():
         with torch.no_grad(), sp.forward_context(batch, backend):
             want = model(batch.input_ids, batch.positions)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert compiled.token_guards.dropped == 1 and compiled.token_guards.kept_reason is None
+    assert compiled.token_guards.kept_reason is None
+
+
+def _small_model():
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+    )
+    return build_random_model(config, seed=1)
+
+
+def test_a_call_above_the_traced_bound_runs_uncompiled_and_is_counted(monkeypatch):
+    """The graph is traced for at most MAX_TRACED_TOKENS tokens and its shape
+    guards are gone, so a larger call must not reach it (here the bound is 8)."""
+    monkeypatch.setattr(token_guards, "MAX_TRACED_TOKENS", 8)
+    monkeypatch.setattr(compiled_model, "MAX_TRACED_TOKENS", 8)
+    model = _small_model()
+    backend = ReferenceBackend(sp.ReqToTokenPool(max_reqs=8, max_context_len=64), sp.KVPool(512, 2, 2, 16))
+    compiled = CompiledModel(model, CompileOptions(piece_compiler="eager"))
+    for n in (5, 12):
+        batch, got = _step(compiled, backend, n)
+        with torch.no_grad(), sp.forward_context(batch, backend):
+            want = model(batch.input_ids, batch.positions)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert dict(counters.eager_fallbacks) == {"12 tokens: above the compiled graph's 8": 1}
+    assert counters.graphs_split == 1 and compiled.token_guards.dropped == 1

@@ -33,7 +33,7 @@ from sgl_piecewise.compile.piece_compiler import PieceCompiler
 from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StepState
 from sgl_piecewise.compile.split import bypass_dispatcher, split_graph, to_out_variant
 from sgl_piecewise.compile.token_axis import TokenAxis, find_token_axis
-from sgl_piecewise.compile.token_guards import TokenShapeGuards, token_symbols
+from sgl_piecewise.compile.token_guards import TokenShapeGuards
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.runners.buffer_registry import CudaGraphBufferRegistry, FillContext, PaddingPolicy
 from sgl_piecewise.runners.capture import frozen_gc, shared_capture
@@ -67,8 +67,7 @@ class SglPiecewiseBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         if self.token_guards is not None:
-            fake_mode, fake = _fake_inputs(list(example_inputs))
-            self.token_guards.record(fake_mode.shape_env, token_symbols(fake))
+            self.token_guards.begin_compile(*_fake_inputs(list(example_inputs)))
         if not self.options.split_graph:
             return compile_whole(gm, list(example_inputs), self.options)
         module = PiecewiseModule(gm, list(example_inputs), self.options)

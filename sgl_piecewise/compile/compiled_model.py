@@ -10,8 +10,14 @@ from typing import Any, Optional
 import torch
 
 from sgl_piecewise.compile.backend import SglPiecewiseBackend
+from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.options import CompileOptions
-from sgl_piecewise.compile.token_guards import TokenShapeGuards, mark_token_axis_backed, size_oblivious_tracing
+from sgl_piecewise.compile.token_guards import (
+    MAX_TRACED_TOKENS,
+    TokenShapeGuards,
+    mark_token_axis_backed,
+    size_oblivious_tracing,
+)
 from sgl_piecewise.errors import UnsupportedModeError
 
 
@@ -30,13 +36,16 @@ class CompiledModel:
     axis of its inputs backed (Dynamo keeps that for every later call), every
     call traces size-obliviously, and the shape guards that only bound the
     token count are dropped (``token_guards.py``): one graph for every token
-    count, 1 included, with Inductor's fusions of a backed size.
+    count, 1 included, with Inductor's fusions of a backed size. A call of
+    more than ``MAX_TRACED_TOKENS`` (65536) tokens runs the model uncompiled,
+    counted in ``counters.eager_fallbacks``.
 
     The model must trace as one graph (``fullgraph=True``): a graph break
     raises ``UnsupportedModeError`` naming its cause and place.
     """
 
     def __init__(self, model: torch.nn.Module, options: Optional[CompileOptions] = None):
+        self.model = model
         self.backend = SglPiecewiseBackend(options or CompileOptions())
         self.token_guards = self.backend.token_guards = TokenShapeGuards()
         self.compiled = torch.compile(
@@ -45,6 +54,9 @@ class CompiledModel:
         self._marked = False
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        if input_ids.shape[0] > MAX_TRACED_TOKENS:  # the trace's bound (token_guards.py)
+            counters.fallback(f"{input_ids.shape[0]} tokens: above the compiled graph's {MAX_TRACED_TOKENS}")
+            return self.model(input_ids, positions)
         if not self._marked:
             mark_token_axis_backed(input_ids, positions)
             self._marked = True

@@ -19,11 +19,13 @@ selects what the graph computes, so it serves every token count.
 * a lower bound of at most 2 on a token-count symbol (``s >= 2``, ``s > 1``,
   ``Ne(s, 1)``, ``Ne(s, 0)``): the 0/1 specialisation that size-oblivious
   tracing made moot;
+* an upper bound of at least ``MAX_TRACED_TOKENS`` (``896*s <= 2**31 - 1``,
+  int32 indexing): ``CompiledModel`` never hands the graph more tokens;
 * two token-count symbols equal (``Eq(s0, s1)``: ``input_ids`` and
   ``positions`` have the same length, as every caller's inputs do).
 
-Any other guard on a shape (``s0 > 4`` from a Python branch on the token
-count, a divisibility, an upper bound) keeps every shape guard: such a step
+Any other guard on a shape (``s0 > 4`` or ``s0 <= 4`` from a Python branch
+on the token count, a divisibility) keeps every shape guard: such a step
 recompiles, it never runs code traced for other sizes. The decision is
 logged.
 """
@@ -42,17 +44,24 @@ logger = logging.getLogger("sgl_piecewise.compile")
 _SHAPE_GUARD = "SHAPE_ENV"
 
 
-def mark_token_axis_backed(*tensors: torch.Tensor) -> None:
-    """Dim 0 dynamic and backed (trace under ``size_oblivious_tracing``).
+# The most tokens one call of a compiled graph takes (CompiledModel runs a
+# larger call without it). Each compile bounds the token count by it before
+# Inductor runs: Inductor then proves that every buffer of up to 32768
+# elements per token is indexable with int32, instead of guarding on it.
+MAX_TRACED_TOKENS = 1 << 16
 
-    The symbol's hint, which Inductor's choices read, is the token count,
-    but at least 2: Inductor evaluates some choices on the hint and guards
-    them, and a hint of 1 would give ``Eq(s0, 1)``, a guard that keeps the
-    trace to 1 token.
+
+def mark_token_axis_backed(*tensors: torch.Tensor) -> None:
+    """Dim 0 dynamic and backed (trace under ``size_oblivious_tracing``). A
+    first call of 0 or 1 token marks it unbacked instead: Inductor reads a
+    backed symbol's hint, the first call's size, and guards what it chose on
+    it (``Eq(s0, 1)``), which would keep the trace to that size.
     """
     for t in tensors:
-        hint = t.shape[0] if t.shape[0] >= 2 else 2
-        torch._dynamo.mark_dynamic(t, 0, hint_override=hint)
+        if t.shape[0] < 2:
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        else:
+            torch._dynamo.mark_dynamic(t, 0)
 
 
 class size_oblivious_tracing:
@@ -77,8 +86,8 @@ class TokenShapeGuards:
     """``guard_filter_fn`` of one ``torch.compile``: drops the shape guards
     of a compile whose shape guards only bound the token count (module doc).
 
-    The backend calls ``record`` with each compile's shape environment and
-    token-count symbols; Dynamo calls the instance right after that compile
+    The backend calls ``begin_compile`` with each compile's fake inputs
+    before compiling; Dynamo calls the instance right after that compile
     with the guards it is about to install.
     """
 
@@ -88,8 +97,14 @@ class TokenShapeGuards:
         self.dropped = 0  # compiles whose shape guards were dropped
         self.kept_reason: Optional[str] = None  # why the last compile kept them, if it did
 
-    def record(self, shape_env: Any, token_symbols: Set[sympy.Symbol]) -> None:
-        self._shape_env, self._symbols = shape_env, set(token_symbols)
+    def begin_compile(self, fake_mode: Any, fake_inputs: Sequence[Any]) -> None:
+        """Bound the token counts by ``MAX_TRACED_TOKENS`` and remember the
+        shape environment whose guards the filter will judge."""
+        sizes = _token_sizes(fake_inputs)
+        for size in sizes:
+            torch._check(size <= MAX_TRACED_TOKENS)
+        self._shape_env = fake_mode.shape_env
+        self._symbols = {size.node.expr for size in sizes}
 
     def __call__(self, entries: Sequence[Any]) -> list:
         shape_env, symbols = self._shape_env, self._symbols
@@ -118,27 +133,48 @@ class TokenShapeGuards:
 
 
 def _only_bounds_token_count(expr: Any, symbols: Set[sympy.Symbol]) -> bool:
-    """``expr`` is a lower bound of at most 2 on a token symbol, or two token symbols equal."""
+    """``expr`` bounds one token symbol from below by at most 2 or from above
+    by at least ``MAX_TRACED_TOKENS``, or equates two token symbols."""
     if expr is sympy.true:
         return True
-    if not isinstance(expr, sympy.core.relational.Relational):
-        return False
-    lhs, rhs = expr.lhs, expr.rhs
     if isinstance(expr, sympy.Eq):
-        return lhs in symbols and rhs in symbols
+        return expr.lhs in symbols and expr.rhs in symbols
     if isinstance(expr, sympy.Ne):
-        return _symbol_and_int(lhs, rhs, symbols) in (0, 1)
-    # Normalise to ``symbol >= bound`` or ``symbol > bound``.
+        return _symbol_and_int(expr.lhs, expr.rhs, symbols) in (0, 1)
     if isinstance(expr, (sympy.GreaterThan, sympy.StrictGreaterThan)):
-        bound = _int_if_symbol(lhs, rhs, symbols)
+        positive = expr.lhs - expr.rhs  # the guard says: positive >= 0 (> 0 if strict)
     elif isinstance(expr, (sympy.LessThan, sympy.StrictLessThan)):
-        bound = _int_if_symbol(rhs, lhs, symbols)
+        positive = expr.rhs - expr.lhs
     else:
         return False
-    if bound is None:
-        return False
     strict = isinstance(expr, (sympy.StrictGreaterThan, sympy.StrictLessThan))
-    return bound + (1 if strict else 0) <= 2
+    linear = _linear_in_one(positive, symbols)
+    if linear is None:
+        return False
+    a, b = linear  # a * s + b >= 0 (> 0 if strict), a != 0
+    edge = sympy.Rational(-b, 1) / a
+    if a > 0:  # s >= edge: a lower bound
+        lowest = sympy.floor(edge) + 1 if strict else sympy.ceiling(edge)
+        return lowest <= 2
+    highest = sympy.ceiling(edge) - 1 if strict else sympy.floor(edge)  # s <= edge: an upper bound
+    return highest >= MAX_TRACED_TOKENS
+
+
+def _linear_in_one(expr: Any, symbols: Set[sympy.Symbol]) -> Optional[tuple]:
+    """``(a, b)`` with ``expr == a * s + b`` for one token symbol ``s`` and
+    rational ``a != 0``, ``b``; None for anything else."""
+    free = expr.free_symbols
+    if len(free) != 1 or not free <= symbols:
+        return None
+    (s,) = free
+    try:
+        poly = sympy.Poly(expr, s)
+    except sympy.PolynomialError:
+        return None
+    coeffs = poly.all_coeffs()
+    if poly.degree() != 1 or not all(isinstance(c, sympy.Rational) for c in coeffs):
+        return None
+    return coeffs[0], coeffs[1]
 
 
 def _symbol_and_int(a: Any, b: Any, symbols: Set[sympy.Symbol]) -> Optional[int]:
@@ -150,16 +186,12 @@ def _symbol_and_int(a: Any, b: Any, symbols: Set[sympy.Symbol]) -> Optional[int]
     return None
 
 
-def _int_if_symbol(symbol: Any, bound: Any, symbols: Set[sympy.Symbol]) -> Optional[int]:
-    return int(bound) if symbol in symbols and isinstance(bound, sympy.Integer) else None
-
-
-def token_symbols(fake_inputs: Sequence[Any]) -> Set[sympy.Symbol]:
-    """The symbols of the fake inputs' dim 0, weights excluded."""
-    found = set()
+def _token_sizes(fake_inputs: Sequence[Any]) -> list:
+    """The symbolic dim-0 sizes of the fake inputs (weights are static)."""
+    sizes = []
     for x in fake_inputs:
-        if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) and x.dim():
+        if isinstance(x, torch.Tensor) and x.dim():
             size = x.shape[0]
             if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
-                found.add(size.node.expr)
-    return found
+                sizes.append(size)
+    return sizes
