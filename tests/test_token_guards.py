@@ -63,6 +63,21 @@ def test_any_other_shape_guard_is_kept(expr):
     assert not _only_bounds_token_count(expr, TOKENS)
 
 
+def _small_model():
+    """Two Llama layers."""
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+    )
+    return build_random_model(config, seed=1)
+
+
 class BranchesOnTokenCount(torch.nn.Module):
     """A model whose Python takes another path above 4 tokens: Dynamo guards
     the trace on that comparison."""
@@ -86,17 +101,7 @@ def _step(fn, backend, n):
 
 
 def test_a_branch_on_the_token_count_keeps_the_guards_and_recompiles_instead_of_running_the_wrong_side():
-    config = ModelConfig(
-        architecture="LlamaForCausalLM",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=256,
-    )
-    model = BranchesOnTokenCount(build_random_model(config, seed=1))
+    model = BranchesOnTokenCount(_small_model())
     backend = ReferenceBackend(sp.ReqToTokenPool(max_reqs=8, max_context_len=64), sp.KVPool(512, 2, 2, 16))
     compiled = CompiledModel(model, CompileOptions(piece_compiler="eager"))
     for n in (7, 3, 1, 9):  # both sides of the branch, and 1 token
@@ -112,17 +117,7 @@ def test_a_first_call_of_one_token_traces_for_every_count():
     """Backed, Inductor would read the hint 1 and guard ``Eq(s0, 1)``,
     keeping the trace to one token; a first call below 2 tokens marks the
     axis unbacked, so 2 and 5 tokens run the first trace."""
-    config = ModelConfig(
-        architecture="LlamaForCausalLM",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=256,
-    )
-    model = build_random_model(config, seed=1)
+    model = _small_model()
     backend = ReferenceBackend(sp.ReqToTokenPool(max_reqs=8, max_context_len=64), sp.KVPool(512, 2, 2, 16))
     compiled = CompiledModel(model, CompileOptions(piece_compiler="inductor"))
     for i, n in enumerate((1, 2, 5)):
@@ -136,20 +131,6 @@ def test_a_first_call_of_one_token_traces_for_every_count():
             want = model(batch.input_ids, batch.positions)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert compiled.token_guards.kept_reason is None
-
-
-def _small_model():
-    config = ModelConfig(
-        architecture="LlamaForCausalLM",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=256,
-    )
-    return build_random_model(config, seed=1)
 
 
 def test_a_call_above_the_traced_bound_runs_uncompiled_and_is_counted(monkeypatch):
