@@ -20,8 +20,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_piecewise.models import fused_ops
 from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
 from sgl_piecewise.ops import unified_attention
+
+
+def _eager_fused(x: torch.Tensor) -> bool:
+    """Run one fused kernel instead of the plain formula (``fused_ops.py``):
+    eagerly on CUDA. Under ``torch.compile`` the formula is traced instead,
+    and Inductor fuses it with its neighbours."""
+    return not torch.compiler.is_compiling() and fused_ops.available(x)
 
 
 class Linear(nn.Module):
@@ -53,7 +61,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and scale after casting back, in the same order
-        # as Hugging Face, so half-precision results match it bit for bit.
+        # as Hugging Face, so half-precision results match it bit for bit (the
+        # fused kernel up to the order its sum of squares adds in).
+        if _eager_fused(x):
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -101,6 +112,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions: [T]; x: [T, heads, D], rotated by each token's position
+        if _eager_fused(x):
+            return fused_ops.rotary(positions, x, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
         return _rotate(x, cos.unsqueeze(1), sin.unsqueeze(1))  # cos, sin: [T, 1, D/2]
 
@@ -121,7 +134,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(f, h, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each
+        gate_up = self.gate_up_proj(x)  # [T, 2F]
+        if _eager_fused(gate_up):
+            return self.down_proj(fused_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, F] each
         return self.down_proj(F.silu(gate) * up)  # [T, H]
 
 

@@ -1,0 +1,150 @@
+"""One-kernel versions of the model's small eager ops, for CUDA tensors.
+
+Run eagerly, an RMSNorm is eight kernels (cast, square, mean, add, rsqrt,
+multiply, cast back, weight), rotary embedding eight and SiLU·mul two. The
+compiled paths never see these (Inductor fuses the plain formulas itself:
+``layers.py`` calls them only outside ``torch.compile``); the eager model and
+the breakable graphs, which replay the eager model's kernels, launch one
+kernel for each instead, as SGLang's models call fused kernels.
+
+Each kernel computes what the plain formula computes, rounding where the
+eager ops round (to the tensor's dtype after every op), with floating-point
+contraction off (no fused multiply-add the eager ops would not do) and IEEE
+division and exponent: rotary embedding and SiLU·mul give the eager ops' bits.
+RMSNorm's sum of squares adds in another order than PyTorch's reduction, so
+its results may differ from the plain formula's in the last bit of float32
+(then, rarely, in the last bit of the rounded output).
+
+``available(x)``: the tensor is on CUDA and Triton is installed. On a CPU the
+kernels run under ``TRITON_INTERPRET=1`` (the tests call them so).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+    from triton.runtime.jit import JITFunction
+except ImportError:  # pragma: no cover - the plain formulas serve without Triton
+    triton = None
+
+# The eager ops do not contract a multiply and an add into one rounding.
+_EXACT = {"enable_fp_fusion": False}
+
+
+def available(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, H, eps, BLOCK: tl.constexpr,
+                         LIBDEVICE: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        xf = x.to(tl.float32)
+        mean = tl.sum(xf * xf, axis=0) / H
+        if LIBDEVICE:
+            inv = libdevice.rsqrt(mean + eps)  # CUDA's rsqrtf, as torch.rsqrt
+        else:
+            inv = tl.math.rsqrt(mean + eps)
+        normed = (xf * inv).to(x.dtype)  # xf.to(x.dtype)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)  # weight * normed
+        tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(x_ptr, pos_ptr, cache_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
+                       stride_c, HALF: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        i = tl.arange(0, BLOCK)
+        mask = i < HALF
+        p = tl.load(pos_ptr + t).to(tl.int64)
+        cos = tl.load(cache_ptr + p * stride_c + i, mask=mask, other=0.0)
+        sin = tl.load(cache_ptr + p * stride_c + HALF + i, mask=mask, other=0.0)
+        src = x_ptr + t * stride_xt + h * stride_xh
+        x1 = tl.load(src + i, mask=mask, other=0.0)
+        x2 = tl.load(src + HALF + i, mask=mask, other=0.0)
+        dt = x1.dtype
+        cf, sf, x1f, x2f = cos.to(tl.float32), sin.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32)
+        # x1 * cos - x2 * sin and x2 * cos + x1 * sin, each product rounded as its own op.
+        first = ((x1f * cf).to(dt).to(tl.float32) - (x2f * sf).to(dt).to(tl.float32)).to(dt)
+        second = ((x2f * cf).to(dt).to(tl.float32) + (x1f * sf).to(dt).to(tl.float32)).to(dt)
+        dst = out_ptr + t * stride_ot + h * stride_oh
+        tl.store(dst + i, first, mask=mask)
+        tl.store(dst + HALF + i, second, mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, F, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < F
+        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row * stride_x + F + cols, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        if LIBDEVICE:  # CUDA's expf and IEEE division, as F.silu
+            silu = libdevice.div_rn(g, 1.0 + libdevice.exp(-g)).to(gate.dtype)
+        else:
+            silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        out = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)  # * up
+        tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+
+
+# Under TRITON_INTERPRET=1 kernels run as numpy, which has no libdevice (and
+# rounds float32 to bfloat16 by truncation: only float32 results are exact there).
+_LIBDEVICE = triton is not None and isinstance(_rms_norm_kernel, JITFunction)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, last]`` with a unit last stride (a view when it can be)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)``."""
+    rows = _rows(x)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        h = rows.shape[1]
+        block = triton.next_power_of_2(h)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), h, eps, BLOCK=block,
+                                           LIBDEVICE=_LIBDEVICE, num_warps=min(16, max(1, block // 256)),
+                                           **_EXACT)  # fmt: skip
+    return out.view(x.shape)
+
+
+def rotary(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """``x [T, heads, D]`` rotated by ``positions [T]``: ``cat(x1*cos - x2*sin,
+    x2*cos + x1*sin)`` with ``cos, sin`` the halves of ``cos_sin_cache[p]``."""
+    tokens, heads, dim = x.shape
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    if tokens and heads:
+        if x.stride(2) != 1:
+            x = x.contiguous()
+        half = dim // 2
+        _rotary_kernel[(tokens, heads)](
+            x, positions, cos_sin_cache, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            cos_sin_cache.stride(0), HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1, **_EXACT,
+        )  # fmt: skip
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` of ``gate_up [..., 2F]`` split in halves."""
+    rows = _rows(gate_up)
+    f = rows.shape[1] // 2
+    out = torch.empty((rows.shape[0], f), dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0] and f:
+        block = min(1024, triton.next_power_of_2(f))
+        grid = (rows.shape[0], triton.cdiv(f, block))
+        _silu_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), f, BLOCK=block,
+                                 LIBDEVICE=_LIBDEVICE, num_warps=4, **_EXACT)  # fmt: skip
+    return out.view(*gate_up.shape[:-1], f)
