@@ -148,3 +148,22 @@ def test_a_call_above_the_traced_bound_runs_uncompiled_and_is_counted(monkeypatc
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert dict(counters.eager_fallbacks) == {"12 tokens: above the compiled graph's 8": 1}
     assert counters.graphs_split == 1 and compiled.token_guards.dropped == 1
+
+
+def test_a_trace_that_was_not_size_oblivious_keeps_the_guards(monkeypatch):
+    """Without size-oblivious tracing the trace may have specialised on the
+    token count being at least 2, so its lower bound must stay: the 1-token
+    call recompiles (and equals eager) instead of running that trace."""
+    monkeypatch.setattr(token_guards.size_oblivious_tracing, "__enter__", lambda self: None)
+    monkeypatch.setattr(token_guards.size_oblivious_tracing, "__exit__", lambda self, *exc: None)
+    model = _small_model()
+    backend = ReferenceBackend(sp.ReqToTokenPool(max_reqs=8, max_context_len=64), sp.KVPool(512, 2, 2, 16))
+    compiled = CompiledModel(model, CompileOptions(piece_compiler="eager"))
+    for n in (5, 1):
+        batch, got = _step(compiled, backend, n)
+        with torch.no_grad(), sp.forward_context(batch, backend):
+            want = model(batch.input_ids, batch.positions)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if n == 5:
+            assert "without size-oblivious tracing" in compiled.token_guards.kept_reason
+    assert compiled.token_guards.dropped == 0 and counters.graphs_split == 2  # 1 token recompiled

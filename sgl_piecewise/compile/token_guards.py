@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence, Set
 import sympy
 import torch
 import torch.fx.experimental._config as fx_config
+from torch.fx.experimental.symbolic_shapes import SymT, symbol_is_type
 
 logger = logging.getLogger("sgl_piecewise.compile")
 
@@ -123,6 +124,12 @@ class TokenShapeGuards:
     def _why_keep(shape_env: Any, symbols: Set[sympy.Symbol]) -> Optional[str]:
         if shape_env is None or not symbols:
             return "no token-count symbol recorded for this compile"
+        # The lower bounds are moot only if the trace did not specialise on 0
+        # or 1: a backed symbol created outside size_oblivious_tracing (another
+        # thread restored the setting mid-call, say) keeps them.
+        specialising = [s for s in symbols if symbol_is_type(s, SymT.SIZE) and s not in shape_env.size_like]
+        if specialising:
+            return f"token count {specialising[0]} traced without size-oblivious tracing"
         # A symbol Dynamo replaced by a token symbol (positions' length by
         # input_ids') is one too: the inputs show only the replacement.
         symbols = symbols | {s for s, value in shape_env.replacements.items() if value in symbols}
