@@ -25,7 +25,8 @@ selects what the graph computes, so it serves every token count.
   ``positions`` have the same length, as every caller's inputs do).
 
 Any other guard on a shape (``s0 > 4`` or ``s0 <= 4`` from a Python branch
-on the token count, a divisibility) keeps every shape guard: such a step
+on the token count, a divisibility) keeps every shape guard, and so does a
+trace whose token symbol was not created size-obliviously: such a step
 recompiles, it never runs code traced for other sizes. The decision is
 logged.
 """
