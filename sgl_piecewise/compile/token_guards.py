@@ -2,9 +2,10 @@
 
 ``mark_token_axis`` (``compiled_model.py``) marks the token axis *unbacked*:
 no guard ever names the token count, but Inductor cannot reason about an
-unbacked size, and it fuses less. Measured on an H200 (0.5b shape, one
-whole-model decode graph): the RMSNorm splits into a reduction kernel and a
-pointwise kernel, and the model launches 14 kernels per layer instead of 11.
+unbacked size, and it fuses less: each RMSNorm becomes a reduction kernel
+plus a pointwise kernel. Backed, it is one kernel (on an H200 the 0.5b
+whole-model decode graph went from 14 to 10 kernels per layer with this and
+q and k rotated together, docs/BENCHMARKS.md).
 
 ``CompiledModel`` therefore marks the axis *backed* (``mark_dynamic``) and
 traces it *size-obliviously* (``backed_size_oblivious``): the trace does not
