@@ -129,6 +129,8 @@ def rotary(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor
     if tokens and heads:
         if x.stride(2) != 1:
             x = x.contiguous()
+        if positions.stride(0) != 1:
+            positions = positions.contiguous()
         half = dim // 2
         _rotary_kernel[(tokens, heads)](
             x, positions, cos_sin_cache, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1),

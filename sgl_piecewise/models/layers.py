@@ -63,7 +63,7 @@ class RMSNorm(nn.Module):
         # Normalise in float32 and scale after casting back, in the same order
         # as Hugging Face, so half-precision results match it bit for bit (the
         # fused kernel up to the order its sum of squares adds in).
-        if _eager_fused(x):
+        if _eager_fused(x) and self.weight.dtype == x.dtype:  # else the formula promotes
             return fused_ops.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -112,7 +112,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions: [T]; x: [T, heads, D], rotated by each token's position
-        if _eager_fused(x):
+        if _eager_fused(x) and self.cos_sin_cache.dtype == x.dtype:  # else the formula promotes
             return fused_ops.rotary(positions, x, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
         return _rotate(x, cos.unsqueeze(1), sin.unsqueeze(1))  # cos, sin: [T, 1, D/2]
