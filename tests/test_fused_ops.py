@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the fused kernels need the `triton` package")
 
+from sgl_piecewise.errors import InvalidInputError  # noqa: E402
 from sgl_piecewise.models import fused_ops, layers  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -68,17 +69,38 @@ def test_fused_ops_equal_the_plain_formulas_on_cpu():
     _check("cpu", torch.float32)
 
 
-def test_empty_inputs_launch_nothing():
+def test_empty_inputs_give_empty_outputs_of_the_right_shape():
     qk, positions, cache, x, weight, gate_up = _cases("cpu", torch.float32)
     assert fused_ops.rotary(positions[:0], qk[:0], cache).shape == (0, *qk.shape[1:])
     assert fused_ops.silu_mul(gate_up[:0]).shape == (0, gate_up.shape[1] // 2)
     assert fused_ops.rms_norm(x[:0], weight, 1e-6).shape == (0, x.shape[1])
 
 
+def test_bad_arguments_are_refused_by_name():
+    qk, positions, cache, x, weight, gate_up = _cases("cpu", torch.float32)
+    with pytest.raises(InvalidInputError, match=r"weight: expected shape \[96\], got \[95\]"):
+        fused_ops.rms_norm(x, weight[:95], 1e-6)
+    with pytest.raises(InvalidInputError, match=r"weight: expected dtype torch.float32, got torch.bfloat16"):
+        fused_ops.rms_norm(x, weight.bfloat16(), 1e-6)
+    with pytest.raises(InvalidInputError, match=r"positions: expected shape \[7\], got \[6\]"):
+        fused_ops.rotary(positions[:6], qk, cache)
+    with pytest.raises(InvalidInputError, match=r"positions: expected dtype torch.int32 or torch.int64"):
+        fused_ops.rotary(positions.float(), qk, cache)
+    with pytest.raises(InvalidInputError, match=r"cos_sin_cache: expected shape \[\*, 64\], got \[50, 32\]"):
+        fused_ops.rotary(positions, qk, cache[:, :32])
+    with pytest.raises(InvalidInputError, match=r"x: expected shape \[\*, \*, \*\], got \[7, 512\]"):
+        fused_ops.rotary(positions, qk.flatten(1), cache)
+    with pytest.raises(InvalidInputError, match=r"silu_mul: expected gate_up \[..., 2F\], got shape \[7, 159\]"):
+        fused_ops.silu_mul(gate_up[:, :159])
+
+
 def test_the_model_takes_the_plain_formulas_on_a_cpu_and_under_compile(monkeypatch):
-    assert not fused_ops.available(torch.zeros(1))
+    x = torch.zeros(1)
+    assert not fused_ops.available(x)  # a CPU tensor
+    monkeypatch.setattr(fused_ops, "available", lambda t: True)  # as a CUDA tensor would be
+    assert layers._eager_fused(x)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not layers._eager_fused(torch.zeros(1))
+    assert not layers._eager_fused(x)
 
 
 @pytest.mark.gpu
@@ -93,6 +115,7 @@ def test_eager_greedy_tokens_are_those_of_the_plain_formulas(monkeypatch):
     from sgl_piecewise.runner import ModelRunner
 
     model = build_random_model(default_config(), torch.float32, "cuda", seed=4)
+    assert layers._eager_fused(torch.zeros(1, device="cuda"))  # the first run takes the fused kernels
     prompts = [[int(t) for t in torch.randint(0, 200, (n,))] for n in (5, 1, 9)]
     fused = ModelRunner(model, max_reqs=4, max_context_len=64).generate(prompts, max_new_tokens=16)
     monkeypatch.setattr(layers, "_eager_fused", lambda x: False)

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from sgl_piecewise.checks import check_tensor
+from sgl_piecewise.errors import InvalidInputError
+
 try:
     import triton
     import triton.language as tl
@@ -110,6 +113,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)``."""
+    check_tensor("weight", weight, shape=(x.shape[-1],), dtype=x.dtype, device=x.device)
     rows = _rows(x)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
@@ -124,7 +128,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rotary(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
     """``x [T, heads, D]`` rotated by ``positions [T]``: ``cat(x1*cos - x2*sin,
     x2*cos + x1*sin)`` with ``cos, sin`` the halves of ``cos_sin_cache[p]``."""
+    check_tensor("x", x, shape=(None, None, None))
     tokens, heads, dim = x.shape
+    check_tensor("positions", positions, shape=(tokens,), dtype=(torch.int32, torch.int64), device=x.device)
+    check_tensor("cos_sin_cache", cos_sin_cache, shape=(None, dim), dtype=x.dtype, device=x.device)
+    if dim % 2 or cos_sin_cache.stride(1) != 1:
+        raise InvalidInputError(
+            f"rotary: expected an even head size and a cos_sin_cache with unit last stride, got head size {dim} "
+            f"and strides {cos_sin_cache.stride()}"
+        )
     out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
     if tokens and heads:
         if x.stride(2) != 1:
@@ -141,6 +153,8 @@ def rotary(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` of ``gate_up [..., 2F]`` split in halves."""
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise InvalidInputError(f"silu_mul: expected gate_up [..., 2F], got shape {list(gate_up.shape)}")
     rows = _rows(gate_up)
     f = rows.shape[1] // 2
     out = torch.empty((rows.shape[0], f), dtype=gate_up.dtype, device=gate_up.device)
