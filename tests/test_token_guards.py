@@ -100,15 +100,24 @@ def _step(fn, backend, n):
         return batch, fn(batch.input_ids, batch.positions)
 
 
+def _small_backend():
+    return ReferenceBackend(sp.ReqToTokenPool(max_reqs=8, max_context_len=64), sp.KVPool(512, 2, 2, 16))
+
+
+def _step_equals_eager(compiled, model, backend, n):
+    """One EXTEND step of ``n`` tokens through ``compiled`` equals ``model`` eagerly."""
+    batch, got = _step(compiled, backend, n)
+    with torch.no_grad(), sp.forward_context(batch, backend):
+        want = model(batch.input_ids, batch.positions)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_a_branch_on_the_token_count_keeps_the_guards_and_recompiles_instead_of_running_the_wrong_side():
     model = BranchesOnTokenCount(_small_model())
-    backend = ReferenceBackend(sp.ReqToTokenPool(max_reqs=8, max_context_len=64), sp.KVPool(512, 2, 2, 16))
+    backend = _small_backend()
     compiled = CompiledModel(model, CompileOptions(piece_compiler="eager"))
     for n in (7, 3, 1, 9):  # both sides of the branch, and 1 token
-        batch, got = _step(compiled, backend, n)
-        with torch.no_grad(), sp.forward_context(batch, backend):
-            want = model(batch.input_ids, batch.positions)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        _step_equals_eager(compiled, model, backend, n)
     assert compiled.token_guards.dropped == 0
     assert "selects what the graph computes" in compiled.token_guards.kept_reason
 
@@ -118,18 +127,15 @@ def test_a_first_call_of_one_token_traces_for_every_count():
     keeping the trace to one token; a first call below 2 tokens marks the
     axis unbacked, so 2 and 5 tokens run the first trace."""
     model = _small_model()
-    backend = ReferenceBackend(sp.ReqToTokenPool(max_reqs=8, max_context_len=64), sp.KVPool(512, 2, 2, 16))
+    backend = _small_backend()
     compiled = CompiledModel(model, CompileOptions(piece_compiler="inductor"))
     for i, n in enumerate((1, 2, 5)):
         if i == 1:
             torch.compiler.set_stance("fail_on_recompile")
         try:
-            batch, got = _step(compiled, backend, n)
+            _step_equals_eager(compiled, model, backend, n)
         finally:
             torch.compiler.set_stance("default")
-        with torch.no_grad(), sp.forward_context(batch, backend):
-            want = model(batch.input_ids, batch.positions)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert compiled.token_guards.kept_reason is None
 
 
@@ -139,13 +145,10 @@ def test_a_call_above_the_traced_bound_runs_uncompiled_and_is_counted(monkeypatc
     monkeypatch.setattr(token_guards, "MAX_TRACED_TOKENS", 8)
     monkeypatch.setattr(compiled_model, "MAX_TRACED_TOKENS", 8)
     model = _small_model()
-    backend = ReferenceBackend(sp.ReqToTokenPool(max_reqs=8, max_context_len=64), sp.KVPool(512, 2, 2, 16))
+    backend = _small_backend()
     compiled = CompiledModel(model, CompileOptions(piece_compiler="eager"))
     for n in (5, 12):
-        batch, got = _step(compiled, backend, n)
-        with torch.no_grad(), sp.forward_context(batch, backend):
-            want = model(batch.input_ids, batch.positions)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        _step_equals_eager(compiled, model, backend, n)
     assert dict(counters.eager_fallbacks) == {"12 tokens: above the compiled graph's 8": 1}
     assert counters.graphs_split == 1 and compiled.token_guards.dropped == 1
 
@@ -157,13 +160,10 @@ def test_a_trace_that_was_not_size_oblivious_keeps_the_guards(monkeypatch):
     monkeypatch.setattr(token_guards.size_oblivious_tracing, "__enter__", lambda self: None)
     monkeypatch.setattr(token_guards.size_oblivious_tracing, "__exit__", lambda self, *exc: None)
     model = _small_model()
-    backend = ReferenceBackend(sp.ReqToTokenPool(max_reqs=8, max_context_len=64), sp.KVPool(512, 2, 2, 16))
+    backend = _small_backend()
     compiled = CompiledModel(model, CompileOptions(piece_compiler="eager"))
     for n in (5, 1):
-        batch, got = _step(compiled, backend, n)
-        with torch.no_grad(), sp.forward_context(batch, backend):
-            want = model(batch.input_ids, batch.positions)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        _step_equals_eager(compiled, model, backend, n)
         if n == 5:
             assert "without size-oblivious tracing" in compiled.token_guards.kept_reason
     assert compiled.token_guards.dropped == 0 and counters.graphs_split == 2  # 1 token recompiled
