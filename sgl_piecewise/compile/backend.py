@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
 from dataclasses import replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx
 
-from sgl_piecewise.compile import artifacts
+from sgl_piecewise.compile import artifacts, precompiled
 from sgl_piecewise.compile.counters import counters
+from sgl_piecewise.compile.direct_call import StaleGraphError, describe_inputs
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
 from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StepState
-from sgl_piecewise.compile.split import bypass_dispatcher, split_graph, to_out_variant
+from sgl_piecewise.compile.split import bypass_dispatcher, split_graph, split_items, to_out_variant
 from sgl_piecewise.compile.token_axis import TokenAxis, find_token_axis
 from sgl_piecewise.compile.token_guards import TokenShapeGuards
 from sgl_piecewise.errors import InvalidInputError
@@ -64,13 +66,16 @@ class SglPiecewiseBackend:
         # Set by CompiledModel: told each compile's shape environment, so it
         # can drop the shape guards that only bound the token count.
         self.token_guards: Optional[TokenShapeGuards] = None
+        # Set by CompiledModel around a call that may compile: (model, args),
+        # so the compile can be saved for a start without Dynamo (precompiled.py).
+        self.call: Optional[Tuple[torch.nn.Module, tuple]] = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         if self.token_guards is not None:
             self.token_guards.begin_compile(*_fake_inputs(list(example_inputs)))
         if not self.options.split_graph:
             return compile_whole(gm, list(example_inputs), self.options)
-        module = PiecewiseModule(gm, list(example_inputs), self.options)
+        module = PiecewiseModule.compile(gm, list(example_inputs), self.options, self.call)
         self.modules.append(module)
         return module
 
@@ -121,10 +126,46 @@ def _fake_inputs(example_inputs: list):
     return mode, [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
 
 
+def _as_piece_returns(loaded: Any, piece: torch.fx.GraphModule) -> Any:
+    """A loaded artifact returns a list of outputs even where the piece
+    returns one value (compiling wraps it so; loading does not)."""
+    from torch._inductor.compile_fx import graph_returns_tuple
+
+    if graph_returns_tuple(piece):
+        return loaded
+
+    def single(*args):
+        out = loaded(*args)
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+    return single
+
+
+def _tensor_spec(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.dtype, t.device
+
+
 def _piece_static_args(split_gm: torch.fx.GraphModule, name: str) -> list:
     """Per argument of piece ``name``: does it come straight from a graph input?"""
     (call,) = [n for n in split_gm.graph.nodes if n.op == "call_module" and n.target == name]
     return [isinstance(a, torch.fx.Node) and a.op == "placeholder" for a in call.args]
+
+
+def _install_piece(split_gm: torch.fx.GraphModule, piece: Any, compiled: Any, state: StepState) -> None:
+    """Make the split module's code call ``compiled`` for a compiled piece,
+    or the attention piece's generated code for a splitting one."""
+    if piece.is_splitting_op:
+        # From now on it runs on real tensors only, called as its generated
+        # code: nn.Module's call machinery (hooks, forward lookup) costs
+        # microseconds per layer per step and does nothing here.
+        bypass_dispatcher(piece.graph)
+        split_gm.__dict__[piece.name] = piece.graph.forward
+    else:
+        # Bypass nn.Module.__setattr__: the split module's code calls
+        # self.<name>(...), which must now reach the wrapper.
+        split_gm.__dict__[piece.name] = PieceGraphs(
+            piece.name, compiled, state, _piece_static_args(split_gm, piece.name)
+        )
 
 
 class _CompilePieces(torch.fx.Interpreter):
@@ -136,41 +177,31 @@ class _CompilePieces(torch.fx.Interpreter):
         self.pieces = {p.name: p for p in pieces}
         self.compiler = compiler
         self.state = state
+        self.compiled: Dict[str, Any] = {}  # piece name -> what it was compiled to
 
     def call_module(self, target, args, kwargs):
-        result = super().call_module(target, args, kwargs)
+        result = super().call_module(target, args, kwargs)  # the fake run of a splitting piece needs the dispatcher
         piece = self.pieces[target]
-        if piece.is_splitting_op:
-            # Fake run done (it needed the dispatcher); from now on it runs on
-            # real tensors only, called as its generated code: nn.Module's
-            # call machinery (hooks, forward lookup) costs microseconds per
-            # layer per step and does nothing here.
-            bypass_dispatcher(piece.graph)
-            self.module.__dict__[target] = piece.graph.forward
-        else:
-            compiled = self.compiler(piece.graph, args)
-            wrapper = PieceGraphs(target, compiled, self.state, _piece_static_args(self.module, target))
-            # Bypass nn.Module.__setattr__: the split module's code calls
-            # self.<name>(...), which must now reach the wrapper.
-            self.module.__dict__[target] = wrapper
+        if not piece.is_splitting_op:
+            self.compiled[target] = self.compiler(piece.graph, args)
+        _install_piece(self.module, piece, self.compiled.get(target), self.state)
         return result
 
 
 class PiecewiseModule:
-    """What the backend returns to Dynamo: the split, compiled, graphed model."""
+    """What the backend returns to Dynamo: the split, compiled, graphed model.
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list, options: CompileOptions):
-        counters.graphs_split += 1
+    ``compile`` builds it from a Dynamo graph; ``from_saved`` from a compile
+    a former process saved (``precompiled.py``), without Dynamo.
+    """
+
+    def __init__(self, split_gm, pieces, token_axis: TokenAxis, example_inputs: list, options: CompileOptions,
+                 static_specs: Optional[tuple] = None):  # fmt: skip
         self.options = options
-        to_out_variant(gm)
-        self.token_axis: TokenAxis = find_token_axis(gm, example_inputs)
-        self.split_gm, self.pieces = split_graph(gm)
+        self.token_axis = token_axis
+        self.split_gm, self.pieces = split_gm, pieces
         device = _device(example_inputs)
         self.state = StepState(use_cuda=device.type == "cuda", debug_checks=options.debug_checks)
-        fake_mode, fake = _fake_inputs(example_inputs)
-        compiler = PieceCompiler(options.piece_compiler, options.share_identical_pieces)
-        with reused_artifacts(gm, fake, options, device), fake_mode:
-            _CompilePieces(self.split_gm, self.pieces, compiler, self.state).run(*fake)
         # Why graphs are off for this graph although they were asked for (None: they run).
         self.graphs_reason = self._graphs_unavailable_reason() if options.cudagraphs else None
         graphs = options.cudagraphs and self.graphs_reason is None
@@ -184,10 +215,86 @@ class PiecewiseModule:
         self.static_inputs = tuple(
             i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and i not in tokens
         )
+        # What the trace assumed of them: a new set is checked against it.
+        self.static_specs = static_specs or tuple(_tensor_spec(example_inputs[i]) for i in self.static_inputs)
         self.graph_sets: Dict[Tuple[int, ...], int] = {}
         self.captured: Set[Tuple[int, int]] = set()  # (graph set, size)
         if graphs and self.state.use_cuda:
             self.state.capture = shared_capture(device)
+        # Set by ``compile`` when the compile can be saved: (SavedCompile,
+        # artifacts); while it is, the last call's outputs are kept, so the
+        # caller can tell whether the traced call returned just them.
+        self.to_save: Optional[tuple] = None
+        self.last_outputs: Optional[Sequence[Any]] = None
+
+    @classmethod
+    def compile(cls, gm: torch.fx.GraphModule, example_inputs: list, options: CompileOptions,
+                call: Optional[tuple] = None) -> "PiecewiseModule":  # fmt: skip
+        """Split and compile Dynamo's graph; with ``options.cache_dir`` and
+        ``call`` (the model and the call's arguments), keep what a later
+        process needs to start from it."""
+        counters.graphs_split += 1
+        to_out_variant(gm)
+        token_axis = find_token_axis(gm, example_inputs)
+        split_gm, pieces = split_graph(gm)
+        module = cls(split_gm, pieces, token_axis, example_inputs, options)
+        saved = module._saved_compile(gm, example_inputs, call)
+        device = _device(example_inputs)
+        fake_mode, fake = _fake_inputs(example_inputs)
+        keep = saved is not None
+        compiler = PieceCompiler(options.piece_compiler, options.share_identical_pieces, keep_artifacts=keep)
+        # A compile that is saved whole needs no separate Inductor artifacts.
+        artifacts_ctx = contextlib.nullcontext() if saved else reused_artifacts(gm, fake, options, device)
+        interpreter = _CompilePieces(split_gm, pieces, compiler, module.state)
+        with artifacts_ctx, fake_mode:
+            interpreter.run(*fake)
+        if saved is not None:
+            index = {id(a): i for i, a in enumerate(compiler.artifacts)}
+            saved.pieces = {name: index[id(c)] for name, c in interpreter.compiled.items() if id(c) in index}
+            saved.num_artifacts = len(compiler.artifacts)
+            module.to_save = (saved, compiler.artifacts)
+        return module
+
+    @classmethod
+    def from_saved(cls, saved: "precompiled.SavedCompile", artifacts: list, inputs: list,
+                   options: CompileOptions) -> "PiecewiseModule":  # fmt: skip
+        """The module a former process compiled, from its saved graph and
+        piece artifacts; ``inputs``: this call's graph inputs (real tensors)."""
+        split_gm = pickle.loads(saved.graph)
+        pieces = split_items(split_gm, set(saved.splitting))
+        module = cls(split_gm, pieces, saved.token_axis, inputs, options, saved.static_specs)
+        for piece in pieces:
+            if piece.is_splitting_op:
+                compiled = None
+            elif options.piece_compiler == "eager":
+                compiled = piece.graph
+            else:
+                compiled = _as_piece_returns(artifacts[saved.pieces[piece.name]], piece.graph)
+            _install_piece(split_gm, piece, compiled, module.state)
+        return module
+
+    def _saved_compile(self, gm: torch.fx.GraphModule, example_inputs: list, call: Optional[tuple]):
+        """A SavedCompile to fill in as the pieces compile, or None (logged
+        with the reason when a save was asked for)."""
+        if self.options.cache_dir is None or call is None:
+            return None
+        model, args = call
+        reason = None
+        if self.registry is None:
+            reason = f"graphs are off ({self.graphs_reason or 'cudagraphs=False'})"
+        elif self.options.piece_compiler == "tensorrt":
+            reason = "the tensorrt piece compiler makes no saveable artifacts"
+        inputs = reason or describe_inputs(example_inputs, model, args, self.token_axis)
+        sources = precompiled.traced_sources()
+        reason = next((r for r in (reason, inputs, precompiled.side_effects(), sources) if isinstance(r, str)), None)
+        if reason is not None:
+            logger.info("compile not saved for a start without Dynamo: %s", reason)
+            return None
+        return precompiled.SavedCompile(
+            graph=precompiled.pickled_split(self.split_gm),
+            splitting=tuple(p.name for p in self.pieces if p.is_splitting_op), inputs=inputs, token_axis=self.token_axis,
+            static_specs=self.static_specs, pieces={}, num_artifacts=0, sources=sources,
+        )  # fmt: skip
 
     # ---- set-up -----------------------------------------------------------
     def _graphs_unavailable_reason(self) -> Optional[str]:
@@ -214,6 +321,12 @@ class PiecewiseModule:
 
     # ---- run --------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
+        out = self._forward(args)
+        if self.to_save is not None:
+            self.last_outputs = out
+        return out
+
+    def _forward(self, args: tuple) -> Any:
         if not self.options.cudagraphs:
             return self._run(Phase.RUN, args)
         if self.graphs_reason is not None:
@@ -241,12 +354,24 @@ class PiecewiseModule:
         key = tuple([args[i].data_ptr() for i in self.static_inputs])
         graph_set = self.graph_sets.get(key)
         if graph_set is None:
+            self._check_static_inputs(args)
             graph_set = self.graph_sets[key] = len(self.graph_sets)
             if graph_set:
                 logger.info(
                     "static graph inputs (weights) at new addresses: capturing graph set %d for them", graph_set
                 )
         return graph_set
+
+    def _check_static_inputs(self, args) -> None:
+        """Weights at new addresses must still be what the graph was traced
+        for (Dynamo's guards make sure of it; a call without Dynamo relies on
+        this check)."""
+        for i, spec in zip(self.static_inputs, self.static_specs):
+            if _tensor_spec(args[i]) != spec:
+                raise StaleGraphError(
+                    f"graph input {i}: expected a tensor of (shape, stride, dtype, device) {spec} as traced, "
+                    f"got {_tensor_spec(args[i])}"
+                )
 
     def _run(self, phase: Phase, args) -> Any:
         self.state.phase = phase

@@ -1,16 +1,21 @@
 """``CompiledModel``: ``torch.compile(model, backend=sgl_piecewise)`` with the
 token axis marked dynamic, so no token count recompiles (``token_guards.py``
-says how)."""
+says how), and, with ``CompileOptions(cache_dir=...)``, a start from a
+former process's compile without Dynamo (``precompiled.py``)."""
 
 from __future__ import annotations
 
+import logging
+import operator
 import re
 from typing import Any, Optional
 
 import torch
 
-from sgl_piecewise.compile.backend import SglPiecewiseBackend
+from sgl_piecewise.compile import precompiled
+from sgl_piecewise.compile.backend import PiecewiseModule, SglPiecewiseBackend
 from sgl_piecewise.compile.counters import counters
+from sgl_piecewise.compile.direct_call import GraphInputs, StaleGraphError, make_gather
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.token_guards import (
     MAX_TRACED_TOKENS,
@@ -19,6 +24,8 @@ from sgl_piecewise.compile.token_guards import (
     size_oblivious_tracing,
 )
 from sgl_piecewise.errors import UnsupportedModeError
+
+logger = logging.getLogger("sgl_piecewise.compile")
 
 
 def mark_token_axis(*tensors: torch.Tensor) -> None:
@@ -40,35 +47,122 @@ class CompiledModel:
     more than ``MAX_TRACED_TOKENS`` (65536) tokens runs the model uncompiled,
     counted in ``counters.eager_fallbacks``.
 
+    With ``options.cache_dir`` and piecewise graphs, the first call looks for
+    a compile a former process saved for this model (``precompiled.py``):
+    found, every call runs it without Dynamo; else the first compile is saved
+    there. Without Dynamo, the call's tensors and the weights are checked per
+    call and per new set of weights, the model's other Python state once, at
+    the look-up: set a module attribute that ``forward`` reads after the first
+    call and build a new ``CompiledModel``.
+
     The model must trace as one graph (``fullgraph=True``): a graph break
     raises ``UnsupportedModeError`` naming its cause and place.
     """
 
     def __init__(self, model: torch.nn.Module, options: Optional[CompileOptions] = None):
         self.model = model
-        self.backend = SglPiecewiseBackend(options or CompileOptions())
+        self.options = options or CompileOptions()
+        self.backend = SglPiecewiseBackend(self.options)
         self.token_guards = self.backend.token_guards = TokenShapeGuards()
         self.compiled = torch.compile(
             model, backend=self.backend, fullgraph=True, options={"guard_filter_fn": self.token_guards}
         )
         self._marked = False
+        # A saved compile: looked up at the first call, then called directly.
+        self._looked_up = not (self.options.cache_dir and self.options.split_graph and self.options.cudagraphs)
+        self._direct: Optional[_DirectCall] = None
+        self._save_key: Optional[str] = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        args = (input_ids, positions)
         if input_ids.shape[0] > MAX_TRACED_TOKENS:  # the trace's bound (token_guards.py)
             counters.fallback(f"{input_ids.shape[0]} tokens: above the compiled graph's {MAX_TRACED_TOKENS}")
-            return self.model(input_ids, positions)
+            return self.model(*args)
+        if not self._looked_up:
+            self._looked_up = True
+            self._direct, self._save_key = self._look_up(args)
+        if self._direct is not None and self._direct.inputs.accepts(args):
+            try:
+                return self._direct(self.model, args)
+            except StaleGraphError as exc:  # raised before the call ran anything
+                logger.warning("saved compile no longer matches the model (%s); tracing afresh", exc)
+                self._direct = None
+        result = self._traced(args)
+        if self._save_key is not None:
+            self._save(self._save_key, args, result)
+            self._save_key = None
+        return result
+
+    def _traced(self, args) -> Any:
+        """The call through Dynamo (which compiles on its first call)."""
         if not self._marked:
-            mark_token_axis_backed(input_ids, positions)
+            mark_token_axis_backed(*args)
             self._marked = True
+        self.backend.call = (self.model, args) if self._save_key is not None else None
         try:
             with size_oblivious_tracing():
-                return self.compiled(input_ids, positions)
+                return self.compiled(*args)
         except torch._dynamo.exc.Unsupported as exc:  # raised while tracing, never on a traced call
             raise UnsupportedModeError(
                 f"torch.compile: expected a model Dynamo traces as one graph, got a graph break: "
                 f"{graph_break_reason(exc)}; run it without the compiler (graphs='breakable': CUDA "
                 f"graphs broken at attention) or remove the break"
             ) from exc
+        finally:
+            self.backend.call = None
+
+    def _look_up(self, args) -> tuple:
+        """(the saved compile to call, or None; the key to save under, or None)."""
+        key = precompiled.model_key(self.model, args, self.options)
+        found = precompiled.load(self.options.cache_dir, key)
+        if found is None:
+            return None, key
+        saved, artifacts = found
+        try:
+            direct = _DirectCall.from_saved(saved, artifacts, self.model, args, self.options)
+        except Exception as exc:  # a damaged entry costs a trace, never a failure
+            logger.warning("saved compile %s: expected one to rebuild, got %s; tracing afresh", key, exc)
+            return None, key
+        counters.artifacts_loaded += 1
+        return direct, None
+
+    def _save(self, key: str, args, result: Any) -> None:
+        """Save the compile the first call made, if it can be replayed
+        without Dynamo (``precompiled.py`` says when not)."""
+        modules = self.backend.modules
+        if len(modules) != 1 or modules[0].to_save is None:
+            return
+        saved, artifacts = modules[0].to_save
+        modules[0].to_save = None
+        outputs = modules[0].last_outputs or ()
+        modules[0].last_outputs = None
+        if len(outputs) == 1 and result is outputs[0]:
+            saved.output = "first"
+        elif isinstance(result, tuple) and len(result) == len(outputs) and all(map(operator.is_, result, outputs)):
+            saved.output = "tuple"
+        else:
+            logger.info("compile not saved for a start without Dynamo: the call returns more than the graph's outputs")
+            return
+        precompiled.save(self.options.cache_dir, key, saved, artifacts)
+        counters.artifacts_saved += 1
+
+
+class _DirectCall:
+    """A piecewise module called without Dynamo (``direct_call.py``)."""
+
+    def __init__(self, module: PiecewiseModule, inputs: GraphInputs, output: str):
+        self.module, self.inputs, self.output = module, inputs, output
+        self.gather = make_gather(inputs.inputs)
+
+    @classmethod
+    def from_saved(cls, saved, artifacts, model, args, options) -> "_DirectCall":
+        gather = make_gather(saved.inputs.inputs)
+        module = PiecewiseModule.from_saved(saved, artifacts, gather(model, args), options)
+        return cls(module, saved.inputs, saved.output)
+
+    def __call__(self, model: torch.nn.Module, args) -> Any:
+        out = self.module(*self.gather(model, args))
+        return out[0] if self.output == "first" else tuple(out)
 
 
 def graph_break_reason(exc: BaseException) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Callable, Dict, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 import torch.fx
@@ -62,17 +62,25 @@ def structural_key(gm: torch.fx.GraphModule, args: Sequence[Any]) -> str:
 class PieceCompiler:
     """Compiles pieces with one backend and shares artifacts between equal ones."""
 
-    def __init__(self, compiler: str, share_identical: bool = True):
+    def __init__(self, compiler: str, share_identical: bool = True, keep_artifacts: bool = False):
         self.compiler = compiler
         self.share_identical = share_identical
         self._cache: Dict[str, CompiledPiece] = {}
+        # keep_artifacts: Inductor pieces compile as saveable artifacts
+        # (precompiled.py), each distinct one listed once, in compile order.
+        self.keep_artifacts = keep_artifacts and compiler == "inductor"
+        self.artifacts: List[Any] = []
 
     def __call__(self, gm: torch.fx.GraphModule, fake_args: Sequence[Any]) -> CompiledPiece:
         counters.pieces_seen += 1
         key = structural_key(gm, fake_args) if self.share_identical else None
         if key is not None and key in self._cache:
             return self._cache[key]
-        compiled = _COMPILERS[self.compiler](gm, list(fake_args))
+        if self.keep_artifacts:
+            compiled = _compile_inductor_artifact(gm, list(fake_args))
+            self.artifacts.append(compiled)
+        else:
+            compiled = _COMPILERS[self.compiler](gm, list(fake_args))
         counters.pieces_compiled += 1
         if key is not None:
             self._cache[key] = compiled
@@ -89,6 +97,16 @@ def _compile_inductor(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiec
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, fake_args)
+
+
+def _compile_inductor_artifact(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:
+    """Inductor's compile as an artifact a later process loads without
+    compiling (``aot=True``: the whole AOTAutograd and Inductor output in one
+    file). Called inside the backend: the token count's symbol comes from the
+    ambient tracing context."""
+    from torch._inductor import standalone_compile
+
+    return standalone_compile(gm, fake_args, dynamic_shapes="from_tracing_context", aot=True)
 
 
 def _compile_tensorrt(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:

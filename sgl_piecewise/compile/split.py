@@ -3,8 +3,8 @@
 Two passes:
 
 1. ``to_out_variant``: each functional ``unified_attention`` becomes
-   ``out = attention_output_buffer(q, v)`` + ``unified_attention_with_output(...,
-   out)``. The buffer is then created inside the piece *before* attention, so
+   ``out = aten.empty(...)`` + ``unified_attention_with_output(..., out)``. The
+   buffer is then created inside the piece *before* attention, so
    under CUDA graphs it lives at a static address in the graph pool and the
    piece after attention reads it without any copy.
 2. ``split_graph``: ``split_module`` into alternating pieces.
@@ -51,9 +51,25 @@ def splitting_ops() -> FrozenSet[Callable]:
     return frozenset(_splitting_ops)
 
 
-def attention_output_buffer(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The attention output ``[T, Hq, Dv]``, allocated in the piece before attention."""
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+def _insert_output_buffer(graph: torch.fx.Graph, q: torch.fx.Node, v: torch.fx.Node) -> torch.fx.Node:
+    """Nodes that allocate the attention output ``[T, Hq, Dv]`` like ``q``.
+
+    Only aten ops: AOTAutograd's cache refuses a graph that calls a Python
+    function, and every warm start would then retrace each piece. A dynamic
+    size (the token count) is read with ``aten.sym_size``; the rest are
+    constants of the trace.
+    """
+    q_val, v_val = q.meta["example_value"], v.meta["example_value"]
+    sizes = [*q_val.shape[:-1], v_val.shape[-1]]
+    owners = [q] * (len(sizes) - 1) + [v]
+    dims = [*range(len(sizes) - 1), v_val.dim() - 1]
+    shape = [
+        s if isinstance(s, int) else graph.call_function(torch.ops.aten.sym_size.int, (owner, dim))
+        for s, owner, dim in zip(sizes, owners, dims)
+    ]
+    return graph.call_function(
+        torch.ops.aten.empty.memory_format, (shape,), {"dtype": q_val.dtype, "device": q_val.device}
+    )
 
 
 def to_out_variant(gm: torch.fx.GraphModule) -> int:
@@ -67,7 +83,7 @@ def to_out_variant(gm: torch.fx.GraphModule) -> int:
         layer_id = node.kwargs.get("layer_id", layer_id)
         scale = node.kwargs.get("scale", scale)
         with gm.graph.inserting_before(node):
-            out = gm.graph.call_function(attention_output_buffer, (q, v))
+            out = _insert_output_buffer(gm.graph, q, v)
             out.meta = dict(node.meta)
             gm.graph.call_function(_OUT_ATTENTION, (q, k, v, out, layer_id, scale))
         node.replace_all_uses_with(out)
@@ -123,9 +139,15 @@ def split_graph(
     # buffer; reordering pieces by data dependence alone could run a reader
     # before the op that fills what it reads.
     split_gm = split_module(gm, None, lambda n: piece_of[n], keep_original_order=True)
+    return split_gm, split_items(split_gm, {f"submod_{i}" for i in splitting_ids})
+
+
+def split_items(split_gm: torch.fx.GraphModule, splitting: Set[str]) -> List[SplitItem]:
+    """The pieces of a split module in call order; ``splitting``: the names of
+    those that hold a splitting op."""
     items = []
     for name, module in split_gm.named_children():
         index = int(name.rsplit("_", 1)[-1])
-        items.append(SplitItem(name, index, index in splitting_ids, module))
+        items.append(SplitItem(name, index, name in splitting, module))
     items.sort(key=lambda item: item.index)
-    return split_gm, items
+    return items

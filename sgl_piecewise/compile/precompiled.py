@@ -1,0 +1,228 @@
+"""A compile saved whole, so a later process starts without Dynamo or Inductor.
+
+With ``CompileOptions(cache_dir=...)``, the first process that compiles a
+model with piecewise graphs saves, under a key of the model:
+
+* the Dynamo graph, split (attention in its out variant), pickled;
+* where each graph input comes from (``direct_call.py``), the token axis and
+  the trace's shape, stride, dtype and device of every weight;
+* each distinct compiled piece as an Inductor artifact
+  (``torch._inductor.standalone_compile``);
+* a hash of every source file Dynamo traced.
+
+A later process looks the key up before Dynamo runs. On a hit it splits the
+saved graph, loads the pieces and calls the graph directly: no trace, no
+AOTAutograd, no Inductor compile. The key covers what the graph and its
+kernels depend on: this library's, torch's, Triton's and Python's versions,
+the device (name and compute capability), the options, the grad mode, and
+the model: every module's class and plain attributes (a config, an ``eps``),
+every parameter's and buffer's name, shape, stride, dtype and device, and the
+call's tensors. A traced source file that changed since the save makes the
+entry stale: the model traces afresh and the entry is replaced. So a changed
+model, dtype, torch or GPU never loads a stale compile.
+
+Nothing is saved for a compile that cannot be replayed this way, with the
+reason logged: a graph input that is no argument, parameter or buffer, a
+trace with side effects (an attribute set in ``forward``), a result other
+than the graph's outputs, graphs off, or the ``tensorrt`` piece compiler.
+Such a model traces in every process (Inductor's own cache still helps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import pickle
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx
+
+from sgl_piecewise.compile.direct_call import GraphInputs
+from sgl_piecewise.compile.token_axis import TokenAxis
+
+logger = logging.getLogger("sgl_piecewise.compile")
+
+FORMAT = 1  # bumped whenever SavedCompile's layout changes
+_SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+@dataclass
+class SavedCompile:
+    """What a later process needs to rebuild a compiled graph (the pieces'
+    artifacts are files beside it, ``piece_<i>.bin``)."""
+
+    graph: bytes  # the split Dynamo graph (attention in its out variant), pickled without node metadata
+    splitting: Tuple[str, ...]  # names of its splitting (attention) pieces
+    inputs: GraphInputs
+    token_axis: TokenAxis
+    static_specs: Tuple[Any, ...]  # (shape, stride, dtype, device) per weight input, as traced
+    pieces: Dict[str, int]  # compiled piece name -> artifact file index
+    num_artifacts: int
+    sources: Dict[str, str]  # traced file -> sha256 of its contents
+    output: str = "first"  # "first": the call returns the graph's only output; "tuple": all of them
+
+
+# ---- the key -------------------------------------------------------------
+def model_key(model: torch.nn.Module, args: Sequence[Any], options: Any) -> str:
+    """Hex digest of everything a saved compile depends on (module docstring)."""
+    import sgl_piecewise
+
+    parts: List[str] = [
+        f"format {FORMAT}", sgl_piecewise.__version__, torch.__version__, _triton_version(), sys.version,
+        repr(dataclasses.replace(options, cache_dir=None)), f"grad {torch.is_grad_enabled()}",
+        f"default dtype {torch.get_default_dtype()}", f"deterministic {torch.are_deterministic_algorithms_enabled()}",
+    ]  # fmt: skip
+    for a in args:
+        parts.append(f"arg {a.dtype} {tuple(a.shape[1:])} {a.dim()} {_device_id(a.device)}")
+    for name, module in model.named_modules(remove_duplicate=False):
+        parts.append(f"module {name} {type(module).__module__}.{type(module).__qualname__} {_plain_attributes(module)}")
+    for kind, named in (("param", model.named_parameters), ("buffer", model.named_buffers)):
+        for name, t in named(remove_duplicate=False):
+            layout = f"{tuple(t.shape)} {t.stride()} {t.dtype} {_device_id(t.device)} {t.requires_grad}"
+            parts.append(f"{kind} {name} {layout}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _plain_attributes(module: torch.nn.Module) -> str:
+    """The module's attributes that a trace may bake in as constants: plain
+    values and dataclasses of them (a config)."""
+    items = []
+    for name, value in sorted(vars(module).items()):
+        if name.startswith("_") and name != "training":
+            continue
+        plain_sequence = isinstance(value, (tuple, list)) and all(isinstance(v, _SIMPLE) for v in value)
+        config = dataclasses.is_dataclass(value) and not isinstance(value, type)
+        if isinstance(value, _SIMPLE) or plain_sequence or config:
+            items.append(f"{name}={value!r}")
+    return ";".join(items)
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "no triton"
+    return triton.__version__
+
+
+def _device_id(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    props = torch.cuda.get_device_properties(device)
+    return f"{device} {props.name} sm_{props.major}{props.minor}"
+
+
+# ---- what the trace tells ---------------------------------------------------
+def traced_sources() -> Dict[str, str] | str:
+    """sha256 of every file Dynamo traced for the graph being compiled, or
+    why they cannot be known."""
+    try:
+        codes = torch._guards.TracingContext.get_traced_code()
+    except (AttributeError, RuntimeError, AssertionError) as exc:
+        return f"this torch does not list the traced code ({exc})"
+    if not codes:
+        return "the tracing context lists no traced code"
+    sources = {}
+    for path in sorted({code.co_filename for code in codes}):
+        digest = _file_digest(path)
+        if digest is None:
+            return f"traced code from {path}, which is no readable file"
+        sources[path] = digest
+    return sources
+
+
+def _file_digest(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def side_effects() -> Optional[str]:
+    """Why the graph being compiled is not the whole of the traced call (the
+    trace sets attributes, globals or cells), or None when it is."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
+
+        effects = InstructionTranslator.current_tx().output.side_effects
+        # Objects the trace created itself reach the caller only through the
+        # result (checked against the graph's outputs) or through an existing
+        # object, whose mutation counts here.
+        existing = [v for v in effects.id_to_variable.values()
+                    if not isinstance(v.mutation_type, (AttributeMutationNew, ValueMutationNew))]  # fmt: skip
+        modified = [v for v in existing if effects.is_modified(v)]
+    except Exception as exc:  # internals of Dynamo: unknown means "do not save"
+        return f"cannot tell whether the trace has side effects ({type(exc).__name__}: {exc})"
+    return f"the trace has {len(modified)} side effects (mutated attributes, globals or cells)" if modified else None
+
+
+def pickled_split(split_gm: torch.fx.GraphModule) -> bytes:
+    """The split module pickled without node metadata (Dynamo's holds
+    unpicklable tracing state; nothing after the split reads it)."""
+    graphs = [m for m in split_gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    metas = [[node.meta for node in m.graph.nodes] for m in graphs]
+    try:
+        for m in graphs:
+            for node in m.graph.nodes:
+                node.meta = {}
+        return pickle.dumps(split_gm)
+    finally:
+        for m, kept in zip(graphs, metas):
+            for node, meta in zip(m.graph.nodes, kept):
+                node.meta = meta
+
+
+# ---- files ---------------------------------------------------------------
+def entry_dir(cache_dir: str, key: str) -> str:
+    return os.path.join(cache_dir, f"graph-{key}")
+
+
+def save(cache_dir: str, key: str, saved: SavedCompile, artifacts: Sequence[Any]) -> None:
+    """Write the artifacts, then the entry: the entry file is written last and
+    atomically, so a reader finds a whole entry or none."""
+    directory = entry_dir(cache_dir, key)
+    os.makedirs(directory, exist_ok=True)
+    for i, artifact in enumerate(artifacts):
+        artifact.save(path=os.path.join(directory, f"piece_{i}.bin"), format="binary")
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump(saved, f)
+    os.replace(tmp, os.path.join(directory, "entry.pkl"))
+
+
+def load(cache_dir: str, key: str) -> Optional[Tuple[SavedCompile, List[Any]]]:
+    """The entry saved under ``key`` and its loaded pieces, or None (none
+    saved, a traced file changed, or a damaged file: logged, never raised)."""
+    directory = entry_dir(cache_dir, key)
+    path = os.path.join(directory, "entry.pkl")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            saved = pickle.load(f)
+        if not isinstance(saved, SavedCompile):
+            raise TypeError(f"expected a SavedCompile, got {type(saved).__name__}")
+    except Exception as exc:
+        logger.warning("saved compile %s: expected a readable entry, got %s; tracing afresh", path, exc)
+        return None
+    changed = [p for p, digest in saved.sources.items() if _file_digest(p) != digest]
+    if changed:
+        logger.info("saved compile %s is stale: %s changed since; tracing afresh", directory, changed[0])
+        return None
+    try:
+        from torch._inductor import CompiledArtifact
+
+        pieces = [CompiledArtifact.load(path=os.path.join(directory, f"piece_{i}.bin"), format="binary")
+                  for i in range(saved.num_artifacts)]  # fmt: skip
+    except Exception as exc:
+        logger.warning("saved compile %s: expected loadable pieces, got %s; tracing afresh", directory, exc)
+        return None
+    return saved, pieces
