@@ -219,6 +219,7 @@ class PiecewiseModule:
         self.static_specs = static_specs or tuple(_tensor_spec(example_inputs[i]) for i in self.static_inputs)
         self.graph_sets: Dict[Tuple[int, ...], int] = {}
         self.captured: Set[Tuple[int, int]] = set()  # (graph set, size)
+        self.warmed_up = False
         if graphs and self.state.use_cuda:
             self.state.capture = shared_capture(device)
         # Set by ``compile`` when the compile can be saved: (SavedCompile,
@@ -292,8 +293,9 @@ class PiecewiseModule:
             return None
         return precompiled.SavedCompile(
             graph=precompiled.pickled_split(self.split_gm),
-            splitting=tuple(p.name for p in self.pieces if p.is_splitting_op), inputs=inputs, token_axis=self.token_axis,
-            static_specs=self.static_specs, pieces={}, num_artifacts=0, sources=sources,
+            splitting=tuple(p.name for p in self.pieces if p.is_splitting_op),
+            inputs=inputs, token_axis=self.token_axis, static_specs=self.static_specs,
+            pieces={}, num_artifacts=0, sources=sources,
         )  # fmt: skip
 
     # ---- set-up -----------------------------------------------------------
@@ -381,11 +383,17 @@ class PiecewiseModule:
             self.state.phase = Phase.RUN
 
     def _warmup_and_capture(self, padded_args, padded: int) -> Any:
-        capture = self.state.capture
-        if capture is not None:  # on the capture stream, like every warm-up (runners/capture.py)
-            capture.warmup(lambda: self._run(Phase.WARMUP, padded_args))
-        else:
-            self._run(Phase.WARMUP, padded_args)
+        # One warm-up per module: the first run loads the pieces' kernels and
+        # settles Inductor's autotuning, which must not happen while
+        # capturing; the kernels are the same for every token count, and
+        # nothing later needs a run of its own before its capture.
+        if not self.warmed_up:
+            capture = self.state.capture
+            if capture is not None:  # on the capture stream, like every warm-up (runners/capture.py)
+                capture.warmup(lambda: self._run(Phase.WARMUP, padded_args))
+            else:
+                self._run(Phase.WARMUP, padded_args)
+            self.warmed_up = True
         with frozen_gc():
             out = self._run(Phase.CAPTURE, padded_args)
         self.captured.add((self.state.graph_set, padded))

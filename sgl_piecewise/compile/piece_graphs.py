@@ -13,16 +13,19 @@ Who owns what:
   outputs out before the next forward.
 
 Steps for one size (driven by ``StepState.phase``, set by the top level):
-WARMUP runs the compiled piece (first runs compile kernels and create
-handles, which must not happen while capturing); CAPTURE records the graph
+WARMUP (before a module's first capture only) runs the compiled piece (first
+runs load kernels and create handles, which must not happen while capturing); CAPTURE records the graph
 through the capture core (``runners/capture.py``: its stream, its pool) and
 replays it at once, so this call's outputs are real (capture alone executes
-nothing, and eager attention reads them next); REPLAY replays. On a machine without CUDA, capture is a
+nothing, and eager attention reads them next) unless they are thrown away
+(``outputs_unused``); REPLAY replays. On a machine without CUDA, capture is a
 pass-through: the entry is recorded and "replay" runs the compiled piece.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -32,6 +35,23 @@ import torch
 from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.errors import SglPiecewiseError
 from sgl_piecewise.runners.capture import GraphCapture
+
+# True while a step's outputs are thrown away (the up-front captures' dummy
+# steps): a capture then skips the replay that would make them real.
+_outputs_unused = contextvars.ContextVar("sgl_piecewise_outputs_unused", default=False)
+
+
+@contextlib.contextmanager
+def outputs_unused():
+    """Steps run inside are captured for their graphs only: their outputs
+    stay unwritten (each piece's capture executes nothing), so the eager
+    attention between pieces reads whatever the pool held. Only for dummy
+    inputs whose attention writes the dummy KV slot."""
+    token = _outputs_unused.set(True)
+    try:
+        yield
+    finally:
+        _outputs_unused.reset(token)
 
 
 class Phase(enum.Enum):
@@ -124,7 +144,8 @@ class PieceGraphs:
         graph, out = self.state.capture.record(
             lambda: self.compiled(*args), f"piecewise graph of {self.state.padded_tokens} tokens"
         )
-        graph.replay()  # capture executed nothing; make this call's outputs real
+        if not _outputs_unused.get():
+            graph.replay()  # capture executed nothing; make this call's outputs real
         entry.graph = graph
         entry.outputs = _map_tensors(_non_owning_alias, out)
         return out

@@ -25,6 +25,7 @@ import torch
 
 from sgl_piecewise.compile.compiled_model import CompiledModel
 from sgl_piecewise.compile.options import CompileOptions
+from sgl_piecewise.compile.piece_graphs import outputs_unused
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
 from sgl_piecewise.memory import DUMMY_SLOT
@@ -124,7 +125,7 @@ class PiecewiseCudaGraphRunner:
             )
             mr.backend.init_forward_metadata(batch)
             # check=False: every token writing the dummy slot is the point here.
-            with forward_context(batch, mr.backend, check=False):
+            with forward_context(batch, mr.backend, check=False), outputs_unused():
                 self.compiled(batch.input_ids, batch.positions)
         finally:
             mr.req_to_token_pool.free(rows)

@@ -1,0 +1,238 @@
+"""A compile saved whole (``CompileOptions(cache_dir=...)`` with piecewise
+graphs): a later process calls it without Dynamo and gets the first process's
+outputs; anything it depends on keys it, so a changed model traces afresh; a
+model whose call is more than its graph saves nothing."""
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from sgl_piecewise.compile import CompiledModel, CompileOptions, counters, precompiled
+from sgl_piecewise.compile.direct_call import GraphInput, make_gather
+from sgl_piecewise.models import build_random_model, default_config
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+PROCESS = textwrap.dedent(
+    """
+    import dataclasses, json, sys
+    import torch
+    from torch._dynamo.utils import counters as dynamo_counters
+    from sgl_piecewise.compile import CompileOptions, counters
+    from sgl_piecewise.models import build_random_model, default_config
+    from sgl_piecewise.runner import ModelRunner
+    from sgl_piecewise.runners import PiecewiseCudaGraphRunner
+
+    cache_dir, layers, device = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    config = dataclasses.replace(default_config(), num_hidden_layers=layers)
+    model = build_random_model(config, torch.float32, device, seed=0)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    eager = ModelRunner(model, max_reqs=3, max_context_len=64, backend="torch").generate(prompts, 6)
+    counters.step_paths.clear()
+    runner = ModelRunner(model, max_reqs=3, max_context_len=64, backend="torch")
+    graphs = PiecewiseCudaGraphRunner(runner, CompileOptions(cudagraphs=True, capture_sizes=(1, 2, 4, 8, 16),
+                                                             cache_dir=cache_dir))
+    graphs.capture(progress=False)
+    tokens = runner.generate(prompts, 6)
+    print(json.dumps({"loaded": counters.artifacts_loaded, "saved": counters.artifacts_saved,
+                      "traced": dynamo_counters["stats"]["unique_graphs"], "split": counters.graphs_split,
+                      "tokens": tokens, "eager": eager, "paths": sorted({p for p, _ in counters.step_paths})}))
+    """
+)
+
+
+def start_a_process(cache_dir, inductor_dir, layers: int, device: str = "cpu") -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)}
+    done = subprocess.run([sys.executable, "-c", PROCESS, str(cache_dir), str(layers), device],
+                          capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_runs_the_saved_compile_without_dynamo_and_a_changed_model_traces_afresh(tmp_path):
+    cache = tmp_path / "compiles"
+    # Each process has an empty Inductor cache of its own: only the saved
+    # compile can carry the pieces from one process to the next.
+    first = start_a_process(cache, tmp_path / "inductor1", layers=2)
+    assert (first["loaded"], first["saved"], first["traced"], first["split"]) == (0, 1, 1, 1)
+    assert first["tokens"] == first["eager"]
+    assert first["paths"] == ["piecewise"]
+    second = start_a_process(cache, tmp_path / "inductor2", layers=2)
+    assert (second["loaded"], second["saved"], second["traced"], second["split"]) == (1, 0, 0, 0)
+    assert second["tokens"] == first["tokens"]
+    assert second["paths"] == ["piecewise"]
+    changed = start_a_process(cache, tmp_path / "inductor3", layers=3)
+    assert (changed["loaded"], changed["saved"], changed["traced"]) == (0, 1, 1)
+    assert changed["tokens"] == changed["eager"]
+    assert len(list(cache.glob("graph-*/entry.pkl"))) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_second_process_on_cuda_replays_the_first_process_compile(tmp_path):
+    cache = tmp_path / "compiles"
+    first = start_a_process(cache, tmp_path / "inductor1", layers=2, device="cuda")
+    second = start_a_process(cache, tmp_path / "inductor2", layers=2, device="cuda")
+    assert (first["saved"], second["loaded"], second["traced"]) == (1, 1, 0)
+    assert second["tokens"] == first["tokens"] == first["eager"]
+
+
+# ---- the key ---------------------------------------------------------------
+def _key(model, options=CompileOptions(cudagraphs=True), dtype=torch.int64):
+    args = (torch.zeros(3, dtype=dtype), torch.zeros(3, dtype=torch.int64))
+    return precompiled.model_key(model, args, options)
+
+
+def test_the_key_changes_with_anything_the_compile_depends_on(monkeypatch):
+    config = dataclasses.replace(default_config(), num_hidden_layers=2)
+    model = build_random_model(config)
+    key = _key(model)
+    assert _key(build_random_model(config, seed=1)) == key  # other weights, same compile
+    assert _key(build_random_model(dataclasses.replace(config, rms_norm_eps=1e-4))) != key  # a constant of the trace
+    assert _key(build_random_model(dataclasses.replace(config, num_hidden_layers=3))) != key
+    assert _key(build_random_model(config, dtype=torch.float64)) != key
+    assert _key(model, CompileOptions(cudagraphs=True, capture_sizes=(1, 2))) != key
+    assert _key(model, dtype=torch.int32) != key
+    down = model.model.layers[0].mlp.down_proj
+    down.weight = torch.nn.Parameter(down.weight.t().contiguous().t())
+    assert _key(model) != key  # another stride
+    with torch.no_grad():
+        assert _key(build_random_model(config)) != key
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert _key(build_random_model(config)) != key
+
+
+# ---- toy models: what is saved, and what is not ---------------------------------
+class Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.proj = torch.nn.Linear(8, 8)
+        self.register_buffer("offset", torch.linspace(0, 1, 8))
+
+    def forward(self, ids, positions):
+        return self.proj(self.embed(ids)) + self.offset + positions[:, None]
+
+
+def _options(tmp_path):
+    return CompileOptions(cudagraphs=True, capture_sizes=(2, 4), piece_compiler="eager", cache_dir=str(tmp_path))
+
+
+def _call(compiled, n):
+    ids, positions = torch.arange(n) % 50, torch.arange(n, dtype=torch.float32)
+    return compiled(ids, positions), (ids, positions)
+
+
+@torch.no_grad()
+def test_a_new_compiled_model_of_the_same_model_starts_from_the_saved_compile(tmp_path):
+    model = Toy()
+    for n in (3, 1, 4):
+        _call(CompiledModel(model, _options(tmp_path)), n)
+    assert (counters.artifacts_saved, counters.artifacts_loaded, counters.graphs_split) == (1, 2, 1)
+    warm = CompiledModel(model, _options(tmp_path))
+    for n in (3, 1, 2, 6):  # 6: above the capture sizes, run without graphs
+        out, args = _call(warm, n)
+        torch.testing.assert_close(out, model(*args))
+    assert counters.graphs_split == 1  # no trace since the first
+
+
+@torch.no_grad()
+def test_weights_of_another_layout_leave_the_saved_compile_for_a_trace(tmp_path):
+    model = Toy()
+    _call(CompiledModel(model, _options(tmp_path)), 3)
+    warm = CompiledModel(model, _options(tmp_path))
+    _call(warm, 3)
+    assert counters.artifacts_loaded == 1
+    model.proj.weight = torch.nn.Parameter(model.proj.weight.t().contiguous().t())  # same values, other strides
+    out, args = _call(warm, 3)
+    torch.testing.assert_close(out, model(*args))
+    assert counters.graphs_split == 2  # traced again
+
+
+def test_a_call_with_grad_enabled_goes_through_dynamo(tmp_path):
+    model = Toy()
+    with torch.no_grad():
+        _call(CompiledModel(model, _options(tmp_path)), 3)
+        warm = CompiledModel(model, _options(tmp_path))
+        _call(warm, 3)
+    out, args = _call(warm, 3)
+    torch.testing.assert_close(out, model(*args))
+    assert counters.graphs_split == 2
+
+
+SCALE = torch.full((8,), 2.0)
+
+
+class ReadsAGlobal(Toy):
+    def forward(self, ids, positions):
+        return super().forward(ids, positions) * SCALE
+
+
+class SetsAnAttribute(Toy):
+    def forward(self, ids, positions):
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().forward(ids, positions)
+
+
+class ReturnsADict(Toy):
+    def forward(self, ids, positions):
+        return {"hidden": super().forward(ids, positions)}
+
+
+@pytest.mark.parametrize(
+    "model_cls, reason",
+    [
+        (ReadsAGlobal, "is no argument, token count, parameter or buffer"),
+        (SetsAnAttribute, "side effects"),
+        (ReturnsADict, "returns more than the graph's outputs"),
+    ],
+)
+@torch.no_grad()
+def test_a_call_that_is_more_than_its_graph_saves_nothing_and_says_why(tmp_path, caplog, model_cls, reason):
+    model = model_cls()
+    with caplog.at_level(logging.INFO, logger="sgl_piecewise.compile"):
+        _call(CompiledModel(model, _options(tmp_path)), 3)
+    assert reason in caplog.text
+    assert counters.artifacts_saved == 0 and not list(tmp_path.glob("graph-*/entry.pkl"))
+    out, args = _call(CompiledModel(model, _options(tmp_path)), 3)  # traces again, and is right
+    assert counters.artifacts_loaded == 0
+    expected = model(*args)
+    torch.testing.assert_close(out["hidden"] if isinstance(out, dict) else out,
+                               expected["hidden"] if isinstance(expected, dict) else expected)  # fmt: skip
+
+
+@torch.no_grad()
+def test_a_changed_source_file_or_a_damaged_entry_traces_afresh(tmp_path, caplog):
+    model = Toy()
+    _call(CompiledModel(model, _options(tmp_path)), 3)
+    (entry,) = tmp_path.glob("graph-*/entry.pkl")
+    key = entry.parent.name.removeprefix("graph-")
+    saved, _ = precompiled.load(str(tmp_path), key)
+    assert __file__ in saved.sources  # Toy.forward was traced from this file
+    saved.sources[__file__] = "0" * 64  # as if this file had changed since
+    precompiled.save(str(tmp_path), key, saved, [])
+    with caplog.at_level(logging.INFO, logger="sgl_piecewise.compile"):
+        assert precompiled.load(str(tmp_path), key) is None
+    assert "changed since" in caplog.text
+    entry.write_bytes(b"not a pickle")
+    assert precompiled.load(str(tmp_path), key) is None
+    out, args = _call(CompiledModel(model, _options(tmp_path)), 3)
+    torch.testing.assert_close(out, model(*args))
+    assert counters.graphs_split == 2 and counters.artifacts_saved == 2  # traced and saved anew
+
+
+def test_gather_fetches_arguments_token_counts_parameters_and_buffers():
+    model = Toy()
+    gather = make_gather([GraphInput("param", "proj.weight"), GraphInput("tokens", 1), GraphInput("arg", 0),
+                          GraphInput("buffer", "offset"), GraphInput("param", "embed.weight")])  # fmt: skip
+    ids, positions = torch.zeros(5, dtype=torch.int64), torch.zeros(5)
+    got = gather(model, (ids, positions))
+    assert got[0] is model.proj.weight and got[1] == 5 and got[2] is ids
+    assert got[3] is model.offset and got[4] is model.embed.weight
