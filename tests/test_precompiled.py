@@ -85,7 +85,10 @@ def test_a_second_process_on_cuda_replays_the_first_process_compile(tmp_path):
 
 
 # ---- the key ---------------------------------------------------------------
-def _key(model, options=CompileOptions(cudagraphs=True), dtype=torch.int64):
+GRAPHS = CompileOptions(cudagraphs=True)
+
+
+def _key(model, options=GRAPHS, dtype=torch.int64):
     args = (torch.zeros(3, dtype=dtype), torch.zeros(3, dtype=torch.int64))
     return precompiled.model_key(model, args, options)
 
