@@ -126,13 +126,14 @@ def _fake_inputs(example_inputs: list):
     return mode, [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
 
 
-def _as_piece_returns(loaded: Any, piece: torch.fx.GraphModule) -> Any:
-    """A loaded artifact returns a list of outputs even where the piece
-    returns one value (compiling wraps it so; loading does not)."""
-    from torch._inductor.compile_fx import graph_returns_tuple
+def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    return isinstance(output.args[0], (tuple, list))
 
-    if graph_returns_tuple(piece):
-        return loaded
+
+def _single_output(loaded: Any) -> Any:
+    """A loaded artifact returns a list of outputs even where its piece
+    returns one value (compiling wraps it so; loading does not)."""
 
     def single(*args):
         out = loaded(*args)
@@ -270,7 +271,8 @@ class PiecewiseModule:
             elif options.piece_compiler == "eager":
                 compiled = piece.graph
             else:
-                compiled = _as_piece_returns(artifacts[saved.pieces[piece.name]], piece.graph)
+                artifact = artifacts[saved.pieces[piece.name]]
+                compiled = artifact if saved.returns_tuple[piece.name] else _single_output(artifact)
             _install_piece(split_gm, piece, compiled, module.state)
         return module
 
@@ -291,9 +293,13 @@ class PiecewiseModule:
         if reason is not None:
             logger.info("compile not saved for a start without Dynamo: %s", reason)
             return None
+        compiled = [p for p in self.pieces if not p.is_splitting_op]
+        # Inductor's pieces are saved as artifacts of their own; eager ones are their graphs.
+        artifacts = [p.name for p in compiled] if self.options.piece_compiler == "inductor" else []
         return precompiled.SavedCompile(
-            graph=precompiled.pickled_split(self.split_gm),
+            graph=precompiled.pickled_split(self.split_gm, drop=artifacts),
             splitting=tuple(p.name for p in self.pieces if p.is_splitting_op),
+            returns_tuple={p.name: _returns_tuple(p.graph) for p in compiled},
             inputs=inputs, token_axis=self.token_axis, static_specs=self.static_specs,
             pieces={}, num_artifacts=0, sources=sources,
         )  # fmt: skip

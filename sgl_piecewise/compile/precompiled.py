@@ -63,6 +63,7 @@ class SavedCompile:
     token_axis: TokenAxis
     static_specs: Tuple[Any, ...]  # (shape, stride, dtype, device) per weight input, as traced
     pieces: Dict[str, int]  # compiled piece name -> artifact file index
+    returns_tuple: Dict[str, bool]  # compiled piece name -> does its graph return a tuple
     num_artifacts: int
     sources: Dict[str, str]  # traced file -> sha256 of its contents
     output: str = "first"  # "first": the call returns the graph's only output; "tuple": all of them
@@ -164,17 +165,23 @@ def side_effects() -> Optional[str]:
     return f"the trace has {len(modified)} side effects (mutated attributes, globals or cells)" if modified else None
 
 
-def pickled_split(split_gm: torch.fx.GraphModule) -> bytes:
+def pickled_split(split_gm: torch.fx.GraphModule, drop: Sequence[str] = ()) -> bytes:
     """The split module pickled without node metadata (Dynamo's holds
-    unpicklable tracing state; nothing after the split reads it)."""
+    unpicklable tracing state; nothing after the split reads it), and
+    without the pieces named in ``drop`` (saved as artifacts of their own:
+    unpickling a ``GraphModule`` traces its code anew, which a warm start
+    need not pay for a piece it never runs)."""
     graphs = [m for m in split_gm.modules() if isinstance(m, torch.fx.GraphModule)]
     metas = [[node.meta for node in m.graph.nodes] for m in graphs]
+    dropped = {name: split_gm._modules[name] for name in drop}
     try:
         for m in graphs:
             for node in m.graph.nodes:
                 node.meta = {}
+        split_gm._modules.update({name: torch.nn.Module() for name in drop})
         return pickle.dumps(split_gm)
     finally:
+        split_gm._modules.update(dropped)
         for m, kept in zip(graphs, metas):
             for node, meta in zip(m.graph.nodes, kept):
                 node.meta = meta
