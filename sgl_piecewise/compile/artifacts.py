@@ -32,12 +32,12 @@ def artifact_key(structural_key: str, options: Any, device: torch.device) -> str
     """The file name of a graph's artifacts (hex digest)."""
     import sgl_piecewise
 
-    parts = [structural_key, repr(options), sgl_piecewise.__version__, torch.__version__, _triton_version(),
-             _device_id(device)]  # fmt: skip
+    parts = [structural_key, repr(options), sgl_piecewise.__version__, torch.__version__, triton_version(),
+             device_id(device)]  # fmt: skip
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _triton_version() -> str:
+def triton_version() -> str:
     try:
         import triton
     except ImportError:
@@ -45,7 +45,7 @@ def _triton_version() -> str:
     return triton.__version__
 
 
-def _device_id(device: torch.device) -> str:
+def device_id(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
     props = torch.cuda.get_device_properties(device)

@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx
 
+from sgl_piecewise.compile.artifacts import device_id, triton_version
 from sgl_piecewise.compile.direct_call import GraphInputs
 from sgl_piecewise.compile.token_axis import TokenAxis
 
@@ -75,17 +76,17 @@ def model_key(model: torch.nn.Module, args: Sequence[Any], options: Any) -> str:
     import sgl_piecewise
 
     parts: List[str] = [
-        f"format {FORMAT}", sgl_piecewise.__version__, torch.__version__, _triton_version(), sys.version,
+        f"format {FORMAT}", sgl_piecewise.__version__, torch.__version__, triton_version(), sys.version,
         repr(dataclasses.replace(options, cache_dir=None)), f"grad {torch.is_grad_enabled()}",
         f"default dtype {torch.get_default_dtype()}", f"deterministic {torch.are_deterministic_algorithms_enabled()}",
     ]  # fmt: skip
     for a in args:
-        parts.append(f"arg {a.dtype} {tuple(a.shape[1:])} {a.dim()} {_device_id(a.device)}")
+        parts.append(f"arg {a.dtype} {tuple(a.shape[1:])} {a.dim()} {device_id(a.device)}")
     for name, module in model.named_modules(remove_duplicate=False):
         parts.append(f"module {name} {type(module).__module__}.{type(module).__qualname__} {_plain_attributes(module)}")
     for kind, named in (("param", model.named_parameters), ("buffer", model.named_buffers)):
         for name, t in named(remove_duplicate=False):
-            layout = f"{tuple(t.shape)} {t.stride()} {t.dtype} {_device_id(t.device)} {t.requires_grad}"
+            layout = f"{tuple(t.shape)} {t.stride()} {t.dtype} {device_id(t.device)} {t.requires_grad}"
             parts.append(f"{kind} {name} {layout}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
@@ -102,21 +103,6 @@ def _plain_attributes(module: torch.nn.Module) -> str:
         if isinstance(value, _SIMPLE) or plain_sequence or config:
             items.append(f"{name}={value!r}")
     return ";".join(items)
-
-
-def _triton_version() -> str:
-    try:
-        import triton
-    except ImportError:
-        return "no triton"
-    return triton.__version__
-
-
-def _device_id(device: torch.device) -> str:
-    if device.type != "cuda":
-        return device.type
-    props = torch.cuda.get_device_properties(device)
-    return f"{device} {props.name} sm_{props.major}{props.minor}"
 
 
 # ---- what the trace tells ---------------------------------------------------
