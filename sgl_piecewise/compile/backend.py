@@ -282,14 +282,16 @@ class PiecewiseModule:
         if self.options.cache_dir is None or call is None:
             return None
         model, args = call
-        reason = None
-        if self.registry is None:
-            reason = f"graphs are off ({self.graphs_reason or 'cudagraphs=False'})"
-        elif self.options.piece_compiler == "tensorrt":
-            reason = "the tensorrt piece compiler makes no saveable artifacts"
-        inputs = reason or describe_inputs(example_inputs, model, args, self.token_axis)
-        sources = precompiled.traced_sources()
-        reason = next((r for r in (reason, inputs, precompiled.side_effects(), sources) if isinstance(r, str)), None)
+        inputs = describe_inputs(example_inputs, model, args, self.token_axis)  # or why not
+        sources = precompiled.traced_sources()  # or why not
+        reasons = (
+            self.registry is None and f"graphs are off ({self.graphs_reason or 'cudagraphs=False'})",
+            self.options.piece_compiler == "tensorrt" and "the tensorrt piece compiler makes no saveable artifacts",
+            isinstance(inputs, str) and inputs,
+            precompiled.side_effects(),
+            isinstance(sources, str) and sources,
+        )
+        reason = next((r for r in reasons if r), None)
         if reason is not None:
             logger.info("compile not saved for a start without Dynamo: %s", reason)
             return None
