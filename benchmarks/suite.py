@@ -106,6 +106,7 @@ def start_up(runner, cache_dir=None) -> tuple:
     piecewise = PiecewiseCudaGraphRunner(runner, CompileOptions(cudagraphs=True, cache_dir=cache_dir))
     result = timed_capture(lambda: piecewise.capture(progress=False))
     result.update(first_size_seconds=piecewise.first_size_seconds, sizes=len(piecewise.options.capture_sizes),
+                  compiles_loaded=counters.compiles_loaded, compiles_saved=counters.compiles_saved,
                   artifacts_loaded=counters.artifacts_loaded, artifacts_saved=counters.artifacts_saved)  # fmt: skip
     return piecewise, result
 

@@ -57,6 +57,7 @@ def test_compile_users_example_traces_once_and_replays_its_prefill():
     # ran the compiled model installed as model_forward (no graph policy).
     assert counters == {"graphs_split": 1, "pieces_seen": 5, "pieces_compiled": 3, "graphs_captured": 10,
                         "replays": 150, "eager_fallbacks": {}, "artifacts_loaded": 0, "artifacts_saved": 0,
+                        "compiles_loaded": 0, "compiles_saved": 0,
                         "step_paths": {"model_forward: graphs='none'": 32}}  # fmt: skip
 
 

@@ -41,7 +41,7 @@ PROCESS = textwrap.dedent(
                                                              cache_dir=cache_dir))
     graphs.capture(progress=False)
     tokens = runner.generate(prompts, 6)
-    print(json.dumps({"loaded": counters.artifacts_loaded, "saved": counters.artifacts_saved,
+    print(json.dumps({"loaded": counters.compiles_loaded, "saved": counters.compiles_saved,
                       "traced": dynamo_counters["stats"]["unique_graphs"], "split": counters.graphs_split,
                       "tokens": tokens, "eager": eager, "paths": sorted({p for p, _ in counters.step_paths})}))
     """
@@ -138,7 +138,7 @@ def test_a_new_compiled_model_of_the_same_model_starts_from_the_saved_compile(tm
     model = Toy()
     for n in (3, 1, 4):
         _call(CompiledModel(model, _options(tmp_path)), n)
-    assert (counters.artifacts_saved, counters.artifacts_loaded, counters.graphs_split) == (1, 2, 1)
+    assert (counters.compiles_saved, counters.compiles_loaded, counters.graphs_split) == (1, 2, 1)
     warm = CompiledModel(model, _options(tmp_path))
     for n in (3, 1, 2, 6):  # 6: above the capture sizes, run without graphs
         out, args = _call(warm, n)
@@ -152,7 +152,7 @@ def test_weights_of_another_layout_leave_the_saved_compile_for_a_trace(tmp_path)
     _call(CompiledModel(model, _options(tmp_path)), 3)
     warm = CompiledModel(model, _options(tmp_path))
     _call(warm, 3)
-    assert counters.artifacts_loaded == 1
+    assert counters.compiles_loaded == 1
     model.proj.weight = torch.nn.Parameter(model.proj.weight.t().contiguous().t())  # same values, other strides
     out, args = _call(warm, 3)
     torch.testing.assert_close(out, model(*args))
@@ -203,9 +203,9 @@ def test_a_call_that_is_more_than_its_graph_saves_nothing_and_says_why(tmp_path,
     with caplog.at_level(logging.INFO, logger="sgl_piecewise.compile"):
         _call(CompiledModel(model, _options(tmp_path)), 3)
     assert reason in caplog.text
-    assert counters.artifacts_saved == 0 and not list(tmp_path.glob("graph-*/entry.pkl"))
+    assert counters.compiles_saved == 0 and not list(tmp_path.glob("graph-*/entry.pkl"))
     out, args = _call(CompiledModel(model, _options(tmp_path)), 3)  # traces again, and is right
-    assert counters.artifacts_loaded == 0
+    assert counters.compiles_loaded == 0
     expected = model(*args)
     torch.testing.assert_close(out["hidden"] if isinstance(out, dict) else out,
                                expected["hidden"] if isinstance(expected, dict) else expected)  # fmt: skip
@@ -228,7 +228,7 @@ def test_a_changed_source_file_or_a_damaged_entry_traces_afresh(tmp_path, caplog
     assert precompiled.load(str(tmp_path), key) is None
     out, args = _call(CompiledModel(model, _options(tmp_path)), 3)
     torch.testing.assert_close(out, model(*args))
-    assert counters.graphs_split == 2 and counters.artifacts_saved == 2  # traced and saved anew
+    assert counters.graphs_split == 2 and counters.compiles_saved == 2  # traced and saved anew
 
 
 def test_gather_fetches_arguments_token_counts_parameters_and_buffers():

@@ -123,7 +123,7 @@ class CompiledModel:
         except Exception as exc:  # a damaged entry costs a trace, never a failure
             logger.warning("saved compile %s: expected one to rebuild, got %s; tracing afresh", key, exc)
             return None, key
-        counters.artifacts_loaded += 1
+        counters.compiles_loaded += 1
         return direct, None
 
     def _save(self, key: str, args, result: Any) -> None:
@@ -144,7 +144,7 @@ class CompiledModel:
             logger.info("compile not saved for a start without Dynamo: the call returns more than the graph's outputs")
             return
         precompiled.save(self.options.cache_dir, key, saved, artifacts)
-        counters.artifacts_saved += 1
+        counters.compiles_saved += 1
 
 
 class _DirectCall:

@@ -27,6 +27,8 @@ class CompileCounters:
     eager_fallbacks: Counter[str] = field(default_factory=collections.Counter)
     artifacts_loaded: int = 0  # compile artifact files a compile started from (CompileOptions.cache_dir)
     artifacts_saved: int = 0  # compile artifact files written for later processes
+    compiles_loaded: int = 0  # saved compiles a CompiledModel started from, without Dynamo (precompiled.py)
+    compiles_saved: int = 0  # compiles saved whole for later processes
     # ModelRunner steps by (path, why): path whole_model, piecewise, breakable,
     # eager or model_forward; why: the padding taken, or why no graph served.
     step_paths: Counter[Tuple[str, str]] = field(default_factory=collections.Counter)
@@ -50,6 +52,8 @@ class CompileCounters:
             "eager_fallbacks": dict(self.eager_fallbacks),
             "artifacts_loaded": self.artifacts_loaded,
             "artifacts_saved": self.artifacts_saved,
+            "compiles_loaded": self.compiles_loaded,
+            "compiles_saved": self.compiles_saved,
             "step_paths": {f"{path}: {why}": n for (path, why), n in self.step_paths.items()},
         }
 
