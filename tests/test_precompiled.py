@@ -239,3 +239,14 @@ def test_gather_fetches_arguments_token_counts_parameters_and_buffers():
     got = gather(model, (ids, positions))
     assert got[0] is model.proj.weight and got[1] == 5 and got[2] is ids
     assert got[3] is model.offset and got[4] is model.embed.weight
+
+
+@torch.no_grad()
+def test_a_cache_dir_that_cannot_be_written_costs_the_save_not_the_step(tmp_path, caplog):
+    model = Toy()
+    not_a_dir = tmp_path / "a file"
+    not_a_dir.write_text("")
+    with caplog.at_level(logging.WARNING, logger="sgl_piecewise.compile"):
+        out, args = _call(CompiledModel(model, _options(not_a_dir)), 3)
+    torch.testing.assert_close(out, model(*args))
+    assert "compile not saved" in caplog.text and counters.compiles_saved == 0

@@ -143,7 +143,11 @@ class CompiledModel:
         else:
             logger.info("compile not saved for a start without Dynamo: the call returns more than the graph's outputs")
             return
-        precompiled.save(self.options.cache_dir, key, saved, artifacts)
+        try:
+            precompiled.save(self.options.cache_dir, key, saved, artifacts)
+        except Exception as exc:  # the step's result stands; a later process traces instead
+            logger.warning("compile not saved to %s: %s", self.options.cache_dir, exc)
+            return
         counters.compiles_saved += 1
 
 
