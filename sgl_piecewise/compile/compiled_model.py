@@ -136,6 +136,10 @@ class CompiledModel:
         modules[0].to_save = None
         outputs = modules[0].last_outputs or ()
         modules[0].last_outputs = None
+        if self.token_guards.kept_reason is not None:  # Dynamo would retrace other token counts
+            logger.info("compile not saved for a start without Dynamo: the graph holds only for some token "
+                        "counts (%s)", self.token_guards.kept_reason)  # fmt: skip
+            return
         if len(outputs) == 1 and result is outputs[0]:
             saved.output = "first"
         elif isinstance(result, tuple) and len(result) == len(outputs) and all(map(operator.is_, result, outputs)):

@@ -24,7 +24,9 @@ model, dtype, torch or GPU never loads a stale compile.
 Nothing is saved for a compile that cannot be replayed this way, with the
 reason logged: a graph input that is no argument, parameter or buffer, a
 trace with side effects (an attribute set in ``forward``), a result other
-than the graph's outputs, graphs off, or the ``tensorrt`` piece compiler.
+than the graph's outputs, a graph that holds only for some token counts (a
+Python branch on the count: Dynamo's shape guards were kept), graphs off, or
+the ``tensorrt`` piece compiler.
 Such a model traces in every process (Inductor's own cache still helps).
 """
 
