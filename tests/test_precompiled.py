@@ -184,6 +184,14 @@ class SetsAnAttribute(Toy):
         return super().forward(ids, positions)
 
 
+ALPHA = 2.0
+
+
+class ReadsAGlobalNumber(Toy):
+    def forward(self, ids, positions):
+        return super().forward(ids, positions) * ALPHA
+
+
 class BranchesOnTokenCount(Toy):
     def forward(self, ids, positions):
         out = super().forward(ids, positions)
@@ -202,6 +210,7 @@ class ReturnsADict(Toy):
         (SetsAnAttribute, "side effects"),
         (ReturnsADict, "returns more than the graph's outputs"),
         (BranchesOnTokenCount, "holds only for some token counts"),
+        (ReadsAGlobalNumber, "cannot be checked without Dynamo"),
     ],
 )
 @torch.no_grad()
@@ -259,3 +268,32 @@ def test_a_cache_dir_that_cannot_be_written_costs_the_save_not_the_step(tmp_path
         out, args = _call(CompiledModel(model, _options(not_a_dir)), 3)
     torch.testing.assert_close(out, model(*args))
     assert "compile not saved" in caplog.text and counters.compiles_saved == 0
+
+
+class Scale:
+    """A plain object (no module, no dataclass): the key does not see it."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class ReadsAnObjectAttribute(Toy):
+    def __init__(self):
+        super().__init__()
+        self.scale = Scale(2.0)
+
+    def forward(self, ids, positions):
+        return super().forward(ids, positions) * self.scale.value
+
+
+@torch.no_grad()
+def test_a_constant_the_trace_read_that_changed_makes_the_saved_compile_stale(tmp_path, caplog):
+    model = ReadsAnObjectAttribute()
+    _call(CompiledModel(model, _options(tmp_path)), 3)
+    assert counters.compiles_saved == 1
+    model.scale.value = 3.0  # same key: only Dynamo's guard on it knows
+    with caplog.at_level(logging.INFO, logger="sgl_piecewise.compile"):
+        out, args = _call(CompiledModel(model, _options(tmp_path)), 3)
+    torch.testing.assert_close(out, model(*args))
+    assert counters.compiles_loaded == 0
+    assert "scale.value is 3.0, traced as 2.0" in caplog.text

@@ -118,6 +118,10 @@ class CompiledModel:
         if found is None:
             return None, key
         saved, artifacts = found
+        changed = precompiled.changed_constant(saved.constants, self.model, args)
+        if changed is not None:
+            logger.info("saved compile %s is stale: %s; tracing afresh", key, changed)
+            return None, key
         try:
             direct = _DirectCall.from_saved(saved, artifacts, self.model, args, self.options)
         except Exception as exc:  # a damaged entry costs a trace, never a failure
@@ -140,6 +144,12 @@ class CompiledModel:
             logger.info("compile not saved for a start without Dynamo: the graph holds only for some token "
                         "counts (%s)", self.token_guards.kept_reason)  # fmt: skip
             return
+        constants = tuple(self.token_guards.constants)
+        unreadable = precompiled.changed_constant(constants, self.model, args)
+        if unreadable is not None:
+            logger.info("compile not saved for a start without Dynamo: %s", unreadable)
+            return
+        saved.constants = constants
         if len(outputs) == 1 and result is outputs[0]:
             saved.output = "first"
         elif isinstance(result, tuple) and len(result) == len(outputs) and all(map(operator.is_, result, outputs)):

@@ -17,23 +17,28 @@ kernels depend on: this library's, torch's, Triton's and Python's versions,
 the device (name and compute capability), the options, the grad mode, and
 the model: every module's class and plain attributes (a config, an ``eps``),
 every parameter's and buffer's name, shape, stride, dtype and device, and the
-call's tensors. A traced source file that changed since the save makes the
-entry stale: the model traces afresh and the entry is replaced. So a changed
-model, dtype, torch or GPU never loads a stale compile.
+call's tensors. A traced source file that changed since the save, or a
+constant Dynamo guarded on (a module attribute the trace read, checked by
+its source) that differs now, makes the entry stale: the model traces
+afresh and the entry is replaced. So a changed model, dtype, torch or GPU
+never loads a stale compile. The directory is trusted like Inductor's
+cache: its entries are pickles.
 
 Nothing is saved for a compile that cannot be replayed this way, with the
-reason logged: a graph input that is no argument, parameter or buffer, a
-trace with side effects (an attribute set in ``forward``), a result other
-than the graph's outputs, a graph that holds only for some token counts (a
-Python branch on the count: Dynamo's shape guards were kept), graphs off, or
-the ``tensorrt`` piece compiler.
-Such a model traces in every process (Inductor's own cache still helps).
+reason logged: a constant guard of the trace that cannot be read without
+Dynamo (a module-level value), a graph input that is no argument,
+parameter or buffer, a trace with side effects (an attribute set in
+``forward``), a result other than the graph's outputs, a graph that holds
+only for some token counts (a Python branch on the count: Dynamo's shape
+guards were kept), graphs off, or the ``tensorrt`` piece compiler. Such a
+model traces in every process (Inductor's own cache still helps).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import logging
 import os
 import pickle
@@ -70,6 +75,9 @@ class SavedCompile:
     num_artifacts: int
     sources: Dict[str, str]  # traced file -> sha256 of its contents
     output: str = "first"  # "first": the call returns the graph's only output; "tuple": all of them
+    # Dynamo's guards on constants of the trace, (source, value): checked at
+    # the look-up, where Dynamo no longer runs.
+    constants: Tuple[Tuple[str, Any], ...] = ()
 
 
 # ---- the key -------------------------------------------------------------
@@ -173,6 +181,25 @@ def pickled_split(split_gm: torch.fx.GraphModule, drop: Sequence[str] = ()) -> b
         for m, kept in zip(graphs, metas):
             for node, meta in zip(m.graph.nodes, kept):
                 node.meta = meta
+
+
+def changed_constant(
+    constants: Sequence[Tuple[str, Any]], model: torch.nn.Module, args: Sequence[Any]
+) -> Optional[str]:
+    """The first of Dynamo's constant guards, ``(source, value)``, that
+    ``model(*args)`` no longer meets, or cannot be read without Dynamo
+    (a module-level global), described; None when all hold."""
+    names = list(inspect.signature(model.forward).parameters)
+    local = {"self": model, **dict(zip(names, args))}
+    scope = {"L": local, **local}
+    for source, value in constants:
+        try:
+            now = eval(source, {"__builtins__": {}}, scope)  # a Dynamo source: attribute and item access
+        except Exception as exc:
+            return f"guard on {source} cannot be checked without Dynamo ({type(exc).__name__})"
+        if type(now) is not type(value) or now != value:
+            return f"{source} is {now!r}, traced as {value!r}"
+    return None
 
 
 # ---- files ---------------------------------------------------------------

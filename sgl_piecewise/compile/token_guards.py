@@ -35,7 +35,7 @@ logged.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence, Set
+from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import sympy
 import torch
@@ -45,6 +45,7 @@ from torch.fx.experimental.symbolic_shapes import SymT, symbol_is_type
 logger = logging.getLogger("sgl_piecewise.compile")
 
 _SHAPE_GUARD = "SHAPE_ENV"
+_CONSTANT_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
 
 
 # The most tokens one call of a compiled graph takes (CompiledModel runs a
@@ -99,6 +100,10 @@ class TokenShapeGuards:
         self._symbols: Set[sympy.Symbol] = set()
         self.dropped = 0  # compiles whose shape guards were dropped
         self.kept_reason: Optional[str] = None  # why the last compile kept them, if it did
+        # The last compile's guards on constants ((source, value): a module's
+        # eps, a head count): a saved compile is checked against them where
+        # Dynamo no longer runs (precompiled.py).
+        self.constants: List[Tuple[str, Any]] = []
 
     def begin_compile(self, fake_mode: Any, fake_inputs: Sequence[Any]) -> None:
         """Bound the token counts by ``MAX_TRACED_TOKENS`` and remember the
@@ -112,6 +117,7 @@ class TokenShapeGuards:
     def __call__(self, entries: Sequence[Any]) -> list:
         shape_env, symbols = self._shape_env, self._symbols
         self._shape_env, self._symbols = None, set()  # one compile's record serves one filter call
+        self.constants = [(e.name, e.value) for e in entries if e.guard_type in _CONSTANT_GUARDS and e.has_value]
         if not any(e.guard_type == _SHAPE_GUARD for e in entries):
             return [True] * len(entries)
         reason = self._why_keep(shape_env, symbols)
