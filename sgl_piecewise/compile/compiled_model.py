@@ -144,6 +144,9 @@ class CompiledModel:
             logger.info("compile not saved for a start without Dynamo: the graph holds only for some token "
                         "counts (%s)", self.token_guards.kept_reason)  # fmt: skip
             return
+        if self.token_guards.constants is None:
+            logger.info("compile not saved for a start without Dynamo: this torch reports no guard values")
+            return
         constants = tuple(self.token_guards.constants)
         unreadable = precompiled.changed_constant(constants, self.model, args)
         if unreadable is not None:

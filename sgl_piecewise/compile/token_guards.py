@@ -86,6 +86,13 @@ class size_oblivious_tracing:
         fx_config.backed_size_oblivious = self._old
 
 
+def _constant_guards(entries: Sequence[Any]) -> Optional[List[Tuple[str, Any]]]:
+    try:
+        return [(e.name, e.value) for e in entries if e.guard_type in _CONSTANT_GUARDS and e.has_value]
+    except AttributeError:
+        return None
+
+
 class TokenShapeGuards:
     """``guard_filter_fn`` of one ``torch.compile``: drops the shape guards
     of a compile whose shape guards only bound the token count (module doc).
@@ -103,7 +110,8 @@ class TokenShapeGuards:
         # The last compile's guards on constants ((source, value): a module's
         # eps, a head count): a saved compile is checked against them where
         # Dynamo no longer runs (precompiled.py).
-        self.constants: List[Tuple[str, Any]] = []
+        # None: this torch's guard entries carry no values.
+        self.constants: Optional[List[Tuple[str, Any]]] = []
 
     def begin_compile(self, fake_mode: Any, fake_inputs: Sequence[Any]) -> None:
         """Bound the token counts by ``MAX_TRACED_TOKENS`` and remember the
@@ -117,7 +125,7 @@ class TokenShapeGuards:
     def __call__(self, entries: Sequence[Any]) -> list:
         shape_env, symbols = self._shape_env, self._symbols
         self._shape_env, self._symbols = None, set()  # one compile's record serves one filter call
-        self.constants = [(e.name, e.value) for e in entries if e.guard_type in _CONSTANT_GUARDS and e.has_value]
+        self.constants = _constant_guards(entries)
         if not any(e.guard_type == _SHAPE_GUARD for e in entries):
             return [True] * len(entries)
         reason = self._why_keep(shape_env, symbols)
