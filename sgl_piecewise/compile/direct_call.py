@@ -13,9 +13,10 @@ What Dynamo's guards would check per call is then checked here: the call's
 tensors (dtype, rank, device) and the grad mode. The model's parameters are
 fetched anew every call, and ``PiecewiseModule`` checks the shape, stride,
 dtype and device of every new set of them against the trace
-(``StaleGraphError``). The rest of the model's Python state (its modules'
-plain attributes) is checked once, when the saved compile is looked up: it
-is part of the key.
+(``StaleGraphError``). The rest of the model's Python state is checked
+once, when the saved compile is looked up: its modules' plain attributes
+are part of the key, and Dynamo's guards on constants are evaluated again
+(``precompiled.changed_constant``).
 """
 
 from __future__ import annotations
