@@ -108,6 +108,14 @@ def test_the_key_changes_with_anything_the_compile_depends_on(monkeypatch):
     assert _key(model) != key  # another stride
     with torch.no_grad():
         assert _key(build_random_model(config)) != key
+    fresh = build_random_model(config)
+    hook = fresh.model.norm.register_forward_hook(lambda module, args, out: out * 2)
+    assert _key(fresh) != key  # a hook the trace would run
+    hook.remove()
+    assert _key(fresh) == key
+    hook = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    assert _key(fresh) != key
+    hook.remove()
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert _key(build_random_model(config)) != key
 

@@ -52,8 +52,8 @@ class CompiledModel:
     found, every call runs it without Dynamo; else the first compile is saved
     there. Without Dynamo, the call's tensors and the weights are checked per
     call and per new set of weights, the model's other Python state once, at
-    the look-up: set a module attribute that ``forward`` reads after the first
-    call and build a new ``CompiledModel``.
+    the look-up: set a module attribute that ``forward`` reads, or register a
+    hook, after the first call and build a new ``CompiledModel``.
 
     The model must trace as one graph (``fullgraph=True``): a graph break
     raises ``UnsupportedModeError`` naming its cause and place.

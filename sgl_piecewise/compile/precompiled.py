@@ -15,7 +15,8 @@ saved graph, loads the pieces and calls the graph directly: no trace, no
 AOTAutograd, no Inductor compile. The key covers what the graph and its
 kernels depend on: this library's, torch's, Triton's and Python's versions,
 the device (name and compute capability), the options, the grad mode, and
-the model: every module's class and plain attributes (a config, an ``eps``),
+the model: every module's class, plain attributes (a config, an ``eps``)
+and hooks, torch's global module hooks,
 every parameter's and buffer's name, shape, stride, dtype and device, and the
 call's tensors. A traced source file that changed since the save, or a
 constant Dynamo guarded on (a module attribute the trace read, checked by
@@ -92,13 +93,23 @@ def model_key(model: torch.nn.Module, args: Sequence[Any], options: Any) -> str:
     ]  # fmt: skip
     for a in args:
         parts.append(f"arg {a.dtype} {tuple(a.shape[1:])} {a.dim()} {device_id(a.device)}")
+    parts.append(f"global hooks {_hook_counts(torch.nn.modules.module)}")
     for name, module in model.named_modules(remove_duplicate=False):
-        parts.append(f"module {name} {type(module).__module__}.{type(module).__qualname__} {_plain_attributes(module)}")
+        kind = f"{type(module).__module__}.{type(module).__qualname__}"
+        parts.append(f"module {name} {kind} {_plain_attributes(module)} hooks {_hook_counts(module)}")
     for kind, named in (("param", model.named_parameters), ("buffer", model.named_buffers)):
         for name, t in named(remove_duplicate=False):
             layout = f"{tuple(t.shape)} {t.stride()} {t.dtype} {device_id(t.device)} {t.requires_grad}"
             parts.append(f"{kind} {name} {layout}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _hook_counts(owner: Any) -> str:
+    """How many hooks of each kind ``owner`` (a module, or torch's module of
+    global hooks) holds: a trace runs the hooks there were, and a hook
+    added since needs a trace of its own."""
+    tables = sorted(name for name, value in vars(owner).items() if "hooks" in name and isinstance(value, dict))
+    return ",".join(f"{name}={len(getattr(owner, name))}" for name in tables)
 
 
 def _plain_attributes(module: torch.nn.Module) -> str:
