@@ -103,7 +103,7 @@ def graph_set_key_us(runner: ModelRunner, iters: int) -> float:
     options = CompileOptions(cudagraphs=True, capture_sizes=(1, 2), piece_compiler="eager")
     graphs = PiecewiseCudaGraphRunner(runner, options)
     graphs.capture(progress=False)
-    (module,) = graphs.compiled.backend.modules
+    (module,) = graphs.compiled.piecewise_modules
     seen = {}
     find = module._graph_set
 

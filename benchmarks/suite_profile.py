@@ -48,7 +48,7 @@ def hop_host_us_per_layer(compiled, runner, batch, steps: int = 20) -> float:
     """Median host time of one attention call between compiled pieces (µs),
     over ``steps`` piecewise steps of ``batch``: the kernels are launched, not
     waited for, so this is the Python and launch cost of the hop."""
-    modules = [m for m in compiled.backend.modules if m.pieces]
+    modules = [m for m in compiled.piecewise_modules if m.pieces]
     if not modules:
         return float("nan")
     seconds: List[float] = []

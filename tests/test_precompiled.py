@@ -152,6 +152,8 @@ def test_a_new_compiled_model_of_the_same_model_starts_from_the_saved_compile(tm
         out, args = _call(warm, n)
         torch.testing.assert_close(out, model(*args))
     assert counters.graphs_split == 1  # no trace since the first
+    (module,) = warm.piecewise_modules  # the loaded one, for tools that inspect it
+    assert not warm.backend.modules and module.captured
 
 
 @torch.no_grad()

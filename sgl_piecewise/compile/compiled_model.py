@@ -93,6 +93,13 @@ class CompiledModel:
             self._save_key = None
         return result
 
+    @property
+    def piecewise_modules(self) -> list:
+        """Every ``PiecewiseModule`` this model runs: those the backend
+        compiled, and the one loaded from a saved compile."""
+        loaded = [self._direct.module] if self._direct is not None else []
+        return [*self.backend.modules, *loaded]
+
     def _traced(self, args) -> Any:
         """The call through Dynamo (which compiles on its first call)."""
         if not self._marked:
