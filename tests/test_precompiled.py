@@ -245,15 +245,15 @@ def test_a_changed_source_file_or_a_damaged_entry_traces_afresh(tmp_path, caplog
     _call(CompiledModel(model, _options(tmp_path)), 3)
     (entry,) = tmp_path.glob("graph-*/entry.pkl")
     key = entry.parent.name.removeprefix("graph-")
-    saved, _ = precompiled.load(str(tmp_path), key)
+    saved = precompiled.load_entry(str(tmp_path), key)
     assert __file__ in saved.sources  # Toy.forward was traced from this file
     saved.sources[__file__] = "0" * 64  # as if this file had changed since
     precompiled.save(str(tmp_path), key, saved, [])
     with caplog.at_level(logging.INFO, logger="sgl_piecewise.compile"):
-        assert precompiled.load(str(tmp_path), key) is None
+        assert precompiled.load_entry(str(tmp_path), key) is None
     assert "changed since" in caplog.text
     entry.write_bytes(b"not a pickle")
-    assert precompiled.load(str(tmp_path), key) is None
+    assert precompiled.load_entry(str(tmp_path), key) is None
     out, args = _call(CompiledModel(model, _options(tmp_path)), 3)
     torch.testing.assert_close(out, model(*args))
     assert counters.graphs_split == 2 and counters.compiles_saved == 2  # traced and saved anew

@@ -78,13 +78,20 @@ def save_artifacts(cache_dir: str, key: str) -> bool:
     saved = torch.compiler.save_cache_artifacts()
     if not saved:
         return False
-    os.makedirs(cache_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(saved[0])
-    os.replace(tmp, artifact_path(cache_dir, key))
+    write_atomically(artifact_path(cache_dir, key), saved[0])
     counters.artifacts_saved += 1
     return True
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """Write ``path`` (its directory made if missing) so that a concurrent
+    reader sees the old file or the new one, never half of one."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def graph_key(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any]) -> str:

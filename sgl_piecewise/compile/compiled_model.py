@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import operator
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -121,13 +121,15 @@ class CompiledModel:
     def _look_up(self, args) -> tuple:
         """(the saved compile to call, or None; the key to save under, or None)."""
         key = precompiled.model_key(self.model, args, self.options)
-        found = precompiled.load(self.options.cache_dir, key)
-        if found is None:
+        saved = precompiled.load_entry(self.options.cache_dir, key)
+        if saved is None:
             return None, key
-        saved, artifacts = found
         changed = precompiled.changed_constant(saved.constants, self.model, args)
         if changed is not None:
             logger.info("saved compile %s is stale: %s; tracing afresh", key, changed)
+            return None, key
+        artifacts = precompiled.load_pieces(self.options.cache_dir, key, saved)
+        if artifacts is None:
             return None, key
         try:
             direct = _DirectCall.from_saved(saved, artifacts, self.model, args, self.options)
@@ -178,15 +180,14 @@ class CompiledModel:
 class _DirectCall:
     """A piecewise module called without Dynamo (``direct_call.py``)."""
 
-    def __init__(self, module: PiecewiseModule, inputs: GraphInputs, output: str):
-        self.module, self.inputs, self.output = module, inputs, output
-        self.gather = make_gather(inputs.inputs)
+    def __init__(self, module: PiecewiseModule, inputs: GraphInputs, gather: Callable, output: str):
+        self.module, self.inputs, self.gather, self.output = module, inputs, gather, output
 
     @classmethod
     def from_saved(cls, saved, artifacts, model, args, options) -> "_DirectCall":
         gather = make_gather(saved.inputs.inputs)
         module = PiecewiseModule.from_saved(saved, artifacts, gather(model, args), options)
-        return cls(module, saved.inputs, saved.output)
+        return cls(module, saved.inputs, gather, saved.output)
 
     def __call__(self, model: torch.nn.Module, args) -> Any:
         out = self.module(*self.gather(model, args))

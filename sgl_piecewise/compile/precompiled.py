@@ -44,14 +44,13 @@ import logging
 import os
 import pickle
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
 
-from sgl_piecewise.compile.artifacts import device_id, triton_version
+from sgl_piecewise.compile.artifacts import device_id, triton_version, write_atomically
 from sgl_piecewise.compile.direct_call import GraphInputs
 from sgl_piecewise.compile.token_axis import TokenAxis
 
@@ -224,16 +223,18 @@ def save(cache_dir: str, key: str, saved: SavedCompile, artifacts: Sequence[Any]
     directory = entry_dir(cache_dir, key)
     os.makedirs(directory, exist_ok=True)
     for i, artifact in enumerate(artifacts):
-        artifact.save(path=os.path.join(directory, f"piece_{i}.bin"), format="binary")
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        pickle.dump(saved, f)
-    os.replace(tmp, os.path.join(directory, "entry.pkl"))
+        artifact.save(path=_piece_path(directory, i), format="binary")
+    write_atomically(os.path.join(directory, "entry.pkl"), pickle.dumps(saved))
 
 
-def load(cache_dir: str, key: str) -> Optional[Tuple[SavedCompile, List[Any]]]:
-    """The entry saved under ``key`` and its loaded pieces, or None (none
-    saved, a traced file changed, or a damaged file: logged, never raised)."""
+def _piece_path(directory: str, index: int) -> str:
+    return os.path.join(directory, f"piece_{index}.bin")
+
+
+def load_entry(cache_dir: str, key: str) -> Optional[SavedCompile]:
+    """The entry saved under ``key``, or None (none saved, a traced file
+    changed, or a damaged file: logged, never raised). Its pieces load
+    apart (``load_pieces``), once the entry is known to hold."""
     directory = entry_dir(cache_dir, key)
     path = os.path.join(directory, "entry.pkl")
     if not os.path.isfile(path):
@@ -250,12 +251,18 @@ def load(cache_dir: str, key: str) -> Optional[Tuple[SavedCompile, List[Any]]]:
     if changed:
         logger.info("saved compile %s is stale: %s changed since; tracing afresh", directory, changed[0])
         return None
+    return saved
+
+
+def load_pieces(cache_dir: str, key: str, saved: SavedCompile) -> Optional[List[Any]]:
+    """The Inductor pieces of the entry ``saved`` under ``key``, or None
+    (a file missing or damaged: logged, never raised)."""
+    directory = entry_dir(cache_dir, key)
     try:
         from torch._inductor import CompiledArtifact
 
-        pieces = [CompiledArtifact.load(path=os.path.join(directory, f"piece_{i}.bin"), format="binary")
-                  for i in range(saved.num_artifacts)]  # fmt: skip
+        return [CompiledArtifact.load(path=_piece_path(directory, i), format="binary")
+                for i in range(saved.num_artifacts)]  # fmt: skip
     except Exception as exc:
         logger.warning("saved compile %s: expected loadable pieces, got %s; tracing afresh", directory, exc)
         return None
-    return saved, pieces
