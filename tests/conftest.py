@@ -4,7 +4,10 @@ Without CUDA, Triton kernels run under its interpreter; the variable must be
 set before any kernel module is imported, so it is set here, first.
 """
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -60,3 +63,20 @@ def fresh_dynamo():
     counters.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def fresh_process():
+    """``run(code, *argv, inductor_dir=..., timeout=...)``: ``code`` in a new Python
+    process with an Inductor cache of its own; the JSON its last line of
+    output prints. What one process leaves for the next is then only what
+    the code saves."""
+
+    def run(code: str, *argv, inductor_dir, timeout: float = 900) -> dict:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)}
+        done = subprocess.run([sys.executable, "-c", code, *map(str, argv)],
+                              capture_output=True, text=True, timeout=timeout, env=env)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return run

@@ -2,10 +2,6 @@
 a second process starts from them, and anything a compiled artifact depends
 on keys them, so a changed model compiles afresh."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import torch
@@ -33,15 +29,10 @@ PROCESS = textwrap.dedent(
 )
 
 
-def compile_in_a_fresh_process(cache_dir, inductor_dir, layers: int) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)}
-    done = subprocess.run([sys.executable, "-c", PROCESS, str(cache_dir), str(layers)],
-                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def test_a_second_process_starts_from_the_saved_artifacts_and_a_changed_model_compiles_afresh(tmp_path, fresh_process):
+    def compile_in_a_fresh_process(cache_dir, inductor_dir, layers: int) -> dict:
+        return fresh_process(PROCESS, cache_dir, layers, inductor_dir=inductor_dir, timeout=600)
 
-
-def test_a_second_process_starts_from_the_saved_artifacts_and_a_changed_model_compiles_afresh(tmp_path):
     cache = tmp_path / "artifacts"
     # Each process has an empty Inductor cache of its own: only the artifact
     # files can carry a compile from one process to the next. A 2-layer model

@@ -4,11 +4,7 @@ outputs; anything it depends on keys it, so a changed model traces afresh; a
 model whose call is more than its graph saves nothing."""
 
 import dataclasses
-import json
 import logging
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -48,15 +44,17 @@ PROCESS = textwrap.dedent(
 )
 
 
-def start_a_process(cache_dir, inductor_dir, layers: int, device: str = "cpu") -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)}
-    done = subprocess.run([sys.executable, "-c", PROCESS, str(cache_dir), str(layers), device],
-                          capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+@pytest.fixture
+def start_a_process(fresh_process):
+    def start(cache_dir, inductor_dir, layers: int, device: str = "cpu") -> dict:
+        return fresh_process(PROCESS, cache_dir, layers, device, inductor_dir=inductor_dir)
+
+    return start
 
 
-def test_a_second_process_runs_the_saved_compile_without_dynamo_and_a_changed_model_traces_afresh(tmp_path):
+def test_a_second_process_runs_the_saved_compile_without_dynamo_and_a_changed_model_traces_afresh(
+    tmp_path, start_a_process
+):
     cache = tmp_path / "compiles"
     # Each process has an empty Inductor cache of its own: only the saved
     # compile can carry the pieces from one process to the next.
@@ -76,7 +74,7 @@ def test_a_second_process_runs_the_saved_compile_without_dynamo_and_a_changed_mo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_second_process_on_cuda_replays_the_first_process_compile(tmp_path):
+def test_a_second_process_on_cuda_replays_the_first_process_compile(tmp_path, start_a_process):
     cache = tmp_path / "compiles"
     first = start_a_process(cache, tmp_path / "inductor1", layers=2, device="cuda")
     second = start_a_process(cache, tmp_path / "inductor2", layers=2, device="cuda")
