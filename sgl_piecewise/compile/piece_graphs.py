@@ -14,12 +14,13 @@ Who owns what:
 
 Steps for one size (driven by ``StepState.phase``, set by the top level):
 WARMUP (before a module's first capture only) runs the compiled piece (first
-runs load kernels and create handles, which must not happen while capturing); CAPTURE records the graph
-through the capture core (``runners/capture.py``: its stream, its pool) and
-replays it at once, so this call's outputs are real (capture alone executes
-nothing, and eager attention reads them next) unless they are thrown away
-(``outputs_unused``); REPLAY replays. On a machine without CUDA, capture is a
-pass-through: the entry is recorded and "replay" runs the compiled piece.
+runs load kernels and create handles, which must not happen while
+capturing); CAPTURE records the graph through the capture core
+(``runners/capture.py``: its stream, its pool) and replays it at once, so
+this call's outputs are real (capture alone executes nothing, and eager
+attention reads them next) unless they are thrown away (``outputs_unused``);
+REPLAY replays. On a machine without CUDA, capture is a pass-through: the
+entry is recorded and "replay" runs the compiled piece.
 """
 
 from __future__ import annotations
