@@ -1,7 +1,9 @@
-"""A compile saved whole (``CompileOptions(cache_dir=...)`` with piecewise
-graphs): a later process calls it without Dynamo and gets the first process's
-outputs; anything it depends on keys it, so a changed model traces afresh; a
-model whose call is more than its graph saves nothing."""
+"""Piecewise graphs called without Dynamo. After its first compile a
+``CompiledModel`` calls its module directly; with ``cache_dir`` the compile is
+saved whole, and a later process calls it without Dynamo and gets the first
+process's outputs; anything it depends on keys it, so a changed model traces
+afresh; a model whose call is more than its graph stays on Dynamo and saves
+nothing."""
 
 import dataclasses
 import logging
@@ -12,6 +14,7 @@ import torch
 
 from sgl_piecewise.compile import CompiledModel, CompileOptions, counters, precompiled
 from sgl_piecewise.compile.direct_call import GraphInput, make_gather
+from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models import build_random_model, default_config
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -130,8 +133,9 @@ class Toy(torch.nn.Module):
         return self.proj(self.embed(ids)) + self.offset + positions[:, None]
 
 
-def _options(tmp_path):
-    return CompileOptions(cudagraphs=True, capture_sizes=(2, 4), piece_compiler="eager", cache_dir=str(tmp_path))
+def _options(tmp_path=None, **extra):
+    cache_dir = None if tmp_path is None else str(tmp_path)
+    return CompileOptions(cudagraphs=True, capture_sizes=(2, 4), piece_compiler="eager", cache_dir=cache_dir, **extra)
 
 
 def _call(compiled, n):
@@ -305,3 +309,102 @@ def test_a_constant_the_trace_read_that_changed_makes_the_saved_compile_stale(tm
     torch.testing.assert_close(out, model(*args))
     assert counters.compiles_loaded == 0
     assert "scale.value is 3.0, traced as 2.0" in caplog.text
+
+
+# ---- the compiling process: later calls without Dynamo ----------------------------
+def _count_dynamo_calls(compiled: CompiledModel) -> list:
+    """Record every call that reaches Dynamo's compiled function."""
+    calls, through_dynamo = [], compiled.compiled
+    compiled.compiled = lambda *args: calls.append(args[0].shape[0]) or through_dynamo(*args)
+    return calls
+
+
+@torch.no_grad()
+def test_after_the_first_compile_calls_skip_dynamo_and_equal_eager():
+    model = Toy()
+    compiled = CompiledModel(model, _options())
+    calls = _count_dynamo_calls(compiled)
+    for n in (3, 1, 4, 6):  # 6: above the capture sizes, run without graphs
+        out, args = _call(compiled, n)
+        torch.testing.assert_close(out, model(*args))
+    assert calls == [3] and counters.graphs_split == 1
+
+
+@torch.no_grad()
+def test_dynamo_guards_keeps_every_call_on_dynamo_so_a_changed_constant_recompiles():
+    model = ReadsAnObjectAttribute()
+    compiled = CompiledModel(model, _options(dynamo_guards=True))
+    calls = _count_dynamo_calls(compiled)
+    _call(compiled, 3)
+    model.scale.value = 3.0
+    out, args = _call(compiled, 3)
+    torch.testing.assert_close(out, model(*args))
+    assert calls == [3, 3] and counters.graphs_split == 2
+
+
+@torch.no_grad()
+def test_weights_of_another_layout_trace_afresh_then_skip_dynamo_again():
+    model = Toy()
+    compiled = CompiledModel(model, _options())
+    calls = _count_dynamo_calls(compiled)
+    _call(compiled, 3)
+    model.proj.weight = torch.nn.Parameter(model.proj.weight.t().contiguous().t())  # same values, other strides
+    for n in (3, 2):
+        out, args = _call(compiled, n)
+        torch.testing.assert_close(out, model(*args))
+    assert calls == [3, 3] and counters.graphs_split == 2
+
+
+def test_a_call_with_grad_enabled_goes_through_dynamo_and_no_grad_calls_still_skip_it():
+    model = Toy()
+    compiled = CompiledModel(model, _options())
+    calls = _count_dynamo_calls(compiled)
+    with torch.no_grad():
+        _call(compiled, 3)
+    out, args = _call(compiled, 3)
+    torch.testing.assert_close(out, model(*args))
+    with torch.no_grad():
+        _call(compiled, 2)
+    assert calls == [3, 3]
+
+
+@pytest.mark.parametrize(
+    "model_cls, reason",
+    [
+        (ReadsAGlobal, "is no argument, token count, parameter or buffer"),
+        (SetsAnAttribute, "side effects"),
+        (ReturnsADict, "returns more than the graph's outputs"),
+        (BranchesOnTokenCount, "holds only for some token counts"),
+        (ReadsAGlobalNumber, "cannot be checked without Dynamo"),
+    ],
+)
+@torch.no_grad()
+def test_a_call_that_is_more_than_its_graph_stays_on_dynamo_and_says_why(caplog, model_cls, reason):
+    model = model_cls()
+    compiled = CompiledModel(model, _options())
+    calls = _count_dynamo_calls(compiled)
+    with caplog.at_level(logging.INFO, logger="sgl_piecewise.compile"):
+        for n in (3, 3):
+            _call(compiled, n)
+    assert "graph not callable without Dynamo: " in caplog.text and reason in caplog.text
+    assert calls == [3, 3]
+
+
+@torch.no_grad()
+def test_token_inputs_of_another_dtype_are_widened_or_refused_by_the_registry():
+    """Inputs laid out as traced take the batched copy; others the registry's
+    checked fill (a call through Dynamo never hands over other dtypes, a
+    caller of the module itself may)."""
+    model = Toy()
+    compiled = CompiledModel(model, _options())
+    _call(compiled, 3)
+    (module,) = compiled.piecewise_modules
+    ids_at, positions_at = module.token_axis.tensor_inputs  # Toy's two token inputs
+    args = [None] * (max(ids_at, positions_at) + 1)
+    args[ids_at], args[positions_at] = torch.tensor([4, 5, 6], dtype=torch.int32), torch.ones(3)
+    padded = module._pad(args, 3, 4)
+    assert padded[ids_at].dtype == torch.int64 and padded[ids_at].tolist() == [4, 5, 6, 0]
+    assert padded[positions_at].tolist() == [1, 1, 1, 0]
+    args[ids_at] = args[ids_at].float()
+    with pytest.raises(InvalidInputError, match="casts safely"):
+        module._pad(args, 3, 4)

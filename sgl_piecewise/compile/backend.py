@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import pickle
 from dataclasses import replace
-from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.fx
 
 from sgl_piecewise.compile import artifacts, precompiled
 from sgl_piecewise.compile.counters import counters
-from sgl_piecewise.compile.direct_call import StaleGraphError, describe_inputs
+from sgl_piecewise.compile.direct_call import GraphInputs, StaleGraphError, describe_inputs
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
 from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StepState
@@ -142,6 +143,24 @@ def _single_output(loaded: Any) -> Any:
     return single
 
 
+def _pointer_getter(indices: Sequence[int]) -> Callable[[Sequence[Any]], Tuple[int, ...]]:
+    """``get(args)``: the data pointers of ``args[i]`` for ``i`` in ``indices``,
+    as a tuple; mapped in C (this runs every step, over every weight)."""
+    data_ptr = torch.Tensor.data_ptr
+    if len(indices) == 1:
+        (only,) = indices
+        return lambda args: (args[only].data_ptr(),)
+    pick = operator.itemgetter(*indices) if indices else (lambda args: ())
+    return lambda args: tuple(map(data_ptr, pick(args)))
+
+
+def _fits(x: Any, buf: torch.Tensor) -> bool:
+    """Does ``x`` copy into ``buf``'s first rows as it is (no cast, no broadcast)?"""
+    return (
+        isinstance(x, torch.Tensor) and x.dtype == buf.dtype and x.device == buf.device and x.shape[1:] == buf.shape[1:]
+    )
+
+
 def _tensor_spec(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.stride(), t.dtype, t.device
 
@@ -218,29 +237,49 @@ class PiecewiseModule:
         )
         # What the trace assumed of them: a new set is checked against it.
         self.static_specs = static_specs or tuple(_tensor_spec(example_inputs[i]) for i in self.static_inputs)
+        self._static_pointers = _pointer_getter(self.static_inputs)
         self.graph_sets: Dict[Tuple[int, ...], int] = {}
+        # Per token input: (argument index, its registry buffer); per padded
+        # size, the views the graphs read (sliced once, not per call).
+        self._token_buffers = (
+            [(i, self.registry.get_slot(f"input{i}").buffer) for i in self.token_axis.tensor_inputs]
+            if self.registry is not None
+            else []
+        )
+        self._padded_views: Dict[int, list] = {}
+        self._token_outputs = frozenset(self.token_axis.tensor_outputs)
         self.captured: Set[Tuple[int, int]] = set()  # (graph set, size)
         self.warmed_up = False
         if graphs and self.state.use_cuda:
             self.state.capture = shared_capture(device)
-        # Set by ``compile`` when the compile can be saved: (SavedCompile,
-        # artifacts); while it is, the last call's outputs are kept, so the
-        # caller can tell whether the traced call returned just them.
-        self.to_save: Optional[tuple] = None
+        # Set by ``compile`` when the call it traced is known: where each graph
+        # input comes from, so the module can be called without Dynamo
+        # (``direct_call.py``), or None; while ``keep_outputs``, the last
+        # call's outputs are kept, so the caller can tell whether the traced
+        # call returned just them. ``to_save``: (SavedCompile, artifacts)
+        # when the compile can be saved for a later process.
+        self.direct_inputs: Optional[GraphInputs] = None
+        self.keep_outputs = False
         self.last_outputs: Optional[Sequence[Any]] = None
+        self.to_save: Optional[tuple] = None
 
     @classmethod
     def compile(cls, gm: torch.fx.GraphModule, example_inputs: list, options: CompileOptions,
                 call: Optional[tuple] = None) -> "PiecewiseModule":  # fmt: skip
-        """Split and compile Dynamo's graph; with ``options.cache_dir`` and
-        ``call`` (the model and the call's arguments), keep what a later
-        process needs to start from it."""
+        """Split and compile Dynamo's graph; with ``call`` (the model and the
+        call's arguments), find where each graph input comes from, and with
+        ``options.cache_dir`` keep what a later process needs to start from it."""
         counters.graphs_split += 1
         to_out_variant(gm)
         token_axis = find_token_axis(gm, example_inputs)
         split_gm, pieces = split_graph(gm)
         module = cls(split_gm, pieces, token_axis, example_inputs, options)
-        saved = module._saved_compile(gm, example_inputs, call)
+        direct = module._direct_inputs(example_inputs, call)
+        if not isinstance(direct, str):
+            module.direct_inputs, module.keep_outputs = direct, True
+        elif call is not None:
+            logger.info("graph not callable without Dynamo: %s", direct)
+        saved = module._saved_compile(direct)
         device = _device(example_inputs)
         fake_mode, fake = _fake_inputs(example_inputs)
         keep = saved is not None
@@ -276,19 +315,30 @@ class PiecewiseModule:
             _install_piece(split_gm, piece, compiled, module.state)
         return module
 
-    def _saved_compile(self, gm: torch.fx.GraphModule, example_inputs: list, call: Optional[tuple]):
-        """A SavedCompile to fill in as the pieces compile, or None (logged
-        with the reason when a save was asked for)."""
-        if self.options.cache_dir is None or call is None:
-            return None
+    def _direct_inputs(self, example_inputs: list, call: Optional[tuple]) -> Union[GraphInputs, str]:
+        """Where each graph input comes from in ``call`` (the model and the
+        call's arguments), or why the graph cannot be called without Dynamo."""
+        if call is None:
+            return "the call that traced it is unknown"
         model, args = call
         inputs = describe_inputs(example_inputs, model, args, self.token_axis)  # or why not
-        sources = precompiled.traced_sources()  # or why not
         reasons = (
             self.registry is None and f"graphs are off ({self.graphs_reason or 'cudagraphs=False'})",
-            self.options.piece_compiler == "tensorrt" and "the tensorrt piece compiler makes no saveable artifacts",
             isinstance(inputs, str) and inputs,
             precompiled.side_effects(),
+        )
+        return next((r for r in reasons if r), inputs)
+
+    def _saved_compile(self, direct: Union[GraphInputs, str]):
+        """With ``options.cache_dir``, a SavedCompile to fill in as the pieces
+        compile, or None (logged with the reason). ``direct``: the graph's
+        inputs, or why it cannot be called without Dynamo."""
+        if self.options.cache_dir is None:
+            return None
+        sources = precompiled.traced_sources()  # or why not
+        reasons = (
+            isinstance(direct, str) and direct,
+            self.options.piece_compiler == "tensorrt" and "the tensorrt piece compiler makes no saveable artifacts",
             isinstance(sources, str) and sources,
         )
         reason = next((r for r in reasons if r), None)
@@ -302,7 +352,7 @@ class PiecewiseModule:
             graph=precompiled.pickled_split(self.split_gm, drop=artifacts),
             splitting=tuple(p.name for p in self.pieces if p.is_splitting_op),
             returns_tuple={p.name: _returns_tuple(p.graph) for p in compiled},
-            inputs=inputs, token_axis=self.token_axis, static_specs=self.static_specs,
+            inputs=direct, token_axis=self.token_axis, static_specs=self.static_specs,
             pieces={}, num_artifacts=0, sources=sources,
         )  # fmt: skip
 
@@ -332,7 +382,7 @@ class PiecewiseModule:
     # ---- run --------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
         out = self._forward(args)
-        if self.to_save is not None:
+        if self.keep_outputs:
             self.last_outputs = out
         return out
 
@@ -361,7 +411,7 @@ class PiecewiseModule:
     def _graph_set(self, args) -> int:
         """The set of graphs made for these static-input addresses (a
         pointer per weight, compared: no copy)."""
-        key = tuple([args[i].data_ptr() for i in self.static_inputs])
+        key = self._static_pointers(args)
         graph_set = self.graph_sets.get(key)
         if graph_set is None:
             self._check_static_inputs(args)
@@ -415,12 +465,24 @@ class PiecewiseModule:
         return counts.pop()
 
     def _pad(self, args, n: int, padded: int) -> list:
-        ctx = FillContext(raw_bs=0, padded_bs=0, raw_num_tokens=n, padded_num_tokens=padded)
-        self.registry.fill_from({f"input{i}": args[i] for i in self.token_axis.tensor_inputs}, ctx)
-        views = self.registry.extract(ctx)
+        """The call's arguments with each token input copied into its static
+        buffer, padded with zeros to ``padded`` rows. Inputs laid out as
+        traced take one batched copy (this runs every step); any other goes
+        through the registry's checked fill, which casts or names the
+        mismatch."""
         padded_args = list(args)
-        for i in self.token_axis.tensor_inputs:
-            padded_args[i] = views[f"input{i}"]
+        if not all(_fits(args[i], buf) for i, buf in self._token_buffers):
+            ctx = FillContext(raw_bs=0, padded_bs=0, raw_num_tokens=n, padded_num_tokens=padded)
+            self.registry.fill_from({f"input{i}": args[i] for i in self.token_axis.tensor_inputs}, ctx)
+        else:
+            torch._foreach_copy_([buf[:n] for _, buf in self._token_buffers], [args[i] for i, _ in self._token_buffers])
+            if padded > n:
+                torch._foreach_zero_([buf[n:padded] for _, buf in self._token_buffers])
+        views = self._padded_views.get(padded)
+        if views is None:
+            views = self._padded_views[padded] = [buf[:padded] for _, buf in self._token_buffers]
+        for (i, _), view in zip(self._token_buffers, views):
+            padded_args[i] = view
         for i in self.token_axis.symint_inputs:
             padded_args[i] = padded
         return padded_args
@@ -428,7 +490,7 @@ class PiecewiseModule:
     def _unpad(self, out: Any, n: int) -> Any:
         """Real rows only, copied: graph outputs live in the pool and the next
         replay overwrites them."""
-        token_outputs = set(self.token_axis.tensor_outputs)
+        token_outputs = self._token_outputs
         values = out if isinstance(out, (tuple, list)) else (out,)
         result = [
             (v[:n] if i in token_outputs else v).clone() if isinstance(v, torch.Tensor) else v

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import operator
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,13 +47,18 @@ class CompiledModel:
     more than ``MAX_TRACED_TOKENS`` (65536) tokens runs the model uncompiled,
     counted in ``counters.eager_fallbacks``.
 
-    With ``options.cache_dir`` and piecewise graphs, the first call looks for
-    a compile a former process saved for this model (``precompiled.py``):
-    found, every call runs it without Dynamo; else the first compile is saved
-    there. Without Dynamo, the call's tensors and the weights are checked per
-    call and per new set of weights, the model's other Python state once, at
-    the look-up: set a module attribute that ``forward`` reads, or register a
-    hook, after the first call and build a new ``CompiledModel``.
+    Once a call has compiled piecewise graphs, later calls run them without
+    Dynamo (``direct_call.py``) unless ``options.dynamo_guards``: the call's
+    tensors and the grad mode are checked per call, every new set of weights
+    against the trace, and the model's other Python state is read when it
+    compiles: set a module attribute that ``forward`` reads, or register a
+    hook, after the first call and build a new ``CompiledModel``. A compile
+    that is more than its graph (side effects, a global tensor, a branch on
+    the token count, a module-level constant) keeps Dynamo on every call.
+
+    With ``options.cache_dir`` as well, the first call looks for a compile a
+    former process saved for this model (``precompiled.py``): found, every
+    call runs it without Dynamo; else the first compile is saved there.
 
     The model must trace as one graph (``fullgraph=True``): a graph break
     raises ``UnsupportedModeError`` naming its cause and place.
@@ -68,9 +73,10 @@ class CompiledModel:
             model, backend=self.backend, fullgraph=True, options={"guard_filter_fn": self.token_guards}
         )
         self._marked = False
-        # A saved compile: looked up at the first call, then called directly.
-        self._looked_up = not (self.options.cache_dir and self.options.split_graph and self.options.cudagraphs)
-        self._direct: Optional[_DirectCall] = None
+        # Piecewise modules called without Dynamo: a saved one (looked up at
+        # the first call) and those compiled here.
+        self._looked_up = not (self.options.cache_dir and _direct_calls_on(self.options))
+        self._direct: List[_DirectCall] = []
         self._save_key: Optional[str] = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
@@ -80,24 +86,27 @@ class CompiledModel:
             return self.model(*args)
         if not self._looked_up:
             self._looked_up = True
-            self._direct, self._save_key = self._look_up(args)
-        if self._direct is not None and self._direct.inputs.accepts(args):
-            try:
-                return self._direct(self.model, args)
-            except StaleGraphError as exc:  # raised before the call ran anything
-                logger.warning("saved compile no longer matches the model (%s); tracing afresh", exc)
-                self._direct = None
+            direct, self._save_key = self._look_up(args)
+            self._direct += [direct] if direct is not None else []
+        for direct in self._direct:
+            if direct.inputs.accepts(args):
+                try:
+                    return direct(self.model, args)
+                except StaleGraphError as exc:  # raised before the call ran anything
+                    logger.warning("compiled graph no longer matches the model (%s); tracing afresh", exc)
+                    self._direct.remove(direct)
+                    break
+        compiled_before = len(self.backend.modules)
         result = self._traced(args)
-        if self._save_key is not None:
-            self._save(self._save_key, args, result)
-            self._save_key = None
+        if len(self.backend.modules) > compiled_before:
+            self._after_compile(self.backend.modules[-1], args, result)
         return result
 
     @property
     def piecewise_modules(self) -> list:
         """Every ``PiecewiseModule`` this model runs: those the backend
         compiled, and the one loaded from a saved compile."""
-        loaded = [self._direct.module] if self._direct is not None else []
+        loaded = [d.module for d in self._direct if d.module not in self.backend.modules]
         return [*self.backend.modules, *loaded]
 
     def _traced(self, args) -> Any:
@@ -105,7 +114,7 @@ class CompiledModel:
         if not self._marked:
             mark_token_axis_backed(*args)
             self._marked = True
-        self.backend.call = (self.model, args) if self._save_key is not None else None
+        self.backend.call = (self.model, args) if _direct_calls_on(self.options) else None
         try:
             with size_oblivious_tracing():
                 return self.compiled(*args)
@@ -139,42 +148,58 @@ class CompiledModel:
         counters.compiles_loaded += 1
         return direct, None
 
-    def _save(self, key: str, args, result: Any) -> None:
-        """Save the compile the first call made, if it can be replayed
-        without Dynamo (``precompiled.py`` says when not)."""
-        modules = self.backend.modules
-        if len(modules) != 1 or modules[0].to_save is None:
+    def _after_compile(self, module: PiecewiseModule, args, result: Any) -> None:
+        """The call that compiled ``module`` returned ``result``: from now on
+        call the module directly, and save it with ``cache_dir``, if it
+        replays without Dynamo (else say why)."""
+        outputs, module.last_outputs, module.keep_outputs = module.last_outputs or (), None, False
+        if module.direct_inputs is None:  # the backend said why
             return
-        saved, artifacts = modules[0].to_save
-        modules[0].to_save = None
-        outputs = modules[0].last_outputs or ()
-        modules[0].last_outputs = None
+        output, why_not = self._direct_output(args, result, outputs)
+        if why_not is not None:
+            logger.info("graph not callable without Dynamo: %s", why_not)
+            module.to_save = None
+            return
+        self._direct.append(_DirectCall(module, module.direct_inputs, make_gather(module.direct_inputs.inputs), output))
+        if self._save_key is not None and module.to_save is not None:
+            self._save(self._save_key, module, output)
+        self._save_key = None
+
+    def _direct_output(self, args, result: Any, outputs: Sequence[Any]) -> Tuple[Optional[str], Optional[str]]:
+        """(how the call returns the graph's outputs: "first" or "tuple", or
+        None; why the compile cannot be replayed without Dynamo, or None)."""
         if self.token_guards.kept_reason is not None:  # Dynamo would retrace other token counts
-            logger.info("compile not saved for a start without Dynamo: the graph holds only for some token "
-                        "counts (%s)", self.token_guards.kept_reason)  # fmt: skip
-            return
+            return None, f"the graph holds only for some token counts ({self.token_guards.kept_reason})"
         if self.token_guards.constants is None:
-            logger.info("compile not saved for a start without Dynamo: this torch reports no guard values")
-            return
-        constants = tuple(self.token_guards.constants)
-        unreadable = precompiled.changed_constant(constants, self.model, args)
+            return None, "this torch reports no guard values"
+        unreadable = precompiled.changed_constant(tuple(self.token_guards.constants), self.model, args)
         if unreadable is not None:
-            logger.info("compile not saved for a start without Dynamo: %s", unreadable)
-            return
-        saved.constants = constants
+            return None, unreadable
         if len(outputs) == 1 and result is outputs[0]:
-            saved.output = "first"
-        elif isinstance(result, tuple) and len(result) == len(outputs) and all(map(operator.is_, result, outputs)):
-            saved.output = "tuple"
-        else:
-            logger.info("compile not saved for a start without Dynamo: the call returns more than the graph's outputs")
+            return "first", None
+        if isinstance(result, tuple) and len(result) == len(outputs) and all(map(operator.is_, result, outputs)):
+            return "tuple", None
+        return None, "the call returns more than the graph's outputs"
+
+    def _save(self, key: str, module: PiecewiseModule, output: str) -> None:
+        """Save the compile for a start without Dynamo (``precompiled.py``)."""
+        saved, artifacts = module.to_save
+        module.to_save = None
+        if len(self.backend.modules) != 1:  # the key names the model, not one of its graphs
             return
+        saved.constants, saved.output = tuple(self.token_guards.constants), output
         try:
             precompiled.save(self.options.cache_dir, key, saved, artifacts)
         except Exception as exc:  # the step's result stands; a later process traces instead
             logger.warning("compile not saved to %s: %s", self.options.cache_dir, exc)
             return
         counters.compiles_saved += 1
+
+
+def _direct_calls_on(options: CompileOptions) -> bool:
+    """Can a call of a model compiled with ``options`` skip Dynamo? Only
+    piecewise graphs check each new set of weights against the trace."""
+    return options.split_graph and options.cudagraphs and not options.dynamo_guards
 
 
 class _DirectCall:

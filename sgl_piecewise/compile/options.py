@@ -9,6 +9,7 @@ refuses both at once), so both spellings are accepted:
 
 from __future__ import annotations
 
+import bisect
 import numbers
 import os
 from dataclasses import dataclass, fields
@@ -45,6 +46,15 @@ class CompileOptions:
         record (no graphs of the backend's own).
     cache_dir: where compile artifacts are saved for, and loaded by, later
         processes (``artifacts.py``); None: Inductor's own cache only.
+    dynamo_guards: every call of a ``CompiledModel`` goes through Dynamo and
+        its guards, so a change to the model's Python state after the first
+        call (an attribute ``forward`` reads, a hook) recompiles. False
+        (default): once a call has compiled piecewise graphs, later calls run
+        them directly, as a start from a saved compile does
+        (``compile/direct_call.py``): the call's tensors, the grad mode and
+        every new set of weights are checked, the rest of the model is read
+        when it compiles. Dynamo's guards cost 0.1-0.2 ms of host time per
+        step (``docs/BENCHMARKS.md``).
     """
 
     cudagraphs: bool = False
@@ -55,9 +65,10 @@ class CompileOptions:
     share_identical_pieces: bool = True
     split_graph: bool = True
     cache_dir: Optional[str] = None
+    dynamo_guards: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("cudagraphs", "debug_checks", "share_identical_pieces", "split_graph"):
+        for name in ("cudagraphs", "debug_checks", "share_identical_pieces", "split_graph", "dynamo_guards"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidInputError(f"{name}: expected True or False, got {value!r}")
@@ -83,10 +94,8 @@ class CompileOptions:
 
     def padded_size(self, num_tokens: int) -> Optional[int]:
         """Smallest capture size >= ``num_tokens``; None above the largest."""
-        for s in self.capture_sizes:
-            if s >= num_tokens:
-                return s
-        return None
+        i = bisect.bisect_left(self.capture_sizes, num_tokens)
+        return self.capture_sizes[i] if i < len(self.capture_sizes) else None
 
     @classmethod
     def from_compile_args(cls, mode: Optional[str], options: Optional[Mapping[str, Any]]) -> "CompileOptions":
