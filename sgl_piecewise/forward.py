@@ -237,6 +237,10 @@ class ForwardContext:
     # (runners/breakable.py): the attention ops hand each call to it instead
     # of attending. None on every other path, where the ops pay one check.
     breakable: Optional[Callable[..., None]] = None
+    # Set once a layer of this step attended through the backend's per-step
+    # plan (``AttentionBackend.layer_attend``): the attention between compiled
+    # pieces tries it first for every later layer.
+    layer_attend: Optional[Callable[..., bool]] = None
 
 
 _local = threading.local()

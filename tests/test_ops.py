@@ -220,3 +220,53 @@ def test_attention_between_pieces_checks_the_first_call_of_a_step_and_every_call
         attention_with_output_direct(q, k, v, out, 0)  # the step's first call
         with pytest.raises(InvalidInputError, match="output: expected shape"):
             attention_with_output_direct(q, k, v, torch.empty(1, HQ, D), 1)
+
+
+@pytest.mark.triton_cpu
+@pytest.mark.parametrize("mode, extend", [(ForwardMode.DECODE, [1, 1, 1]), (ForwardMode.EXTEND, [3, 1, 5])])
+def test_a_later_layer_takes_the_steps_plan_and_anything_else_the_full_path(mode, extend):
+    """Between compiled pieces, a step's later layers launch through the plan
+    its first layer built (``ForwardContext.layer_attend``), bit for bit the
+    full path's output and K/V; a new fill, another scale or an invalid layer
+    index launch nothing through it, and debug checks never take it."""
+    from sgl_piecewise.backends.triton_backend import TritonBackend
+    from sgl_piecewise.ops.attention import attention_with_output_direct
+
+    table = ReqToTokenPool(max_reqs=8, max_context_len=64)
+    pool = KVPool(num_slots=256, num_layers=3, num_kv_heads=HKV, head_dim=D)
+    backend = TritonBackend(table, pool, HQ)
+    batch = random_batch(mode, table, pool, [5, 9, 2], extend)
+    layers = [qkv(batch.num_tokens) for _ in range(3)]
+    full_path_calls, write_kv_and_attend = [], backend.write_kv_and_attend
+    backend.write_kv_and_attend = lambda *a: full_path_calls.append(a[4]) or write_kv_and_attend(*a)
+
+    def step(through_plan: bool) -> list:
+        backend.init_forward_metadata(batch)
+        outs = []
+        with forward_context(batch, backend) as ctx:
+            for layer, (q, k, v) in enumerate(layers):
+                if not through_plan:
+                    ctx.layer_attend = None
+                outs.append(torch.empty_like(q))
+                attention_with_output_direct(q, k, v, outs[-1], layer)
+                assert ctx.layer_attend is not None
+        return outs + [b.clone() for b in pool.k_buffers + pool.v_buffers]
+
+    full = step(through_plan=False)
+    planned = step(through_plan=True)
+    assert all(torch.equal(a, b) for a, b in zip(full, planned))
+    assert full_path_calls == [0, 1, 2, 0]  # the planned step: its first layer only
+
+    backend.init_forward_metadata(batch)
+    q, k, v = layers[1]
+    with forward_context(batch, backend) as ctx:
+        attention_with_output_direct(q, k, v, torch.empty_like(q), 0)
+        attend, untouched = ctx.layer_attend, pool.k_buffers[1].clone()
+        for layer_id, scale in ((1, 0.5), (3, None), (-1, None), (True, None)):
+            assert not attend(q, k, v, torch.empty_like(q), layer_id, scale)
+        backend.init_forward_metadata(batch)  # a new fill: the plan is gone
+        assert not attend(q, k, v, torch.empty_like(q), 1, None)
+        assert torch.equal(pool.k_buffers[1], untouched)
+    with forward_context(batch, backend, debug_checks=True) as ctx:
+        attention_with_output_direct(q, k, v, torch.empty_like(q), 0)
+        assert ctx.layer_attend is None

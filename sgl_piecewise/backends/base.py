@@ -21,7 +21,7 @@ instead of getting a silent wrong answer.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Dict, FrozenSet, Optional
+from typing import Callable, Dict, FrozenSet, Optional
 
 import torch
 
@@ -174,6 +174,15 @@ class AttentionBackend(ABC):
         none for this step; the op then writes the K/V itself and calls
         :meth:`forward` on the real rows."""
         return False
+
+    def layer_attend(self) -> Optional[Callable[..., bool]]:
+        """After ``write_kv_and_attend`` returned True: a callable that attends
+        a later layer of the same step, ``attend(q, k, v, out, layer_id,
+        scale) -> bool``, checking only what can differ between layers and
+        returning False (nothing launched) for anything else, or None. The
+        attention between compiled pieces calls it first, so that per layer
+        only the K/V write and the kernel launch remain."""
+        return None
 
     @abstractmethod
     def forward_decode(self, q, k, v, out, layer_id, batch, scale) -> None: ...

@@ -12,6 +12,7 @@ replay. Importing this module imports ``triton``.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -219,6 +220,11 @@ class TritonBackend(StaticGraphBackend):
         meta.step_plan = (key, out_cache_loc, plan)
         return True
 
+    def layer_attend(self) -> Optional["_LayerAttend"]:
+        meta = self.forward_metadata
+        entry = meta.step_plan if meta is not None else None
+        return None if entry is None else _LayerAttend(self, meta, entry)
+
     def forward_decode(self, q, k, v, out, layer_id, batch, scale) -> None:
         meta = self._current_metadata(q, batch)
         self._decode(q, self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id], out, meta, scale)
@@ -255,3 +261,31 @@ class TritonBackend(StaticGraphBackend):
             custom_mask=meta.custom_mask,
             mask_indptr=meta.mask_indptr,
         )
+
+
+class _LayerAttend:
+    """A later layer of the step whose plan a first layer built: the step's
+    mode, token count, slots and metadata are the plan's as long as the
+    backend still holds that metadata and that plan (every fill clears it);
+    what is left to compare is the scale, the layer index and, in the plan's
+    launch, the layer's tensors. Anything else returns False and takes the
+    full path."""
+
+    __slots__ = ("backend", "meta", "entry", "plan", "scale", "default_scale", "k_buffers", "v_buffers")
+
+    def __init__(self, backend: TritonBackend, meta: TritonMetadata, entry: tuple):
+        key, _, self.plan = entry
+        self.backend, self.meta, self.entry = backend, meta, entry
+        self.scale = key[2]
+        self.k_buffers, self.v_buffers = backend.kv_pool.k_buffers, backend.kv_pool.v_buffers
+        # The scale a call of None stands for: the plan's layers share q's head size.
+        self.default_scale = 1.0 / math.sqrt(self.k_buffers[0].shape[-1])
+
+    def __call__(self, q, k, v, out, layer_id, scale) -> bool:
+        if self.backend.forward_metadata is not self.meta or self.meta.step_plan is not self.entry:
+            return False
+        if (self.default_scale if scale is None else scale) != self.scale:
+            return False
+        if type(layer_id) is not int or not 0 <= layer_id < len(self.k_buffers):
+            return False
+        return self.plan.launch(q, self.k_buffers[layer_id], self.v_buffers[layer_id], out, k, v)

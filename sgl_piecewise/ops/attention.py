@@ -64,6 +64,8 @@ def _attention_into(
         _check_against_pool(q, k, v, pool, n)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if backend.write_kv_and_attend(q, k, v, out, layer_id, batch, scale, n, ctx.out_cache_loc):
+        if not ctx.debug_checks:
+            ctx.layer_attend = backend.layer_attend()
         return
     # Slices and the zeroing only where the rows are padded (a launch each,
     # per layer per step, that an unpadded step does not need).
@@ -133,8 +135,13 @@ def attention_with_output_direct(q, k, v, output, layer_id: int, scale: Optional
     layer per step. The fake implementation checked the shapes while
     tracing; here the arguments are checked at the step's first layer (every
     layer shares those shapes) and at every layer under ``debug_checks``.
+    A later layer goes straight to the backend's per-step launch where it
+    has one (``ForwardContext.layer_attend``).
     """
     ctx = get_forward_context()
+    attend = ctx.layer_attend
+    if attend is not None and attend(q, k, v, output, layer_id, scale):
+        return
     if not ctx.args_checked or ctx.debug_checks:
         _check_shapes(q, k, v)
         _check_output(q, v, output)
