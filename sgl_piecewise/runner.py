@@ -254,10 +254,16 @@ class ModelRunner:
         uniform block: the rows after it only fill the width (upstream SGLang
         PR 25002 selects the same rows).
         """
+        lens, spec = batch.extend_seq_lens_cpu, batch.spec_info
+        uniform = lens and lens[0] > 0 and lens.count(lens[0]) == len(lens) and lens[0] * len(lens) == hidden.shape[0]
+        if uniform and not (batch.forward_mode.is_draft_extend_v2() and spec is not None):
+            # Every request has as many new rows (a decode step: one): its last
+            # rows are a strided view, with no index computed or gathered on
+            # the device (four kernel launches a step otherwise).
+            return self.model.compute_logits(hidden[lens[0] - 1 :: lens[0]])
         # Requests are laid out back to back.
         new = batch.extend_seq_lens.to(torch.int64)
         ends = torch.cumsum(new, dim=0)  # [bs]
-        spec = batch.spec_info
         if batch.forward_mode.is_draft_extend_v2() and spec is not None and spec.accept_lengths is not None:
             last = ends - new + spec.accept_lengths.to(ends) - 1
         else:

@@ -279,3 +279,24 @@ def test_a_request_that_does_not_fit_the_budget_gets_the_pool_error(model):
 def test_bad_kv_budgets_are_refused_with_the_reason(model, kwargs, match):
     with pytest.raises(InvalidInputError, match=match):
         _runner(model, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "mode, extend, rows",
+    [
+        ("DECODE", [1, 1, 1], [0, 1, 2]),
+        ("TARGET_VERIFY", [3, 3, 3], [2, 5, 8]),  # uniform blocks: a strided view
+        ("EXTEND", [2, 4, 1], [1, 5, 6]),  # ragged: gathered on the device
+    ],
+)
+def test_last_token_logits_score_each_requests_last_new_row(model, mode, extend, rows):
+    from sgl_piecewise import ForwardMode, SpecInfo
+    from sgl_piecewise.testing import random_batch
+
+    runner = _runner(model)
+    spec = SpecInfo(num_tokens_per_req=3) if mode == "TARGET_VERIFY" else None
+    batch = random_batch(ForwardMode[mode], runner.req_to_token_pool, runner.kv_pool, [7, 1, 12], extend,
+                         vocab_size=VOCAB, spec_info=spec)  # fmt: skip
+    hidden = torch.randn(sum(extend), CONFIG.hidden_size)
+    want = runner.model.compute_logits(hidden[rows])
+    torch.testing.assert_close(runner.last_token_logits(hidden, batch), want, rtol=0, atol=1e-6)
