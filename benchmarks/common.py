@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, List
 
 import torch
 
@@ -65,10 +65,8 @@ SHAPES: Dict[str, dict] = {
 QWEN_05B = SHAPES["0.5b"]
 
 
-def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
-    """Median time of ``fn`` in ms: CUDA events on a GPU, wall time otherwise."""
-    for _ in range(warmup):
-        fn()
+def step_times_ms(fn: Callable[[], object], iters: int) -> List[float]:
+    """``iters`` timings of ``fn`` in ms: CUDA events on a GPU, wall time otherwise."""
     times = []
     cuda = torch.cuda.is_available()
     for _ in range(iters):
@@ -83,28 +81,58 @@ def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> flo
             start = time.perf_counter()
             fn()
             times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
+    return times
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
+    """Median time of ``fn`` in ms: CUDA events on a GPU, wall time otherwise."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(step_times_ms(fn, iters))
 
 
 cuda_median_ms = median_ms
 
 
-def time_paths(paths: Dict[str, Callable[[], Callable]]) -> dict:
+def time_paths(paths: Dict[str, Callable[[], Callable]], rounds: int = 6, iters: int = 5) -> dict:
     """Median ms of each path (a factory of its step), and its max |logit
-    difference| to the first path; a failing path records its error."""
-    result, ref = {}, None
-    for name, make in paths.items():
-        try:
-            run = make()
-            with torch.no_grad():
+    difference| to the first path; a failing path records its error.
+
+    The paths' steps are timed in ``rounds`` interleaved rounds of ``iters``
+    each, not one path after the other: the host's load drifts over seconds,
+    and interleaved, a drift falls on every path alike, so their ratios hold.
+    """
+    result, runs, ref = {}, {}, None
+
+    def failed(name: str, e: Exception) -> None:
+        result[name] = None
+        result[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(f"[{name}] failed: {result[name + '_error']}", file=sys.stderr)
+
+    with torch.no_grad():
+        for name, make in paths.items():
+            try:  # one path failing must not hide the rest
+                run = make()
                 logits = run()
-                result[name] = median_ms(run)
+                for _ in range(5):
+                    run()
+            except Exception as e:
+                failed(name, e)
+                continue
+            result[name] = None  # filled below; keeps the paths' order
             result[name + "_maxdiff"] = 0.0 if ref is None else float((logits - ref).abs().max())
             ref = logits if ref is None else ref
-        except Exception as e:  # one path failing must not hide the rest
-            result[name] = None
-            result[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            print(f"[{name}] failed: {result[name + '_error']}", file=sys.stderr)
+            runs[name] = run
+        samples: Dict[str, List[float]] = {name: [] for name in runs}
+        for _ in range(rounds):
+            for name in list(runs):
+                try:
+                    samples[name] += step_times_ms(runs[name], iters)
+                except Exception as e:
+                    failed(name, e)
+                    del runs[name], samples[name]
+        for name, times in samples.items():
+            result[name] = statistics.median(times)
     return result
 
 

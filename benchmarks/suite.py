@@ -21,10 +21,12 @@ backend (``--backend``) and measures, in this order:
 * decode at ``--decode-bs`` with ``--context`` tokens per request and
   extend of ``--extend`` tokens (one request, no prefix), each path a whole
   step (metadata, model, LM head on each request's last token), median of
-  CUDA-event timings: ``eager``, ``hf_eager`` (``transformers``, same shape),
+  CUDA-event timings taken in interleaved rounds (``common.time_paths``):
+  ``eager``, ``hf_eager`` (``transformers``, same shape, timed on its own),
   ``reduce_overhead`` (``torch.compile(mode="reduce-overhead")`` of our
   model: it replays the captured batch's attention metadata, a timing
-  reference only; measured last, each shape in a fresh Dynamo state),
+  reference only; compiled for each row in a fresh Dynamo state, which the
+  other paths, called without Dynamo after their capture, do not need),
   ``piecewise``, ``whole_model``, ``whole_model_pieces``, and the ``floor``
   (docs/BENCHMARKS.md defines it);
 * where the time goes: CUDA kernels per layer in one whole-model replay
@@ -148,12 +150,21 @@ def hf_decode_ms(hf, args, bs: int) -> float:
         return median_ms(step, 3, 20)
 
 
-def step_paths(runner, batch, piecewise, whole: dict) -> Dict[str, Callable]:
-    """Factories of one whole step of ``batch`` through each path."""
+def step_paths(runner, batch, piecewise, whole: dict, reduce_overhead: bool) -> Dict[str, Callable]:
+    """Factories of one whole step of ``batch`` through each path; with
+    ``reduce_overhead``, the model compiled so for this batch, from a fresh
+    Dynamo state (``torch._dynamo.reset`` also drops torch's CUDA-graph
+    trees: their graphs record attention with the recording step's metadata
+    and slots, which another batch's steps must never replay)."""
     model = runner.model
     paths = {"eager": lambda: step_fn(runner, model, batch), "piecewise": lambda: step_fn(runner, piecewise, batch)}
     for name, graphs in whole.items():
         paths[name] = lambda g=graphs: graph_step_fn(runner, g, batch)
+    if reduce_overhead:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        # Every step's metadata kept alive: see step_fn.
+        paths["reduce_overhead"] = partial(step_fn, runner, compiled, batch, keep_metadata=True)
     return paths
 
 
@@ -171,7 +182,7 @@ def decode_rows(args, model, runner, piecewise, whole, ceilings, hf) -> dict:
     read_bytes, _ = weight_bytes(model)
     for bs in args.decode_bs:
         batch = step_batch(args, runner, "decode", bs)
-        row = time_paths(step_paths(runner, batch, piecewise, whole))
+        row = time_paths(step_paths(runner, batch, piecewise, whole, not args.skip_reduce_overhead))
         if hf is not None:
             row["hf_eager"] = hf_decode_ms(hf, args, bs)
         if ceilings:
@@ -193,38 +204,14 @@ def extend_rows(args, model, runner, piecewise, ceilings) -> dict:
     read_bytes, nonemb = weight_bytes(model)
     for n in args.extend:
         batch = step_batch(args, runner, "extend", n)
-        row = time_paths(step_paths(runner, batch, piecewise, {}))
+        timed_ro = not args.skip_reduce_overhead and n in args.reduce_overhead_extend
+        row = time_paths(step_paths(runner, batch, piecewise, {}, timed_ro))
         if ceilings:
             row["floor"] = extend_floor_ms(read_bytes, nonemb, n, ceilings["copy_rate_Bps"], ceilings["matmul_flops"])
         rows[n] = row
         print("extend", n, json.dumps(row), flush=True)
         free_batch(runner, batch)
     return rows
-
-
-def reduce_overhead_rows(args, model, runner, rows: dict) -> None:
-    """Adds ``reduce_overhead`` (and its max |logit difference| to eager) to
-    each decode and extend row.
-
-    Measured last, each shape from a fresh Dynamo state (``torch._dynamo.reset``
-    also drops torch's CUDA-graph trees): its graphs record attention with
-    the recording step's metadata and slots, which a later step's graphs must
-    never replay after those tensors are gone. The reset leaves the other
-    paths' compiled code to be compiled again, so they are all timed before.
-    """
-    shapes = [("decode", bs) for bs in args.decode_bs]
-    shapes += [("extend", n) for n in args.extend if n in args.reduce_overhead_extend]
-    for kind, size in shapes:
-        torch._dynamo.reset()
-        batch = step_batch(args, runner, kind, size)
-        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
-        paths = {"eager": partial(step_fn, runner, model, batch),
-                 "reduce_overhead": partial(step_fn, runner, compiled, batch, keep_metadata=True)}  # fmt: skip
-        timed = time_paths(paths)
-        rows[kind][size].update({k: v for k, v in timed.items() if k.startswith("reduce_overhead")})
-        print(kind, size, "reduce_overhead", json.dumps(rows[kind][size].get("reduce_overhead")), flush=True)
-        free_batch(runner, batch)
-    torch._dynamo.reset()
 
 
 def run(args) -> None:
@@ -249,8 +236,7 @@ def run(args) -> None:
     hf = None if args.skip_hf else hf_model(args)
     info["decode"] = decode_rows(args, model, runner, piecewise.compiled, whole, ceilings, hf)
     info["extend"] = extend_rows(args, model, runner, piecewise.compiled, ceilings)
-    if not args.skip_reduce_overhead:
-        reduce_overhead_rows(args, model, runner, info)
+    torch._dynamo.reset()  # reduce-overhead's last graphs
     info["counters"] = counters.as_dict()
     json.dump(info, open(os.path.join(args.out, f"suite_{args.shape}.json"), "w"), indent=1)
 

@@ -1,0 +1,151 @@
+"""Where the host time of one piecewise step goes (a script, not a test).
+
+The 0.5b shape of the suite, bf16, ``triton`` attention, context 1024: the
+piecewise graphs of the default sizes are captured, then whole steps
+(metadata, model, LM head) of decode at batch 1 and 32 and of a 16-token
+extend are run with a ``perf_counter`` timer around each component. Each
+line is a component's host time per step (summed over its calls), its calls
+per step and its time per call, averaged over 40 steps; the components nest
+(``CompiledModel`` holds the module call, which holds the pieces and the
+attention between them). The timers add about 0.3 µs per call. For scale,
+the first lines give the step's host time untimed, and a whole-model graph
+step's.
+
+    python benchmarks/profile_step_host.py --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import statistics
+import time
+import types
+
+import suite
+import torch
+from common import free_batch, graph_step_fn, step_fn  # noqa: E402 (benchmarks/ is the script's folder)
+
+from sgl_piecewise.backends.triton_kernels import decode as decode_kernels
+from sgl_piecewise.compile import backend as compile_backend
+from sgl_piecewise.compile import compiled_model, piece_graphs
+from sgl_piecewise.runner import ModelRunner
+
+
+def host_us(run, reps: int = 60) -> float:
+    """Median host time of ``run`` (synchronised after each, not timed)."""
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        times.append(1e6 * (time.perf_counter() - start))
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def timed(components: dict, totals: collections.Counter, calls: collections.Counter):
+    """Replace each ``(owner, attribute) -> label`` by a timed wrapper
+    (``owner`` a class, or an instance's ``__dict__``)."""
+
+    def put(owner, name, value):
+        if isinstance(owner, dict):
+            owner[name] = value
+        else:
+            setattr(owner, name, value)
+
+    saved = []
+    for (owner, name), label in components.items():
+        fn = owner[name] if isinstance(owner, dict) else getattr(owner, name)
+        saved.append((owner, name, fn))
+
+        def wrapper(*args, _fn=fn, _label=label, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                totals[_label] += time.perf_counter_ns() - start
+                calls[_label] += 1
+
+        put(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        for owner, name, fn in reversed(saved):
+            put(owner, name, fn)
+
+
+def profile(run, module, backend) -> list:
+    totals, calls = collections.Counter(), collections.Counter()
+    components = {
+        (compiled_model.CompiledModel, "__call__"): "CompiledModel call",
+        (compile_backend.PiecewiseModule, "__call__"): "  module call",
+        (compile_backend.PiecewiseModule, "_pad"): "    pad token inputs",
+        (compile_backend.PiecewiseModule, "_graph_set"): "    weight addresses",
+        (compile_backend.PiecewiseModule, "_unpad"): "    copy out real rows",
+        (piece_graphs.PieceGraphs, "__call__"): "    piece replay",
+        (torch.cuda.CUDAGraph, "replay"): "      CUDAGraph.replay",
+        (decode_kernels.DecodePlan, "launch"): "      decode plan launch",
+        (type(backend), "init_forward_metadata"): "attention metadata",
+        (ModelRunner, "last_token_logits"): "LM head",
+    }
+    for piece in module.pieces:  # the split module calls them as instance attributes
+        if piece.is_splitting_op:
+            components[(vars(module.split_gm), piece.name)] = "    attention between pieces"
+    reps = 40
+    with timed(components, totals, calls):
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+        totals.clear()
+        calls.clear()
+        start = time.perf_counter_ns()
+        for _ in range(reps):
+            run()
+            torch.cuda.synchronize()
+        step = (time.perf_counter_ns() - start) / reps / 1e3
+    rows = [("step, timed (host and device)", step, 1.0, step)]
+    for label in dict.fromkeys(components.values()):
+        if calls[label]:
+            rows.append((label, totals[label] / reps / 1e3, calls[label] / reps, totals[label] / calls[label] / 1e3))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="folder for profile_step_host.json")
+    cli = p.parse_args()
+    args = types.SimpleNamespace(shape="0.5b", device="cuda", backend="triton", context=1024,
+                                 decode_bs=[1, 32], extend=[16])  # fmt: skip
+    model, runner = suite.build(args)
+    piecewise, _ = suite.start_up(runner)
+    whole, _ = suite.whole_model_runners(runner, max(args.decode_bs))
+    (module,) = piecewise.compiled.piecewise_modules
+    results = {}
+    with torch.no_grad():
+        for kind, size in [("decode", 1), ("decode", 32), ("extend", 16)]:
+            batch = suite.step_batch(args, runner, kind, size)
+            run = step_fn(runner, piecewise.compiled, batch)
+            print(f"\n{kind} {size}: piecewise step host {host_us(run):.0f} us untimed", end="")
+            if kind == "decode":
+                print(f", whole-model graph step {host_us(graph_step_fn(runner, whole['whole_model'], batch)):.0f} us")
+            print(f"\n  {'component':34s} {'us/step':>8s} {'calls':>6s} {'us/call':>8s}")
+            rows = profile(run, module, runner.backend)
+            for label, per_step, n, per_call in rows:
+                print(f"  {label:34s} {per_step:8.1f} {n:6.1f} {per_call:8.2f}")
+            results[f"{kind}_{size}"] = rows
+            free_batch(runner, batch)
+    if cli.out:
+        os.makedirs(cli.out, exist_ok=True)
+        with open(os.path.join(cli.out, "profile_step_host.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
