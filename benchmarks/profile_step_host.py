@@ -50,9 +50,9 @@ def host_us(run, reps: int = 60) -> float:
 
 
 @contextlib.contextmanager
-def timed(components: dict, totals: collections.Counter, calls: collections.Counter):
-    """Replace each ``(owner, attribute) -> label`` by a timed wrapper
-    (``owner`` a class, or an instance's ``__dict__``)."""
+def timed(components: list, totals: collections.Counter, calls: collections.Counter):
+    """Replace each ``(owner, attribute, label)``'s attribute by a timed
+    wrapper (``owner`` a class, or an instance's ``__dict__``)."""
 
     def put(owner, name, value):
         if isinstance(owner, dict):
@@ -61,7 +61,7 @@ def timed(components: dict, totals: collections.Counter, calls: collections.Coun
             setattr(owner, name, value)
 
     saved = []
-    for (owner, name), label in components.items():
+    for owner, name, label in components:
         fn = owner[name] if isinstance(owner, dict) else getattr(owner, name)
         saved.append((owner, name, fn))
 
@@ -83,21 +83,21 @@ def timed(components: dict, totals: collections.Counter, calls: collections.Coun
 
 def profile(run, module, backend) -> list:
     totals, calls = collections.Counter(), collections.Counter()
-    components = {
-        (compiled_model.CompiledModel, "__call__"): "CompiledModel call",
-        (compile_backend.PiecewiseModule, "__call__"): "  module call",
-        (compile_backend.PiecewiseModule, "_pad"): "    pad token inputs",
-        (compile_backend.PiecewiseModule, "_graph_set"): "    weight addresses",
-        (compile_backend.PiecewiseModule, "_unpad"): "    copy out real rows",
-        (piece_graphs.PieceGraphs, "__call__"): "    piece replay",
-        (torch.cuda.CUDAGraph, "replay"): "      CUDAGraph.replay",
-        (decode_kernels.DecodePlan, "launch"): "      decode plan launch",
-        (type(backend), "init_forward_metadata"): "attention metadata",
-        (ModelRunner, "last_token_logits"): "LM head",
-    }
+    components = [
+        (compiled_model.CompiledModel, "__call__", "CompiledModel call"),
+        (compile_backend.PiecewiseModule, "__call__", "  module call"),
+        (compile_backend.PiecewiseModule, "_pad", "    pad token inputs"),
+        (compile_backend.PiecewiseModule, "_graph_set", "    weight addresses"),
+        (compile_backend.PiecewiseModule, "_unpad", "    copy out real rows"),
+        (piece_graphs.PieceGraphs, "__call__", "    piece replay"),
+        (torch.cuda.CUDAGraph, "replay", "      CUDAGraph.replay"),
+        (decode_kernels.DecodePlan, "launch", "      decode plan launch"),
+        (type(backend), "init_forward_metadata", "attention metadata"),
+        (ModelRunner, "last_token_logits", "LM head"),
+    ]
     for piece in module.pieces:  # the split module calls them as instance attributes
         if piece.is_splitting_op:
-            components[(vars(module.split_gm), piece.name)] = "    attention between pieces"
+            components.append((vars(module.split_gm), piece.name, "    attention between pieces"))
     reps = 40
     with timed(components, totals, calls):
         for _ in range(5):
@@ -111,7 +111,7 @@ def profile(run, module, backend) -> list:
             torch.cuda.synchronize()
         step = (time.perf_counter_ns() - start) / reps / 1e3
     rows = [("step, timed (host and device)", step, 1.0, step)]
-    for label in dict.fromkeys(components.values()):
+    for label in dict.fromkeys(label for _, _, label in components):
         if calls[label]:
             rows.append((label, totals[label] / reps / 1e3, calls[label] / reps, totals[label] / calls[label] / 1e3))
     return rows
