@@ -100,10 +100,15 @@ def _source(slot: GraphSlot, batch: Any) -> Any:
 
 
 def _check_source(slot: GraphSlot, src: object, raw: int) -> None:
+    buf = slot.buffer
+    # The usual source is accepted without building a message: this runs per slot per replay.
+    if type(src) is torch.Tensor and src.dtype == buf.dtype and src.device == buf.device:
+        want = buf.shape if slot.axis == "none" else (raw, *buf.shape[1:])
+        if src.shape == want:
+            return
     where = f"slot {slot.name!r}: source"
     if not isinstance(src, torch.Tensor):
         raise InvalidTypeError(f"{where}: expected a torch.Tensor, got {type(src).__name__}")
-    buf = slot.buffer
     if not same_device(src.device, buf.device):
         raise InvalidInputError(
             f"{where}: expected device {buf.device}, got {src.device}; move the batch to the graph's device first"
