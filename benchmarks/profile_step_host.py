@@ -8,8 +8,9 @@ line is a component's host time per step (summed over its calls), its calls
 per step and its time per call, averaged over 40 steps; the components nest
 (``CompiledModel`` holds the module call, which holds the pieces and the
 attention between them). The timers add about 0.3 µs per call. For scale,
-the first lines give the step's host time untimed, and a whole-model graph
-step's.
+the first lines give the step's host time untimed, the same step called
+through Dynamo (as ``CompileOptions(dynamo_guards=True)`` calls it), and a
+whole-model graph step's.
 
     python benchmarks/profile_step_host.py --out results/
 """
@@ -24,15 +25,25 @@ import os
 import statistics
 import time
 import types
+from functools import partial
 
 import suite
 import torch
 from common import free_batch, graph_step_fn, step_fn  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.backends.triton_kernels import decode as decode_kernels
+from sgl_piecewise.compile import CompiledModel, compiled_model, piece_graphs
 from sgl_piecewise.compile import backend as compile_backend
-from sgl_piecewise.compile import compiled_model, piece_graphs
+from sgl_piecewise.compile.token_guards import size_oblivious_tracing
 from sgl_piecewise.runner import ModelRunner
+
+
+def dynamo_call(compiled: CompiledModel, input_ids, positions):
+    """The call ``CompileOptions(dynamo_guards=True)`` makes every step:
+    through Dynamo, whose guards pass and which calls the same compiled
+    module."""
+    with size_oblivious_tracing():
+        return compiled.compiled(input_ids, positions)
 
 
 def host_us(run, reps: int = 60) -> float:
@@ -83,6 +94,10 @@ def timed(components: list, totals: collections.Counter, calls: collections.Coun
 
 def profile(run, module, backend) -> list:
     totals, calls = collections.Counter(), collections.Counter()
+    # In nesting order: the attention pieces, called by the split module as
+    # instance attributes, hold the decode plan's launches.
+    attention = [(vars(module.split_gm), p.name, "    attention between pieces") for p in module.pieces
+                 if p.is_splitting_op]  # fmt: skip
     components = [
         (compiled_model.CompiledModel, "__call__", "CompiledModel call"),
         (compile_backend.PiecewiseModule, "__call__", "  module call"),
@@ -91,13 +106,11 @@ def profile(run, module, backend) -> list:
         (compile_backend.PiecewiseModule, "_unpad", "    copy out real rows"),
         (piece_graphs.PieceGraphs, "__call__", "    piece replay"),
         (torch.cuda.CUDAGraph, "replay", "      CUDAGraph.replay"),
+        *attention,
         (decode_kernels.DecodePlan, "launch", "      decode plan launch"),
         (type(backend), "init_forward_metadata", "attention metadata"),
         (ModelRunner, "last_token_logits", "LM head"),
     ]
-    for piece in module.pieces:  # the split module calls them as instance attributes
-        if piece.is_splitting_op:
-            components.append((vars(module.split_gm), piece.name, "    attention between pieces"))
     reps = 40
     with timed(components, totals, calls):
         for _ in range(5):
@@ -132,14 +145,16 @@ def main() -> None:
         for kind, size in [("decode", 1), ("decode", 32), ("extend", 16)]:
             batch = suite.step_batch(args, runner, kind, size)
             run = step_fn(runner, piecewise.compiled, batch)
-            print(f"\n{kind} {size}: piecewise step host {host_us(run):.0f} us untimed", end="")
+            through_dynamo = step_fn(runner, partial(dynamo_call, piecewise.compiled), batch)
+            host = {"piecewise": host_us(run), "piecewise_through_dynamo": host_us(through_dynamo)}
             if kind == "decode":
-                print(f", whole-model graph step {host_us(graph_step_fn(runner, whole['whole_model'], batch)):.0f} us")
+                host["whole_model"] = host_us(graph_step_fn(runner, whole["whole_model"], batch))
+            print(f"\n{kind} {size}: step host time untimed, us: " + ", ".join(f"{k} {v:.0f}" for k, v in host.items()))
             print(f"\n  {'component':34s} {'us/step':>8s} {'calls':>6s} {'us/call':>8s}")
             rows = profile(run, module, runner.backend)
             for label, per_step, n, per_call in rows:
                 print(f"  {label:34s} {per_step:8.1f} {n:6.1f} {per_call:8.2f}")
-            results[f"{kind}_{size}"] = rows
+            results[f"{kind}_{size}"] = {"host_us": host, "components": rows}
             free_batch(runner, batch)
     if cli.out:
         os.makedirs(cli.out, exist_ok=True)
