@@ -84,6 +84,21 @@ def step_times_ms(fn: Callable[[], object], iters: int) -> List[float]:
     return times
 
 
+def host_ms(run: Callable[[], object], reps: int = 30) -> float:
+    """Median host time of one ``run`` in ms: the time to enqueue it, the
+    device synchronised after each call, outside the timing."""
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        times.append(1e3 * (time.perf_counter() - start))
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
     """Median time of ``fn`` in ms: CUDA events on a GPU, wall time otherwise."""
     for _ in range(warmup):

@@ -22,14 +22,13 @@ import collections
 import contextlib
 import json
 import os
-import statistics
 import time
 import types
 from functools import partial
 
 import suite
 import torch
-from common import free_batch, graph_step_fn, step_fn  # noqa: E402 (benchmarks/ is the script's folder)
+from common import free_batch, graph_step_fn, host_ms, step_fn  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.backends.triton_kernels import decode as decode_kernels
 from sgl_piecewise.compile import CompiledModel, compiled_model, piece_graphs
@@ -44,20 +43,6 @@ def dynamo_call(compiled: CompiledModel, input_ids, positions):
     module."""
     with size_oblivious_tracing():
         return compiled.compiled(input_ids, positions)
-
-
-def host_us(run, reps: int = 60) -> float:
-    """Median host time of ``run`` (synchronised after each, not timed)."""
-    for _ in range(5):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(1e6 * (time.perf_counter() - start))
-        torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 @contextlib.contextmanager
@@ -146,9 +131,9 @@ def main() -> None:
             batch = suite.step_batch(args, runner, kind, size)
             run = step_fn(runner, piecewise.compiled, batch)
             through_dynamo = step_fn(runner, partial(dynamo_call, piecewise.compiled), batch)
-            host = {"piecewise": host_us(run), "piecewise_through_dynamo": host_us(through_dynamo)}
+            host = {"piecewise": 1e3 * host_ms(run), "piecewise_through_dynamo": 1e3 * host_ms(through_dynamo)}
             if kind == "decode":
-                host["whole_model"] = host_us(graph_step_fn(runner, whole["whole_model"], batch))
+                host["whole_model"] = 1e3 * host_ms(graph_step_fn(runner, whole["whole_model"], batch))
             print(f"\n{kind} {size}: step host time untimed, us: " + ", ".join(f"{k} {v:.0f}" for k, v in host.items()))
             print(f"\n  {'component':34s} {'us/step':>8s} {'calls':>6s} {'us/call':>8s}")
             rows = profile(run, module, runner.backend)

@@ -12,13 +12,11 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
-import statistics
-import time
 import types
 
 import suite
 import torch
-from common import free_batch, graph_step_fn, median_ms, step_fn  # noqa: E402 (benchmarks/ is the script's folder)
+from common import free_batch, graph_step_fn, host_ms, median_ms, step_fn  # noqa: E402 (benchmarks/ is the script's folder)
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -45,16 +43,7 @@ def kernel_table(fn, reps: int = 10, top: int = 25) -> None:
 
 def host_and_wall_ms(run, reps: int = 30) -> tuple:
     """(median host time to enqueue one ``run``, median CUDA-event wall time)."""
-    for _ in range(5):
-        run()
-    torch.cuda.synchronize()
-    hosts = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        hosts.append(1e3 * (time.perf_counter() - start))
-        torch.cuda.synchronize()
-    return statistics.median(hosts), median_ms(run)
+    return host_ms(run, reps), median_ms(run)
 
 
 def cprofile(run, reps: int = 30, top: int = 30) -> None:

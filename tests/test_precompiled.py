@@ -215,16 +215,17 @@ class ReturnsADict(Toy):
         return {"hidden": super().forward(ids, positions)}
 
 
-@pytest.mark.parametrize(
-    "model_cls, reason",
-    [
-        (ReadsAGlobal, "is no argument, token count, parameter or buffer"),
-        (SetsAnAttribute, "side effects"),
-        (ReturnsADict, "returns more than the graph's outputs"),
-        (BranchesOnTokenCount, "holds only for some token counts"),
-        (ReadsAGlobalNumber, "cannot be checked without Dynamo"),
-    ],
-)
+# Calls that are more than their graph, and the reason each one logs.
+MORE_THAN_ITS_GRAPH = [
+    (ReadsAGlobal, "is no argument, token count, parameter or buffer"),
+    (SetsAnAttribute, "side effects"),
+    (ReturnsADict, "returns more than the graph's outputs"),
+    (BranchesOnTokenCount, "holds only for some token counts"),
+    (ReadsAGlobalNumber, "cannot be checked without Dynamo"),
+]
+
+
+@pytest.mark.parametrize("model_cls, reason", MORE_THAN_ITS_GRAPH)
 @torch.no_grad()
 def test_a_call_that_is_more_than_its_graph_saves_nothing_and_says_why(tmp_path, caplog, model_cls, reason):
     model = model_cls()
@@ -368,16 +369,7 @@ def test_a_call_with_grad_enabled_goes_through_dynamo_and_no_grad_calls_still_sk
     assert calls == [3, 3]
 
 
-@pytest.mark.parametrize(
-    "model_cls, reason",
-    [
-        (ReadsAGlobal, "is no argument, token count, parameter or buffer"),
-        (SetsAnAttribute, "side effects"),
-        (ReturnsADict, "returns more than the graph's outputs"),
-        (BranchesOnTokenCount, "holds only for some token counts"),
-        (ReadsAGlobalNumber, "cannot be checked without Dynamo"),
-    ],
-)
+@pytest.mark.parametrize("model_cls, reason", MORE_THAN_ITS_GRAPH)
 @torch.no_grad()
 def test_a_call_that_is_more_than_its_graph_stays_on_dynamo_and_says_why(caplog, model_cls, reason):
     model = model_cls()
