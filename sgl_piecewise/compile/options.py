@@ -53,7 +53,7 @@ class CompileOptions:
         them directly, as a start from a saved compile does
         (``compile/direct_call.py``): the call's tensors, the grad mode and
         every new set of weights are checked, the rest of the model is read
-        when it compiles. Dynamo's guards cost 0.2-0.3 ms of host time per
+        when it compiles. Dynamo's guards cost 0.1-0.3 ms of host time per
         step (``docs/BENCHMARKS.md``).
     """
 
