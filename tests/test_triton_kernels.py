@@ -565,6 +565,38 @@ def test_extend_plan_writes_the_pool_attends_and_zeroes_padded_rows_like_the_unf
     assert torch.isnan(short_out).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_plan_with_the_kv_write_fused_equals_the_unfused_path(dtype):
+    """``fuse_kv_write`` on an unpadded plain extend: one launch per layer,
+    whose kernel writes the new K/V and reads the new keys from ``new_k`` /
+    ``new_v``; bit for bit the store-then-attend path, pool included, on a
+    second layer too. Padded rows or a tree mask keep the two launches."""
+    q_lens, kv_lens, hq, hkv, d = [5, 1, 12], [5, 30, 40], 8, 2, 32
+    t = sum(q_lens)
+    layers = [make_batch(q_lens, kv_lens, hq, hkv, d, dtype) for _ in range(2)]
+    layers[1].kv_indices, layers[1].q = layers[0].kv_indices, layers[0].q  # one request table
+    q, plan = layers[0].q, None
+    for b in layers:
+        loc, new_k, new_v, want_k, want_v = _extend_with_new_kv(b, t)
+        unfused_k, unfused_v = b.k_cache.clone(), b.v_cache.clone()
+        want = torch.full((t, hq, d), float("nan"), dtype=dtype)
+        store = ExtendPlan(q, unfused_k, unfused_v, want, b.qo_indptr, b.kv_indptr, b.kv_indices, 12, 0.2,
+                           new_k=new_k, new_v=new_v, out_cache_loc=loc, num_rows=t)  # fmt: skip
+        assert store._store is not None and store.launch(q, unfused_k, unfused_v, want, new_k, new_v)
+        out = torch.full((t, hq, d), float("nan"), dtype=dtype)
+        if plan is None:
+            plan = ExtendPlan(q, b.k_cache, b.v_cache, out, b.qo_indptr, b.kv_indptr, b.kv_indices, 12, 0.2,
+                              new_k=new_k, new_v=new_v, out_cache_loc=loc, num_rows=t, fuse_kv_write=True)  # fmt: skip
+        assert plan._store is None and plan.launch(q, b.k_cache, b.v_cache, out, new_k, new_v)
+        assert torch.equal(b.k_cache, want_k) and torch.equal(b.v_cache, want_v)
+        assert torch.equal(out, want)
+    b, two_more = layers[0], lambda x: torch.cat([x, x[:2]])  # two padded rows
+    padded = ExtendPlan(two_more(q), b.k_cache, b.v_cache, two_more(out), b.qo_indptr, b.kv_indptr, b.kv_indices,
+                        12, 0.2, new_k=two_more(new_k), new_v=two_more(new_v), out_cache_loc=loc, num_rows=t,
+                        fuse_kv_write=True)  # fmt: skip
+    assert padded._store is not None
+
+
 def test_extend_plan_keeps_no_layer_tensor_alive():
     """A plan outlives its first layer; the layer's q, K/V and output must not
     (inside a graph pool, a tensor kept alive breaks the recording)."""

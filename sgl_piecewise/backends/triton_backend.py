@@ -214,8 +214,11 @@ class TritonBackend(StaticGraphBackend):
         if mode.is_decode():
             plan = self._decode(q, kc, vc, out, meta, scale, **new_kv)
         else:
+            # A plain extend's new tokens are each request's last keys, in
+            # order: the attention kernel can write them itself (one launch).
             plan = ExtendPlan(q, kc, vc, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.max_q_len, scale,
-                              meta.custom_mask, meta.mask_indptr, **new_kv)  # fmt: skip
+                              meta.custom_mask, meta.mask_indptr, **new_kv,
+                              fuse_kv_write=mode == ForwardMode.EXTEND)  # fmt: skip
             plan.launch(q, kc, vc, out, k, v)
         meta.step_plan = (key, out_cache_loc, plan)
         return True

@@ -93,6 +93,9 @@ def _extend_kernel(
     kv_indices_ptr,
     mask_ptr,
     mask_indptr_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    loc_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -102,6 +105,10 @@ def _extend_kernel(
     stride_vh,
     stride_ot,
     stride_oh,
+    stride_nkt,
+    stride_nkh,
+    stride_nvt,
+    stride_nvh,
     GROUP: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
@@ -112,8 +119,13 @@ def _extend_kernel(
     USE_MASK: tl.constexpr,
     F32X3: tl.constexpr,
     UPCAST: tl.constexpr,
+    NEW_KV: tl.constexpr,
 ):
     # Grid: (bs, num_kv_heads, cdiv(max_q_len * GROUP, BLOCK_M)).
+    # NEW_KV: the request's new keys and values come from ``new_k``/``new_v``
+    # (rows ``q_start + i``), not the pool, and this program writes them into
+    # the pool at ``loc``: the rows whose token starts in this block, so each
+    # token's K/V is written once, and no program reads a pool row written here.
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     row0 = tl.program_id(2) * BLOCK_M
@@ -151,6 +163,17 @@ def _extend_kernel(
         last_tok = (tl.minimum(row0 + BLOCK_M, q_len * GROUP) - 1) // GROUP
         key_end = tl.minimum(kv_len, prefix + last_tok + 1)
 
+    if NEW_KV:
+        first = mask_m & (rows % GROUP == 0)
+        new_rows = (q_start + tok).to(tl.int64)
+        slot = tl.load(loc_ptr + new_rows, mask=first, other=0).to(tl.int64)
+        new_k = load_rows(new_k_ptr + kv_head * stride_nkh, new_rows, stride_nkt, offs_d, first, mask_d)
+        tl.store(k_ptr + kv_head * stride_kh + slot[:, None] * stride_kt + offs_d[None, :], new_k,
+                 mask=first[:, None] & mask_d[None, :])  # fmt: skip
+        new_v = load_rows(new_v_ptr + kv_head * stride_nvh, new_rows, stride_nvt, offs_dv, first, mask_dv)
+        tl.store(v_ptr + kv_head * stride_vh + slot[:, None] * stride_vt + offs_dv[None, :], new_v,
+                 mask=first[:, None] & mask_dv[None, :])  # fmt: skip
+
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -161,7 +184,18 @@ def _extend_kernel(
         mask_n = keys < key_end
         # int64: slot * row stride can pass 2**31 in a large pool.
         slots = tl.load(kv_indices_ptr + kv_start + keys, mask=mask_n, other=0).to(tl.int64)
-        k = load_rows(k_base, slots, stride_kt, offs_d, mask_n, mask_d)
+        if NEW_KV:
+            is_new = keys >= prefix
+            new_keys = (q_start + keys - prefix).to(tl.int64)
+            from_pool = mask_n & ~is_new
+            from_new = mask_n & is_new
+            k = tl.where(
+                is_new[:, None],
+                load_rows(new_k_ptr + kv_head * stride_nkh, new_keys, stride_nkt, offs_d, from_new, mask_d),
+                load_rows(k_base, slots, stride_kt, offs_d, from_pool, mask_d),
+            )
+        else:
+            k = load_rows(k_base, slots, stride_kt, offs_d, mask_n, mask_d)
         # Logits in the exp2 domain (qk_scale = sm_scale * log2(e)).
         if USE_MASK:
             visible = (
@@ -182,7 +216,14 @@ def _extend_kernel(
             visible = keys[None, :] <= (prefix + tok)[:, None]
             s = tl.where(visible & mask_n[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-        v = load_rows(v_base, slots, stride_vt, offs_dv, mask_n, mask_dv)
+        if NEW_KV:
+            v = tl.where(
+                is_new[:, None],
+                load_rows(new_v_ptr + kv_head * stride_nvh, new_keys, stride_nvt, offs_dv, from_new, mask_dv),
+                load_rows(v_base, slots, stride_vt, offs_dv, from_pool, mask_dv),
+            )
+        else:
+            v = load_rows(v_base, slots, stride_vt, offs_dv, mask_n, mask_dv)
         acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, F32X3, UPCAST)
 
     # l_i == 0: no key carried weight, so zeros, not 0/0. Not `l_i > 0`: a NaN
@@ -210,6 +251,7 @@ def extend_kernel_meta(
     dtype: torch.dtype,
     max_q_len: int,
     use_mask: bool,
+    new_kv: bool = False,
 ) -> dict:
     """Compile-time arguments (constexprs, num_warps, num_stages) of the
     kernel; one place, shared by the launcher and the sm_90 compile test.
@@ -239,6 +281,7 @@ def extend_kernel_meta(
         USE_MASK=use_mask,
         F32X3=dtype == torch.float32,
         UPCAST=_INTERPRETED and dtype == torch.bfloat16,
+        NEW_KV=new_kv,
         num_warps=4 if padded <= 64 or block_m < 64 else 8,
         num_stages=EXTEND_NUM_STAGES,
     )
@@ -301,26 +344,34 @@ def extend_attention(
 
 
 def _extend_launch(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len, sm_scale,
-                   custom_mask, mask_indptr) -> Optional[StepLaunch]:  # fmt: skip
+                   custom_mask, mask_indptr, new_kv: Optional[tuple] = None) -> Optional[StepLaunch]:  # fmt: skip
     """The kernel's grid, arguments and constexprs for these (checked)
-    tensors; None when there is nothing to compute."""
+    tensors; None when there is nothing to compute. ``new_kv``: (new_k,
+    new_v, out_cache_loc) for the kernel to write the new tokens' K/V itself
+    (``NEW_KV``); they are then layer tensors too."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, dv = k_cache.shape[1], v_cache.shape[2]
     bs = qo_indptr.shape[0] - 1
     if bs <= 0 or max_q_len <= 0 or q.shape[0] == 0:
         return None
-    meta = extend_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, max_q_len, custom_mask is not None)
+    meta = extend_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, max_q_len, custom_mask is not None,
+                              new_kv is not None)  # fmt: skip
     grid = (bs, num_kv_heads, triton.cdiv(max_q_len * meta["GROUP"], meta["BLOCK_M"]))
+    # Unused pointers (no mask, no new K/V) get a tensor of the step, never a
+    # layer's (a plan outlives its first layer): any will do.
+    new_k, new_v, loc = new_kv if new_kv is not None else (kv_indptr, kv_indptr, kv_indptr)
+    new_strides = (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1)) if new_kv else (0, 0, 0, 0)
     args = (
         q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices,
-        # Unused pointers when there is no mask: any tensor will do.
         kv_indptr if custom_mask is None else custom_mask,
         kv_indptr if mask_indptr is None else mask_indptr,
+        new_k, new_v, loc,
         sm_scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), *new_strides,
     )  # fmt: skip
-    return StepLaunch(_launch_extend, grid, args, meta, layer_positions=(0, 1, 2, 3))
+    layer_positions = (0, 1, 2, 3, 9, 10) if new_kv is not None else (0, 1, 2, 3)
+    return StepLaunch(_launch_extend, grid, args, meta, layer_positions=layer_positions)
 
 
 class ExtendPlan:
@@ -329,7 +380,11 @@ class ExtendPlan:
     the attention, with the checks, grids, constexprs and metadata fixed at
     the first layer. :meth:`launch` takes one layer's tensors, compares
     their shapes, strides and dtypes with the first layer's, and launches
-    both kernels (``StepLaunch``).
+    both kernels (``StepLaunch``). With ``fuse_kv_write`` and no padded rows,
+    one launch: the attention kernel writes the K/V itself and reads the new
+    keys from ``new_k``/``new_v`` (``NEW_KV``), which needs each request's
+    new tokens to be its last ``q_len`` keys, in order (plain extend steps:
+    the caller says so).
 
     Args as :func:`extend_attention`, plus ``new_k, new_v [rows, Hkv, D|Dv]``,
     the new tokens' K/V, ``out_cache_loc [>= num_rows]`` int64, their slots,
@@ -338,7 +393,8 @@ class ExtendPlan:
     """
 
     def __init__(self, q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len, sm_scale,
-                 custom_mask=None, mask_indptr=None, *, new_k, new_v, out_cache_loc, num_rows):  # fmt: skip
+                 custom_mask=None, mask_indptr=None, *, new_k, new_v, out_cache_loc, num_rows,
+                 fuse_kv_write: bool = False):  # fmt: skip
         _check_extend_args(q, k_cache, v_cache, out, custom_mask, mask_indptr)
         rows = q.shape[0]
         num_rows = check_num_rows("extend_attention", rows, num_rows)
@@ -347,11 +403,15 @@ class ExtendPlan:
         check_new_kv("extend_attention", rows, num_rows, k_cache, v_cache, new_k, new_v, out_cache_loc)
         check_last_dim_contiguous("extend_attention", new_k=new_k, new_v=new_v)
         self._layout = layer_layout(q, k_cache, v_cache, out, new_k, new_v)
-        meta = store_kv_meta(k_cache.shape[1], q.shape[1], k_cache.shape[2], v_cache.shape[2])
-        args = store_kv_args(new_k, new_v, k_cache, v_cache, out_cache_loc, out, num_rows)
-        self._store = StepLaunch(launch_store_kv, (rows,), args, meta, layer_positions=(0, 1, 2, 3, 5))
+        self._fused = fuse_kv_write and custom_mask is None and num_rows == rows
+        self._store = None
+        if not self._fused and rows:
+            meta = store_kv_meta(k_cache.shape[1], q.shape[1], k_cache.shape[2], v_cache.shape[2])
+            args = store_kv_args(new_k, new_v, k_cache, v_cache, out_cache_loc, out, num_rows)
+            self._store = StepLaunch(launch_store_kv, (rows,), args, meta, layer_positions=(0, 1, 2, 3, 5))
+        new_kv = (new_k, new_v, out_cache_loc) if self._fused else None
         self._attend = _extend_launch(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len,
-                                      sm_scale, custom_mask, mask_indptr) if num_rows else None  # fmt: skip
+                                      sm_scale, custom_mask, mask_indptr, new_kv) if num_rows else None  # fmt: skip
 
     def launch(self, q, k_cache, v_cache, out, new_k, new_v) -> bool:
         """One layer: its K/V written, then its attention. Returns False,
@@ -359,8 +419,11 @@ class ExtendPlan:
         layer's (build a plan for them)."""
         if layer_layout(q, k_cache, v_cache, out, new_k, new_v) != self._layout:
             return False
-        if self._store.grid[0]:
+        if self._store is not None:
             self._store.launch(new_k, new_v, k_cache, v_cache, out)
         if self._attend is not None:
-            self._attend.launch(q, k_cache, v_cache, out)
+            if self._fused:
+                self._attend.launch(q, k_cache, v_cache, out, new_k, new_v)
+            else:
+                self._attend.launch(q, k_cache, v_cache, out)
         return True
