@@ -83,6 +83,22 @@ def _mm_acc(a, b, acc, F32X3: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _key_rows(pool_base, slots, pool_stride, new_base, new_rows, new_stride, is_new, offs, mask_n, mask_cols,
+              NEW_KV: tl.constexpr):  # fmt: skip
+    """A tile of keys (or values): pool rows ``slots``; with ``NEW_KV`` the
+    new ones (``is_new``) from the op's rows ``new_rows`` instead."""
+    if NEW_KV:
+        rows = tl.where(
+            is_new[:, None],
+            load_rows(new_base, new_rows, new_stride, offs, mask_n & is_new, mask_cols),
+            load_rows(pool_base, slots, pool_stride, offs, mask_n & ~is_new, mask_cols),
+        )
+    else:
+        rows = load_rows(pool_base, slots, pool_stride, offs, mask_n, mask_cols)
+    return rows
+
+
+@triton.jit
 def _extend_kernel(
     q_ptr,
     k_ptr,
@@ -179,23 +195,17 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
+    new_k_base = new_k_ptr + kv_head * stride_nkh
+    new_v_base = new_v_ptr + kv_head * stride_nvh
     for n0 in range(0, key_end, BLOCK_N):
         keys = n0 + offs_n
         mask_n = keys < key_end
         # int64: slot * row stride can pass 2**31 in a large pool.
         slots = tl.load(kv_indices_ptr + kv_start + keys, mask=mask_n, other=0).to(tl.int64)
-        if NEW_KV:
-            is_new = keys >= prefix
-            new_keys = (q_start + keys - prefix).to(tl.int64)
-            from_pool = mask_n & ~is_new
-            from_new = mask_n & is_new
-            k = tl.where(
-                is_new[:, None],
-                load_rows(new_k_ptr + kv_head * stride_nkh, new_keys, stride_nkt, offs_d, from_new, mask_d),
-                load_rows(k_base, slots, stride_kt, offs_d, from_pool, mask_d),
-            )
-        else:
-            k = load_rows(k_base, slots, stride_kt, offs_d, mask_n, mask_d)
+        is_new = keys >= prefix  # with NEW_KV: rows q_start + key - prefix of new_k/new_v
+        new_keys = (q_start + keys - prefix).to(tl.int64)
+        k = _key_rows(k_base, slots, stride_kt, new_k_base, new_keys, stride_nkt, is_new, offs_d, mask_n, mask_d,
+                      NEW_KV)  # fmt: skip
         # Logits in the exp2 domain (qk_scale = sm_scale * log2(e)).
         if USE_MASK:
             visible = (
@@ -216,14 +226,8 @@ def _extend_kernel(
             visible = keys[None, :] <= (prefix + tok)[:, None]
             s = tl.where(visible & mask_n[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-        if NEW_KV:
-            v = tl.where(
-                is_new[:, None],
-                load_rows(new_v_ptr + kv_head * stride_nvh, new_keys, stride_nvt, offs_dv, from_new, mask_dv),
-                load_rows(v_base, slots, stride_vt, offs_dv, from_pool, mask_dv),
-            )
-        else:
-            v = load_rows(v_base, slots, stride_vt, offs_dv, mask_n, mask_dv)
+        v = _key_rows(v_base, slots, stride_vt, new_v_base, new_keys, stride_nvt, is_new, offs_dv, mask_n, mask_dv,
+                      NEW_KV)  # fmt: skip
         acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, F32X3, UPCAST)
 
     # l_i == 0: no key carried weight, so zeros, not 0/0. Not `l_i > 0`: a NaN
