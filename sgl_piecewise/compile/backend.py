@@ -38,7 +38,12 @@ from sgl_piecewise.compile.split import bypass_dispatcher, split_graph, split_it
 from sgl_piecewise.compile.token_axis import TokenAxis, find_token_axis
 from sgl_piecewise.compile.token_guards import TokenShapeGuards
 from sgl_piecewise.errors import InvalidInputError
-from sgl_piecewise.runners.buffer_registry import CudaGraphBufferRegistry, FillContext, PaddingPolicy
+from sgl_piecewise.runners.buffer_registry import (
+    CudaGraphBufferRegistry,
+    FillContext,
+    PaddingPolicy,
+    copies_as_is,
+)
 from sgl_piecewise.runners.capture import frozen_gc, shared_capture
 
 logger = logging.getLogger("sgl_piecewise.compile")
@@ -152,13 +157,6 @@ def _pointer_getter(indices: Sequence[int]) -> Callable[[Sequence[Any]], Tuple[i
         return lambda args: (args[only].data_ptr(),)
     pick = operator.itemgetter(*indices) if indices else (lambda args: ())
     return lambda args: tuple(map(data_ptr, pick(args)))
-
-
-def _fits(x: Any, buf: torch.Tensor) -> bool:
-    """Does ``x`` copy into ``buf``'s first rows as it is (no cast, no broadcast)?"""
-    return (
-        isinstance(x, torch.Tensor) and x.dtype == buf.dtype and x.device == buf.device and x.shape[1:] == buf.shape[1:]
-    )
 
 
 def _tensor_spec(t: torch.Tensor) -> tuple:
@@ -471,7 +469,7 @@ class PiecewiseModule:
         through the registry's checked fill, which casts or names the
         mismatch."""
         padded_args = list(args)
-        if not all(_fits(args[i], buf) for i, buf in self._token_buffers):
+        if not all(copies_as_is(args[i], buf, n) for i, buf in self._token_buffers):
             ctx = FillContext(raw_bs=0, padded_bs=0, raw_num_tokens=n, padded_num_tokens=padded)
             self.registry.fill_from({f"input{i}": args[i] for i in self.token_axis.tensor_inputs}, ctx)
         else:

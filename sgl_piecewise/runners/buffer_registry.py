@@ -99,13 +99,20 @@ def _source(slot: GraphSlot, batch: Any) -> Any:
     return getattr(batch, slot.name, None)
 
 
+def copies_as_is(src: object, buf: torch.Tensor, rows: Optional[int]) -> bool:
+    """Does ``src`` copy into ``buf`` as it is: a tensor of its dtype and
+    device, shaped like its first ``rows`` rows (None: like all of it), so
+    no cast and no broadcast? The usual source, checked without building a
+    message: this runs per input per replay."""
+    if type(src) is not torch.Tensor or src.dtype != buf.dtype or src.device != buf.device:
+        return False
+    return src.shape == (buf.shape if rows is None else (rows, *buf.shape[1:]))
+
+
 def _check_source(slot: GraphSlot, src: object, raw: int) -> None:
     buf = slot.buffer
-    # The usual source is accepted without building a message: this runs per slot per replay.
-    if type(src) is torch.Tensor and src.dtype == buf.dtype and src.device == buf.device:
-        want = buf.shape if slot.axis == "none" else (raw, *buf.shape[1:])
-        if src.shape == want:
-            return
+    if copies_as_is(src, buf, None if slot.axis == "none" else raw):
+        return
     where = f"slot {slot.name!r}: source"
     if not isinstance(src, torch.Tensor):
         raise InvalidTypeError(f"{where}: expected a torch.Tensor, got {type(src).__name__}")
