@@ -1,6 +1,8 @@
 """The attention custom ops: registration, fake implementations, KV writes,
 padding, and one test per bad-input error."""
 
+import math
+
 import pytest
 import torch
 
@@ -262,10 +264,12 @@ def test_a_later_layer_takes_the_steps_plan_and_anything_else_the_full_path(mode
     with forward_context(batch, backend) as ctx:
         attention_with_output_direct(q, k, v, torch.empty_like(q), 0)
         attend, untouched = ctx.layer_attend, pool.k_buffers[1].clone()
-        for layer_id, scale in ((1, 0.5), (3, None), (-1, None), (True, None)):
-            assert not attend(q, k, v, torch.empty_like(q), layer_id, scale)
+        scale = 1.0 / math.sqrt(D)  # the op's scale for None, as it hands it over
+        assert attend(q, k, v, torch.empty_like(q), 2, scale)  # what the refusals below differ from
+        for layer_id, other_scale in ((1, 0.5), (3, scale), (-1, scale), (True, scale)):
+            assert not attend(q, k, v, torch.empty_like(q), layer_id, other_scale)
         backend.init_forward_metadata(batch)  # a new fill: the plan is gone
-        assert not attend(q, k, v, torch.empty_like(q), 1, None)
+        assert not attend(q, k, v, torch.empty_like(q), 1, scale)
         assert torch.equal(pool.k_buffers[1], untouched)
     with forward_context(batch, backend, debug_checks=True) as ctx:
         attention_with_output_direct(q, k, v, torch.empty_like(q), 0)

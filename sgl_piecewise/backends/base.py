@@ -178,7 +178,7 @@ class AttentionBackend(ABC):
     def layer_attend(self) -> Optional[Callable[..., bool]]:
         """After ``write_kv_and_attend`` returned True: a callable that attends
         a later layer of the same step, ``attend(q, k, v, out, layer_id,
-        scale) -> bool``, checking only what can differ between layers and
+        scale) -> bool`` (``scale`` resolved, never None), checking only what can differ between layers and
         returning False (nothing launched) for anything else, or None. The
         attention between compiled pieces calls it first, so that per layer
         only the K/V write and the kernel launch remain."""

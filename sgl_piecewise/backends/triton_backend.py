@@ -12,7 +12,6 @@ replay. Importing this module imports ``triton``.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -274,20 +273,18 @@ class _LayerAttend:
     launch, the layer's tensors. Anything else returns False and takes the
     full path."""
 
-    __slots__ = ("backend", "meta", "entry", "plan", "scale", "default_scale", "k_buffers", "v_buffers")
+    __slots__ = ("backend", "meta", "entry", "plan", "scale", "k_buffers", "v_buffers")
 
     def __init__(self, backend: TritonBackend, meta: TritonMetadata, entry: tuple):
         key, _, self.plan = entry
         self.backend, self.meta, self.entry = backend, meta, entry
         self.scale = key[2]
         self.k_buffers, self.v_buffers = backend.kv_pool.k_buffers, backend.kv_pool.v_buffers
-        # The scale a call of None stands for: the plan's layers share q's head size.
-        self.default_scale = 1.0 / math.sqrt(self.k_buffers[0].shape[-1])
 
-    def __call__(self, q, k, v, out, layer_id, scale) -> bool:
+    def __call__(self, q, k, v, out, layer_id, scale: float) -> bool:
         if self.backend.forward_metadata is not self.meta or self.meta.step_plan is not self.entry:
             return False
-        if (self.default_scale if scale is None else scale) != self.scale:
+        if scale != self.scale:
             return False
         if type(layer_id) is not int or not 0 <= layer_id < len(self.k_buffers):
             return False

@@ -62,7 +62,7 @@ def _attention_into(
     n = ctx.num_tokens
     if not ctx.args_checked or ctx.debug_checks:
         _check_against_pool(q, k, v, pool, n)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = _resolved_scale(q, scale)
     if backend.write_kv_and_attend(q, k, v, out, layer_id, batch, scale, n, ctx.out_cache_loc):
         if not ctx.debug_checks:
             ctx.layer_attend = backend.layer_attend()
@@ -78,6 +78,11 @@ def _attention_into(
         backend.forward(q, k, v, o, layer_id, batch, scale)
     if padded:
         out[n:].zero_()
+
+
+def _resolved_scale(q: torch.Tensor, scale: Optional[float]) -> float:
+    """The logit scale a call means: ``scale``, or 1/sqrt(head size) for None."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
 def _check_against_pool(q, k, v, pool, num_tokens: int) -> None:
@@ -140,7 +145,7 @@ def attention_with_output_direct(q, k, v, output, layer_id: int, scale: Optional
     """
     ctx = get_forward_context()
     attend = ctx.layer_attend
-    if attend is not None and attend(q, k, v, output, layer_id, scale):
+    if attend is not None and attend(q, k, v, output, layer_id, _resolved_scale(q, scale)):
         return
     if not ctx.args_checked or ctx.debug_checks:
         _check_shapes(q, k, v)
