@@ -383,17 +383,22 @@ def test_a_call_that_is_more_than_its_graph_stays_on_dynamo_and_says_why(caplog,
 
 
 @torch.no_grad()
-def test_token_inputs_of_another_dtype_are_widened_or_refused_by_the_registry():
-    """Inputs laid out as traced take the batched copy; others the registry's
-    checked fill (a call through Dynamo never hands over other dtypes, a
-    caller of the module itself may)."""
+def test_token_inputs_are_padded_with_zeros_and_other_dtypes_widened_or_refused():
+    """Inputs laid out as traced take the batched copy, their padded rows
+    zeroed; others the registry's checked fill (a call through Dynamo never
+    hands over other dtypes, a caller of the module itself may)."""
     model = Toy()
     compiled = CompiledModel(model, _options())
     _call(compiled, 3)
     (module,) = compiled.piecewise_modules
     ids_at, positions_at = module.token_axis.tensor_inputs  # Toy's two token inputs
     args = [None] * (max(ids_at, positions_at) + 1)
-    args[ids_at], args[positions_at] = torch.tensor([4, 5, 6], dtype=torch.int32), torch.ones(3)
+    args[ids_at], args[positions_at] = torch.tensor([7, 8, 9, 10]), torch.full((4,), 2.0)
+    module._pad(args, 4, 4)  # every row real: the padded row below held 10 and 2.0
+    args[ids_at], args[positions_at] = torch.tensor([4, 5, 6]), torch.ones(3)
+    padded = module._pad(args, 3, 4)
+    assert padded[ids_at].tolist() == [4, 5, 6, 0] and padded[positions_at].tolist() == [1, 1, 1, 0]
+    args[ids_at] = torch.tensor([4, 5, 6], dtype=torch.int32)
     padded = module._pad(args, 3, 4)
     assert padded[ids_at].dtype == torch.int64 and padded[ids_at].tolist() == [4, 5, 6, 0]
     assert padded[positions_at].tolist() == [1, 1, 1, 0]

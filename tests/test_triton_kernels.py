@@ -597,6 +597,28 @@ def test_extend_plan_with_the_kv_write_fused_equals_the_unfused_path(dtype):
     assert padded._store is not None
 
 
+def test_extend_plan_with_the_kv_write_fused_reads_no_new_key_from_the_pool():
+    """The fused kernel takes every new key and value from ``new_k`` /
+    ``new_v``, so no program reads a pool row another is writing: here the
+    index entries of the new tokens name a NaN row, and nothing of it shows."""
+    q_lens, kv_lens, hq, hkv, d = [3, 6], [7, 6], 4, 2, 16
+    t = sum(q_lens)
+    b = make_batch(q_lens, kv_lens, hq, hkv, d, torch.float32)
+    loc, new_k, new_v, want_k, want_v = _extend_with_new_kv(b, t)
+    want = torch.empty(t, hq, d)
+    extend_attention(b.q, want_k.clone(), want_v.clone(), want, b.qo_indptr, b.kv_indptr, b.kv_indices, 6, 0.25)
+    b.k_cache[0], b.v_cache[0] = float("nan"), float("nan")  # row 0: in no request's extent
+    indices = b.kv_indices.clone()
+    for end, q in zip(b.kv_indptr[1:].tolist(), q_lens):
+        indices[end - q : end] = 0
+    out = torch.full((t, hq, d), float("nan"))
+    plan = ExtendPlan(b.q, b.k_cache, b.v_cache, out, b.qo_indptr, b.kv_indptr, indices, 6, 0.25,
+                      new_k=new_k, new_v=new_v, out_cache_loc=loc, num_rows=t, fuse_kv_write=True)  # fmt: skip
+    assert plan.launch(b.q, b.k_cache, b.v_cache, out, new_k, new_v)
+    assert torch.equal(out, want)
+    assert torch.equal(b.k_cache[1:], want_k[1:]) and torch.equal(b.v_cache[1:], want_v[1:])
+
+
 def test_extend_plan_keeps_no_layer_tensor_alive():
     """A plan outlives its first layer; the layer's q, K/V and output must not
     (inside a graph pool, a tensor kept alive breaks the recording)."""
