@@ -30,8 +30,6 @@ from sgl_piecewise.backends.base import BackendUnavailableError
 from sgl_piecewise.backends.metadata import (
     LengthMetadata,
     copy_custom_mask,
-    fill_kv_indices,
-    fill_lengths,
     has_custom_mask,
     host_lengths,
 )
@@ -102,6 +100,11 @@ class FlashInferBackend(StaticGraphBackend):
     ):
         super().__init__(req_to_token_pool, kv_pool, num_q_heads)
         self._flashinfer = import_flashinfer()
+        # Triton comes with torch on CUDA (and the gpu extra); its one-launch
+        # fill replaces some 20 small torch kernels a step.
+        from sgl_piecewise.backends.triton_kernels.metadata_fill import fill_paged_metadata
+
+        self._fill_paged = fill_paged_metadata
         if kv_pool.device.type != "cuda":
             raise InvalidInputError(
                 f"flashinfer backend: expected a KV pool on a CUDA device, got {kv_pool.device}; "
@@ -213,8 +216,8 @@ class FlashInferBackend(StaticGraphBackend):
         return views
 
     def _fill_metadata(self, meta, bs, req_pool_indices, seq_lens, extend_lens, mode, spec_info) -> None:
-        fill_lengths(meta, seq_lens, extend_lens)
-        fill_kv_indices(meta.kv_indices, self.req_to_token_pool.req_to_token, req_pool_indices, meta.kv_indptr)
+        self._fill_paged(meta, meta.kv_indices, self.req_to_token_pool.req_to_token, req_pool_indices,
+                         seq_lens, extend_lens)  # fmt: skip
         meta.last_page_len.fill_(PAGE_SIZE)
         if meta.masked:
             copy_custom_mask(meta.custom_mask, spec_info.custom_mask)

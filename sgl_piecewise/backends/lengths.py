@@ -29,11 +29,6 @@ def kv_lens(mode: ForwardMode, seq_lens: torch.Tensor, extend_seq_lens: torch.Te
     return seq_lens
 
 
-def uniform_query_lens(bs: int, width: int, device: torch.device | str) -> torch.Tensor:
-    """``[width] * bs``: DECODE (1), TARGET_VERIFY, DRAFT_EXTEND_V2 (upstream SGLang PR 25002)."""
-    return torch.full((bs,), width, dtype=torch.int32, device=device)
-
-
 def query_width(mode: ForwardMode, num_tokens_per_req: Optional[int]) -> int:
     """Uniform query width of a uniform mode (1 for DECODE)."""
     if mode.is_decode():

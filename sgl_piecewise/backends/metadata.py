@@ -84,13 +84,17 @@ def has_custom_mask(spec_info: Optional[SpecInfo]) -> bool:
     return spec_info is not None and spec_info.custom_mask is not None
 
 
-def fill_lengths(meta: LengthMetadata, seq_lens: torch.Tensor, extend_lens: torch.Tensor) -> None:
+def fill_lengths(meta: LengthMetadata, seq_lens: torch.Tensor, extend_lens: Optional[torch.Tensor]) -> None:
     """Write ``q_lens``, ``kv_lens`` and both indptrs from the step's lengths.
 
     ``seq_lens [bs]``: as in ``ForwardBatch`` (the prefix in TARGET_VERIFY and
-    DRAFT_EXTEND_V2); ``extend_lens [bs]``: new tokens per request.
+    DRAFT_EXTEND_V2); ``extend_lens [bs]``: new tokens per request, or None
+    when every request has ``meta.max_q_len``.
     """
-    meta.q_lens.copy_(extend_lens)
+    if extend_lens is None:
+        meta.q_lens.fill_(meta.max_q_len)
+    else:
+        meta.q_lens.copy_(extend_lens)
     meta.kv_lens.copy_(lengths.kv_lens(meta.forward_mode, seq_lens.to(torch.int32), meta.q_lens))
     lengths.cumsum_with_zero(meta.q_lens, out=meta.qo_indptr)
     lengths.cumsum_with_zero(meta.kv_lens, out=meta.kv_indptr)

@@ -17,7 +17,6 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from sgl_piecewise.backends import lengths
 from sgl_piecewise.backends.base import AttentionBackend
 from sgl_piecewise.backends.fill_graphs import FillGraph, can_record_fill
 from sgl_piecewise.backends.metadata import (
@@ -121,7 +120,9 @@ class StaticGraphBackend(AttentionBackend):
 
     @abstractmethod
     def _fill_metadata(self, meta, bs, req_pool_indices, seq_lens, extend_lens, mode, spec_info) -> None:
-        """Write every runtime value of ``meta``; the one fill of all three paths."""
+        """Write every runtime value of ``meta``; the one fill of all three
+        paths. ``extend_lens`` None: every request has ``meta.max_q_len`` new
+        tokens (a binding of a uniform mode)."""
 
     # ---- the contract ----------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -226,11 +227,10 @@ class StaticGraphBackend(AttentionBackend):
         plus ``extend_lens`` for a ragged step (else every request has the
         binding's uniform width). Through its recorded fill where that is
         exact (``fill_graphs.py``), else with plain operations."""
-        bs, width, mode = meta.bs, meta.max_q_len, meta.forward_mode
+        bs, mode = meta.bs, meta.forward_mode
 
         def fill(req_pool_indices, seq_lens, extend_lens=None) -> None:
-            if extend_lens is None:
-                extend_lens = lengths.uniform_query_lens(bs, width, seq_lens.device)
+            # extend_lens None: every request has the binding's uniform width.
             self._fill_metadata(meta, bs, req_pool_indices, seq_lens, extend_lens, mode, spec_info)
 
         graph = self._fill_graphs.get(key)

@@ -2,8 +2,9 @@
 the extend kernel for every other mode, over the paged pool (page size 1).
 
 Per step it builds, on the device and into caller-visible buffers,
-``qo_indptr``, ``kv_indptr``, the flattened page table ``kv_indices``, the
-decode split counts and, for tree verification, ``mask_indptr`` plus a copy of
+``qo_indptr``, ``kv_indptr``, the flattened page table ``kv_indices`` and the
+decode split counts in one launch (``fill_paged_metadata``) and, for tree
+verification, ``mask_indptr`` plus a copy of
 the flat custom mask. Graphs bind all of them to static buffers once
 (Pattern A, ``StaticGraphBackend``); the kernels' grids depend only on the
 batch size and the static ``max_q_len``, so one captured launch serves every
@@ -22,8 +23,6 @@ from sgl_piecewise.backends.base import BackendUnavailableError
 from sgl_piecewise.backends.metadata import (
     LengthMetadata,
     copy_custom_mask,
-    fill_kv_indices,
-    fill_lengths,
     fill_mask_indptr,
     has_custom_mask,
     host_lengths,
@@ -32,9 +31,9 @@ from sgl_piecewise.backends.static_graph import StaticBuffers, StaticGraphBacken
 from sgl_piecewise.backends.triton_kernels import (
     DEFAULT_MAX_KV_SPLITS,
     ExtendPlan,
-    choose_num_kv_splits,
     decode_attention,
     extend_attention,
+    fill_paged_metadata,
     grid_kv_splits,
 )
 from sgl_piecewise.backends.triton_kernels.decode import _INTERPRETED
@@ -180,10 +179,9 @@ class TritonBackend(StaticGraphBackend):
         )
 
     def _fill_metadata(self, meta, bs, req_pool_indices, seq_lens, extend_lens, mode, spec_info) -> None:
-        fill_lengths(meta, seq_lens, extend_lens)
-        fill_kv_indices(meta.kv_indices, self.req_to_token_pool.req_to_token, req_pool_indices, meta.kv_indptr)
-        if meta.num_kv_splits is not None:
-            choose_num_kv_splits(meta.kv_lens, self.max_kv_splits, meta.num_kv_splits)
+        # One launch for the lengths, indptrs, page table and split counts.
+        fill_paged_metadata(meta, meta.kv_indices, self.req_to_token_pool.req_to_token, req_pool_indices,
+                            seq_lens, extend_lens, meta.num_kv_splits, self.max_kv_splits)  # fmt: skip
         if meta.masked:
             fill_mask_indptr(meta.mask_indptr, meta.q_lens, meta.kv_lens)
             copy_custom_mask(meta.custom_mask, spec_info.custom_mask)

@@ -25,6 +25,7 @@ from sgl_piecewise.backends.triton_kernels.decode import (
     grid_kv_splits,
 )
 from sgl_piecewise.backends.triton_kernels.extend import ExtendPlan, extend_attention
+from sgl_piecewise.backends.triton_kernels.metadata_fill import fill_paged_metadata
 
 __all__ = [
     "DEFAULT_MAX_KV_SPLITS",
@@ -33,5 +34,6 @@ __all__ = [
     "choose_num_kv_splits",
     "decode_attention",
     "extend_attention",
+    "fill_paged_metadata",
     "grid_kv_splits",
 ]
