@@ -200,6 +200,51 @@ def test_gpu_decode_graphs_equal_eager_on_fresh_ragged_batches(name):
     _check_fresh_batches(eager, graphs, random.Random(f"gpu-decode-graphs-{name}"), (4, 1, 3, 2, 4, 1), 5e-2)
 
 
+def _fills_of(backend, monkeypatch) -> list:
+    """The binding keys ``backend`` fills (device work launched from the hook) from now on."""
+    keys, original = [], type(backend)._fill_bound
+
+    def spy(self, key, *args):
+        if self is backend:
+            keys.append(key)
+        return original(self, key, *args)
+
+    monkeypatch.setattr(type(backend), "_fill_bound", spy)
+    return keys
+
+
+def test_without_cuda_no_graph_holds_the_fill_and_the_hook_fills(monkeypatch):
+    eager, graphs, runner = _runners("torch")
+    runner.capture(progress=False)
+    assert not graphs.backend._caller_graph_fills
+    fills = _fills_of(graphs.backend, monkeypatch)
+    _check_fresh_batches(eager, graphs, random.Random("cpu-fill"), (2, 4), 1e-4)
+    assert fills == [("graph", ForwardMode.DECODE, 2), ("graph", ForwardMode.DECODE, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_gpu_decode_graphs_hold_the_metadata_fill(name, monkeypatch):
+    """A replay launches no metadata fill: each graph recorded it with the
+    model (``fill_in_graph``), reading the registry's buffers. Fresh ragged
+    batches still equal eager, and the replay hook given tensors other than
+    the graph's inputs fills as before."""
+    eager, graphs, runner = _runners(name, "cuda", torch.bfloat16, GPU_CONFIG, max_reqs=24)
+    runner.capture(progress=False)
+    backend = graphs.backend
+    assert set(backend._caller_graph_fills) == {("graph", ForwardMode.DECODE, bs) for bs in CAPTURE_BS}
+    fills = _fills_of(backend, monkeypatch)
+    _check_fresh_batches(eager, graphs, random.Random(f"gpu-fill-{name}"), (4, 1, 3, 2, 4), 5e-2)
+    assert fills == []
+    static = runner._static[(ForwardMode.DECODE, 4)]
+    lens = torch.tensor([5, 1, 9, 2], dtype=torch.int32, device="cuda")
+    backend.init_forward_metadata_replay_cuda_graph(
+        4, static.req_pool_indices.clone(), lens, 17, None, ForwardMode.DECODE, None, lens.cpu()
+    )
+    assert fills == [("graph", ForwardMode.DECODE, 4)]
+    assert backend.forward_metadata.kv_lens.tolist() == [5, 1, 9, 2]
+
+
 def _pools_of_blocks_freed_by_clearing_cublas_workspaces() -> list:
     """Do what torch.compile's reduce-overhead does before it records (free
     every cuBLAS workspace); return the memory pool of each block it freed.

@@ -107,6 +107,15 @@ class AttentionBackend(ABC):
     ) -> None:
         self._no_graphs()
 
+    def fill_in_graph(
+        self, forward_mode: ForwardMode, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> bool:
+        """Offer the caller's graph of ``(forward_mode, bs)`` the replay
+        hook's metadata fill; True where the backend takes it up
+        (``StaticGraphBackend.fill_in_graph`` says how). Here False: the
+        replay hook fills before every replay."""
+        return False
+
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` value written into padded requests of a graph batch."""
         return 1

@@ -13,7 +13,7 @@ differently (docs/ARCHITECTURE.md, "The capture/replay contract").
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 
@@ -86,7 +86,8 @@ class StaticGraphBackend(AttentionBackend):
 
     A bound fill on CUDA is recorded once per binding and replayed
     (``fill_graphs.py``) where ``fill_on_device`` says the fill is device
-    work alone. Where ``eager_steps_bound`` is set, an eager DECODE, EXTEND
+    work alone; a caller recording a whole step may hold it in its own graph
+    instead (``fill_in_graph``). Where ``eager_steps_bound`` is set, an eager DECODE, EXTEND
     or MIXED step of up to ``max_bs`` requests fills a binding too, so it
     gets a replayed fill instead of fresh tensors.
     """
@@ -102,6 +103,8 @@ class StaticGraphBackend(AttentionBackend):
         self._graph_metadata: Dict[Tuple[ForwardMode, int], LengthMetadata] = {}
         self._eager_metadata: Dict[Tuple[ForwardMode, int], LengthMetadata] = {}  # eager steps' own bindings
         self._fill_graphs: Dict[Tuple[str, ForwardMode, int], FillGraph] = {}
+        # Bindings whose fill a caller's graph holds: the input addresses it reads (fill_in_graph).
+        self._caller_graph_fills: Dict[Tuple[str, ForwardMode, int], Set[Tuple[int, int]]] = {}
         self.max_bs = 0
         self.max_num_tokens = 0
 
@@ -177,6 +180,8 @@ class StaticGraphBackend(AttentionBackend):
         if key not in self._graph_metadata:
             self._graph_metadata[key] = self._bind_metadata(bs, width, forward_mode, spec_info)
         self._check_bound(self._graph_metadata[key], bs, width, spec_info)
+        # A new graph of this size: its caller says again whether it holds the fill.
+        self._caller_graph_fills.pop(("graph", forward_mode, bs), None)
         self.init_forward_metadata_replay_cuda_graph(
             bs,
             req_pool_indices,
@@ -214,9 +219,39 @@ class StaticGraphBackend(AttentionBackend):
         # "restore max_seq_len_q after replay" exception upstream SGLang needed for draft extend (PR 26665) does
         # not arise). The capture's spec_info carries the real mask kind, so
         # tree-masked verify delegates to replay like every other mode.
-        self._fill_bound(("graph", forward_mode, bs), meta, (req_pool_indices[:bs], seq_lens[:bs]), spec_info)
+        key, inputs = ("graph", forward_mode, bs), (req_pool_indices[:bs], seq_lens[:bs])
+        if not self._filled_by_caller_graph(key, inputs):
+            self._fill_bound(key, meta, inputs, spec_info)
         self._begin_step(meta)
         self.forward_metadata = meta
+
+    def fill_in_graph(self, forward_mode, bs, req_pool_indices, seq_lens) -> bool:
+        """Let the caller's graph of ``(forward_mode, bs)`` hold this binding's
+        metadata fill, so a replay launches nothing before the graph.
+
+        The caller then calls the replay hook inside its recording (the
+        fill is recorded with the model: it reads ``req_pool_indices`` and
+        ``seq_lens``, the caller's static inputs) and before every replay as
+        usual; a replay hook given exactly those tensors checks the step and
+        leaves the device fill to the graph, which the caller must replay
+        next. Given other tensors it fills as before. False (nothing
+        changes) where the fill cannot be recorded: off CUDA, a tree mask,
+        host work in the fill (``fill_on_device``), or no binding yet.
+        """
+        meta = self._graph_metadata.get((forward_mode, bs))
+        if meta is None or not self.fill_on_device or not can_record_fill(seq_lens.device, meta.masked):
+            return False
+        ptrs = (req_pool_indices[:bs].data_ptr(), seq_lens[:bs].data_ptr())
+        self._caller_graph_fills.setdefault(("graph", forward_mode, bs), set()).add(ptrs)
+        return True
+
+    def _filled_by_caller_graph(self, key, inputs: Tuple[torch.Tensor, ...]) -> bool:
+        """Whether a caller's graph fills this binding from exactly ``inputs``
+        (``fill_in_graph``); never while capturing, when the fill is being recorded."""
+        ptrs = self._caller_graph_fills.get(key)
+        if ptrs is None or torch.cuda.is_current_stream_capturing():
+            return False
+        return (inputs[0].data_ptr(), inputs[1].data_ptr()) in ptrs
 
     def _begin_step(self, meta: LengthMetadata) -> None:
         """A binding serves step after step: drop the host state a subclass

@@ -13,7 +13,9 @@ local count of a simulated attention-TP rank (``attn_tp_size``,
 capture/replay hooks (Pattern A/B, docs/ARCHITECTURE.md, "Pattern A and
 Pattern B"), which key their static metadata per ``(mode, bs)``; host work
 such as FlashInfer's ``plan()`` runs in the hook, before the graph is
-launched, never inside it.
+launched, never inside it. Where the backend's fill is device work alone
+(``fill_in_graph``), the graph records it with the model, reading the
+registry's buffers, and the replay hook only checks the step.
 
 Sizes are captured largest first into one memory pool, with Python's gc
 frozen and a progress bar. A batch is padded to the smallest captured size
@@ -42,6 +44,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from sgl_piecewise.backends.metadata import SEQ_LENS_SUM_UNKNOWN
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.options import default_capture_sizes
@@ -188,8 +191,20 @@ class CudaGraphRunner:
         if not self.use_cuda:
             return
         self.capture_core.warmup(lambda: self._run(static))
+        backend = self.model_runner.backend
+        # Where the backend lets it, the graph holds the metadata fill too, so a
+        # replay launches nothing but the registry's copies before the graph.
+        fill_in_graph = backend.fill_in_graph(layout.mode, bs, static.req_pool_indices, static.seq_lens)
+
+        def step() -> torch.Tensor:
+            if fill_in_graph:
+                backend.init_forward_metadata_replay_cuda_graph(
+                    bs, static.req_pool_indices, static.seq_lens, SEQ_LENS_SUM_UNKNOWN, None, layout.mode, spec, None
+                )
+            return self._run(static)
+
         self._graphs[key], self._outputs[key] = self.capture_core.record(
-            lambda: self._run(static), f"whole-model {layout.mode.name} graph of bs {bs}"
+            step, f"whole-model {layout.mode.name} graph of bs {bs}"
         )
 
     @staticmethod
