@@ -86,10 +86,10 @@ class StaticGraphBackend(AttentionBackend):
 
     A bound fill on CUDA is recorded once per binding and replayed
     (``fill_graphs.py``) where ``fill_on_device`` says the fill is device
-    work alone; a caller recording a whole step may hold it in its own graph
-    instead (``fill_in_graph``). Where ``eager_steps_bound`` is set, an eager DECODE, EXTEND
-    or MIXED step of up to ``max_bs`` requests fills a binding too, so it
-    gets a replayed fill instead of fresh tensors.
+    work alone; a caller recording a whole step may hold it in its own
+    graph instead (``fill_in_graph``). Where ``eager_steps_bound`` is set,
+    an eager DECODE, EXTEND or MIXED step of up to ``max_bs`` requests fills
+    a binding too, so it gets a replayed fill instead of fresh tensors.
     """
 
     supports_cuda_graph = True
