@@ -1,0 +1,111 @@
+"""Where a whole-model decode step's time goes (a script, not a test).
+
+The 0.5b shape of the suite, bf16, ``triton`` attention, context 1024, the
+whole-model graphs recording the model compiled whole. At decode batch 1, 8
+and 32 it times, each alone (median of CUDA-event timings, and the host time
+to enqueue it): the whole step; its parts in order (the registry's fill of
+the graph inputs, the replay hook, the graph's replay, the LM head on a copy
+of the output); and the attention metadata fill of the step's binding three
+ways: the one-launch kernel (``fill_paged_metadata``, what the graph
+records), the torch helpers it replaced (some 25 launches), and those
+helpers recorded as one graph (how replays ran them before). Needs CUDA.
+
+    python benchmarks/profile_whole_step.py --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import types
+
+import suite
+import torch
+from common import free_batch, graph_step_fn, host_ms, median_ms  # noqa: E402 (benchmarks/ is the script's folder)
+
+from sgl_piecewise.backends.metadata import fill_kv_indices, fill_lengths
+from sgl_piecewise.backends.triton_kernels import choose_num_kv_splits, fill_paged_metadata
+from sgl_piecewise.compile import CompiledModel, CompileOptions
+from sgl_piecewise.forward import ForwardMode
+from sgl_piecewise.runners import CudaGraphRunner
+from sgl_piecewise.runners.buffer_registry import FillContext
+from sgl_piecewise.runners.capture import shared_capture
+from sgl_piecewise.runners.whole_model import default_capture_sizes
+
+
+def metadata_fills(backend, meta, rows, seq_lens) -> dict:
+    """The binding's fill three ways, each a callable."""
+    table = backend.req_to_token_pool.req_to_token
+
+    def one_launch():
+        fill_paged_metadata(meta, meta.kv_indices, table, rows, seq_lens, None,
+                            meta.num_kv_splits, backend.max_kv_splits)  # fmt: skip
+
+    def torch_helpers():
+        fill_lengths(meta, seq_lens, None)
+        fill_kv_indices(meta.kv_indices, table, rows, meta.kv_indptr)
+        choose_num_kv_splits(meta.kv_lens, backend.max_kv_splits, meta.num_kv_splits)
+
+    torch_helpers()  # warm: the recording must not be the first run
+    graph, _ = shared_capture(backend.kv_pool.device).record(torch_helpers, "torch helpers' fill")
+    return {"metadata fill, one launch": one_launch, "metadata fill, torch helpers": torch_helpers,
+            "metadata fill, torch helpers as a graph": graph.replay}  # fmt: skip
+
+
+def parts(runner, graphs, batch) -> dict:
+    """The step and each of its parts, as callables."""
+    mode, bs = ForwardMode.DECODE, batch.batch_size
+    padded = graphs.padded_bs(batch)
+    static, graph = graphs._static[(mode, padded)], graphs.captured_graph(mode, padded)
+    output = graphs._outputs[(mode, padded)]
+    registry, ctx = graphs.registries[mode], FillContext.uniform(bs, padded, 1)
+    backend = runner.backend
+
+    seq_lens_sum = batch.seq_lens_sum + graphs._seq_len_fill * (padded - bs)
+
+    def hook():
+        backend.init_forward_metadata_replay_cuda_graph(
+            padded, static.req_pool_indices, static.seq_lens, seq_lens_sum, None, mode, None, static.seq_lens_cpu
+        )
+
+    meta = backend._graph_metadata[(mode, padded)]
+    fills = metadata_fills(backend, meta, static.req_pool_indices[:padded], static.seq_lens[:padded])
+    return {
+        "step": graph_step_fn(runner, graphs, batch),
+        "registry fill": lambda: registry.fill_from(batch, ctx),
+        "replay hook": hook,
+        "graph replay": graph.replay,
+        "LM head (copy of the output, logits)": lambda: runner.last_token_logits(output[:bs].clone(), batch),
+        **fills,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 8, 32])
+    cli = p.parse_args()
+    args = types.SimpleNamespace(shape="0.5b", device="cuda", backend="triton", context=1024,
+                                 decode_bs=cli.decode_bs, extend=[16])  # fmt: skip
+    model, runner = suite.build(args)
+    compiled = CompiledModel(runner.model, CompileOptions(split_graph=False))
+    graphs = CudaGraphRunner(runner, default_capture_sizes(max(cli.decode_bs)), forward=compiled)
+    graphs.capture(progress=False)
+    runner.step_graphs = None
+    rows = {}
+    with torch.no_grad():
+        for bs in cli.decode_bs:
+            batch = suite.step_batch(args, runner, "decode", bs)
+            rows[bs] = {name: {"ms": median_ms(fn, 10, 100), "host_us": 1e3 * host_ms(fn, 100)}
+                        for name, fn in parts(runner, graphs, batch).items()}  # fmt: skip
+            for name, row in rows[bs].items():
+                print(f"decode bs {bs:3d}  {name:42s} {row['ms']:7.3f} ms  host {row['host_us']:6.1f} us", flush=True)
+            free_batch(runner, batch)
+    os.makedirs(cli.out, exist_ok=True)
+    info = {"shape": args.shape, "torch": torch.__version__, "card": torch.cuda.get_device_name(), "decode": rows}
+    json.dump(info, open(os.path.join(cli.out, "profile_whole_step_0.5b.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
