@@ -89,16 +89,50 @@ def test_fused_fill_writes_what_the_torch_helpers_write(mode, bs, uniform, width
     _assert_same(want, got, f"{mode.name} bs {bs}")
 
 
-def test_fused_fill_rejects_other_dtypes_and_mismatched_batches():
-    meta = _poisoned_metadata(ForwardMode.DECODE, 2, 1, "cpu")
+def test_fused_fill_rejects_bad_arguments_naming_them_and_writes_nothing():
+    """Each argument the kernel would read or write out of bounds, as another
+    dtype, or on another device: refused before the launch, by name."""
     table = torch.zeros(4, 8, dtype=torch.int32)
     rows, lens = torch.tensor([0, 1]), torch.tensor([3, 4])
-    with pytest.raises(InvalidInputError, match="expected int32"):
-        fill_paged_metadata(meta, torch.zeros(16, dtype=torch.int64), table, rows, lens, None)
-    with pytest.raises(InvalidInputError, match="expected int32"):
-        fill_paged_metadata(meta, torch.zeros(16, dtype=torch.int32), table.t(), rows, lens, None)
-    with pytest.raises(InvalidInputError, match="of 2 requests, got 3 and 2"):
-        fill_paged_metadata(meta, torch.zeros(16, dtype=torch.int32), table, torch.tensor([0, 1, 2]), lens, None)
+
+    def call(meta=None, kv_indices=None, **changed):
+        meta = meta if meta is not None else _poisoned_metadata(ForwardMode.DECODE, 2, 1, "cpu")
+        kv_indices = kv_indices if kv_indices is not None else torch.full((16,), -5, dtype=torch.int32)
+        args = dict(req_to_token=table, req_pool_indices=rows, seq_lens=lens, extend_lens=None) | changed
+        fill_paged_metadata(meta, kv_indices, **args)
+        return meta, kv_indices
+
+    short_indptr = _poisoned_metadata(ForwardMode.DECODE, 2, 1, "cpu")
+    short_indptr.kv_indptr = short_indptr.kv_indptr[:2]
+    cases = [
+        (
+            dict(kv_indices=torch.zeros(16, dtype=torch.int64)),
+            "kv_indices: expected dtype torch.int32, got torch.int64",
+        ),
+        (dict(req_to_token=table.t()), "expected req_to_token contiguous in its last dim"),
+        (dict(req_to_token=table[0]), r"req_to_token: expected shape \[\*, \*\], got \[8\]"),
+        (dict(req_pool_indices=torch.tensor([0, 1, 2])), r"req_pool_indices: expected shape \[2\], got \[3\]"),
+        (dict(seq_lens=torch.tensor([3.0, 4.0])), "seq_lens: expected dtype torch.int32 or torch.int64"),
+        (dict(extend_lens=torch.tensor([1])), r"extend_lens: expected shape \[2\], got \[1\]"),
+        (dict(seq_lens=torch.tensor([3, 4, 5, 6])[::2]), "expected seq_lens contiguous in its last dim"),
+        (dict(meta=short_indptr), r"meta.kv_indptr: expected shape \[3\], got \[2\]"),
+        (dict(num_kv_splits=torch.zeros(3, dtype=torch.int32)), r"num_kv_splits: expected shape \[2\]"),
+        (dict(kv_indices=torch.zeros(16, dtype=torch.int32, device="meta")), "kv_indices: expected device cpu"),
+        (dict(num_kv_splits=torch.zeros(2, dtype=torch.int32), max_kv_splits=0), "max_kv_splits: expected a positive"),
+        (dict(tokens_per_split=0), "tokens_per_split: expected a positive int"),
+    ]
+    for changed, message in cases:
+        meta = changed.pop("meta", None)
+        kv_indices = changed.pop("kv_indices", None)
+        with pytest.raises(InvalidInputError, match=message):
+            call(meta, kv_indices, **changed)
+    # Refused before the launch: nothing written.
+    meta, kv_indices = _poisoned_metadata(ForwardMode.DECODE, 2, 1, "cpu"), torch.full((16,), -5, dtype=torch.int32)
+    with pytest.raises(InvalidInputError):
+        call(meta, kv_indices, extend_lens=torch.tensor([1]))
+    assert (meta.kv_indptr == -7).all() and (kv_indices == -5).all()
+    meta, kv_indices = call()  # and the same call with good arguments fills
+    assert meta.kv_indptr.tolist() == [0, 3, 7] and kv_indices[7:].eq(0).all()
 
 
 @pytest.mark.gpu

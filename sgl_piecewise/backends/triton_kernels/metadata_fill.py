@@ -29,7 +29,8 @@ import triton.language as tl
 
 from sgl_piecewise.backends.triton_kernels.decode import DEFAULT_TOKENS_PER_SPLIT
 from sgl_piecewise.backends.triton_kernels.launch import FastLauncher
-from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.backends.triton_kernels.tiles import check_last_dim_contiguous
+from sgl_piecewise.checks import check_positive_int, check_tensor
 from sgl_piecewise.memory import DUMMY_SLOT
 
 _ROW_BLOCK = 256  # page-table entries a request's program copies per iteration
@@ -129,17 +130,9 @@ def fill_paged_metadata(
     ``choose_num_kv_splits`` of the same inputs.
     """
     bs = meta.q_lens.shape[0]
-    int32 = (meta.q_lens, meta.kv_lens, meta.qo_indptr, meta.kv_indptr, kv_indices, req_to_token)
-    if any(t.dtype != torch.int32 for t in int32) or req_to_token.stride(1) != 1:
-        raise InvalidInputError(
-            "fill_paged_metadata: expected int32 lengths, indptrs, kv_indices and a row-major int32 "
-            f"req_to_token, got {[t.dtype for t in int32]} and req_to_token strides {req_to_token.stride()}"
-        )
-    if req_pool_indices.shape[0] != bs or seq_lens.shape[0] != bs:
-        raise InvalidInputError(
-            f"fill_paged_metadata: expected req_pool_indices and seq_lens of {bs} requests, "
-            f"got {req_pool_indices.shape[0]} and {seq_lens.shape[0]}"
-        )
+    _check_args(bs, meta, kv_indices, req_to_token, req_pool_indices, seq_lens, extend_lens, num_kv_splits)
+    check_positive_int("fill_paged_metadata: max_kv_splits", max_kv_splits)
+    check_positive_int("fill_paged_metadata: tokens_per_split", tokens_per_split)
     uniform = extend_lens is None
     mode = meta.forward_mode
     grid = (bs + max(1, triton.cdiv(kv_indices.shape[0], _TAIL_BLOCK)),)
@@ -154,3 +147,24 @@ def fill_paged_metadata(
         BLOCK_BS=triton.next_power_of_2(max(bs, 1)), ROW_BLOCK=_ROW_BLOCK, TAIL_BLOCK=_TAIL_BLOCK,
         DUMMY=DUMMY_SLOT, num_warps=4,
     )  # fmt: skip
+
+
+def _check_args(bs, meta, kv_indices, req_to_token, req_pool_indices, seq_lens, extend_lens, num_kv_splits) -> None:
+    """Every tensor the kernel reads or writes: on the page table's device,
+    contiguous, of its dtype, and as long as the kernel indexes it (it
+    checks no bound but the index buffer's size)."""
+    index = (torch.int32, torch.int64)
+    wanted = [
+        ("req_pool_indices", req_pool_indices, bs, index), ("seq_lens", seq_lens, bs, index),
+        ("extend_lens", extend_lens, bs, index), ("meta.q_lens", meta.q_lens, bs, torch.int32),
+        ("meta.kv_lens", meta.kv_lens, bs, torch.int32), ("meta.qo_indptr", meta.qo_indptr, bs + 1, torch.int32),
+        ("meta.kv_indptr", meta.kv_indptr, bs + 1, torch.int32), ("kv_indices", kv_indices, None, torch.int32),
+        ("num_kv_splits", num_kv_splits, bs, torch.int32),
+    ]  # fmt: skip
+    check_tensor("fill_paged_metadata: req_to_token", req_to_token, shape=(None, None), dtype=torch.int32)
+    given = {"req_to_token": req_to_token}
+    for name, t, length, dtype in wanted:
+        if t is not None:
+            check_tensor(f"fill_paged_metadata: {name}", t, shape=(length,), dtype=dtype, device=req_to_token.device)
+            given[name] = t
+    check_last_dim_contiguous("fill_paged_metadata", **given)
