@@ -3,10 +3,13 @@ both indptrs, the flattened page table and the decode split counts.
 
 The torch helpers (``metadata.fill_lengths``, ``metadata.fill_kv_indices``,
 ``decode.choose_num_kv_splits``) compute the same values in some 25 small
-kernels: on an H200, for a 0.5B decode step, 0.23-0.25 ms and 0.21-0.26 ms
-of host time launched one by one, 0.04 ms replayed as a recorded graph;
-this kernel, 0.03 ms and 20 µs of host time (docs/BENCHMARKS.md,
-``benchmarks/profile_whole_step.py``). It writes every value they write,
+kernels: on an H200 host, for a 0.5B decode step, 0.40-0.46 ms and
+379-413 µs of host time launched one by one, 0.04-0.05 ms replayed as a
+recorded graph; this kernel, 0.09 ms and 74-77 µs of host time, its
+argument checks included (docs/BENCHMARKS.md,
+``benchmarks/profile_whole_step.py``). Recorded in a graph, as whole-model
+graphs and the triton backend's bound fills are, it is one kernel instead
+of 25, and its checks run once. It writes every value they write,
 bit for bit (the tests compare the two on ragged batches), and keeps their
 properties: no host synchronisation, and a grid that depends only on
 ``bs`` and the page table's size, so it can be recorded in a CUDA graph.
