@@ -4,10 +4,10 @@ the extend kernel for every other mode, over the paged pool (page size 1).
 Per step it builds, on the device and into caller-visible buffers,
 ``qo_indptr``, ``kv_indptr``, the flattened page table ``kv_indices`` and the
 decode split counts in one launch (``fill_paged_metadata``) and, for tree
-verification, ``mask_indptr`` plus a copy of
-the flat custom mask. Graphs bind all of them to static buffers once
-(Pattern A, ``StaticGraphBackend``); the kernels' grids depend only on the
-batch size and the static ``max_q_len``, so one captured launch serves every
+verification, ``mask_indptr`` plus a copy of the flat custom mask. Graphs
+bind all of them to static buffers once (Pattern A, ``StaticGraphBackend``);
+the kernels' grids depend only on the batch size and the static
+``max_q_len``, so one captured launch serves every
 replay. Importing this module imports ``triton``.
 """
 
