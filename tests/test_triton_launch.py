@@ -93,3 +93,80 @@ def test_gpu_a_bound_kernel_takes_device_addresses_as_integers():
     torch.testing.assert_close(by_address, normal, rtol=0, atol=0)
     # Another specialisation (a length not divisible by 16) was never launched: nothing bound.
     assert launch.bound((x, y, out, 999, 2.0), {"BLOCK": 128, "num_warps": 4}) is None
+
+
+@triton.jit
+def _scale(x, out, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(out + i, 3.0 * tl.load(x + i, mask=m), mask=m)
+
+
+@triton.jit
+def _shift(x, out, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(out + i, tl.load(x + i, mask=m) + 5.0, mask=m)
+
+
+def _wait_ahead(launch) -> None:
+    for future in list(launch._ahead.values()):
+        future.result(timeout=300)
+
+
+@pytest.mark.gpu
+def test_gpu_variants_compile_ahead_on_a_background_thread_and_launch_bit_for_bit():
+    import threading
+
+    if not hasattr(triton.knobs.runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no jit_post_compile_hook to tell where a kernel compiled")
+    launch = FastLauncher(_scale, variants=lambda meta: [{**meta, "BLOCK": 64}])
+    x = torch.randn(1000, device="cuda")
+    compiled_on = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda **_: compiled_on.append(threading.current_thread().name)
+    try:
+        first = torch.empty_like(x)
+        launch((8,), x, first, 1000, BLOCK=128)
+        _wait_ahead(launch)
+        ahead = torch.full_like(x, float("nan"))
+        launch((16,), x, ahead, 1000, BLOCK=64)  # compiled already: Triton finds it
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    assert len(compiled_on) == 2 and compiled_on[0] == threading.current_thread().name, compiled_on
+    assert compiled_on[1].startswith("sgl-piecewise-compile"), compiled_on
+    normal = torch.full_like(x, float("nan"))
+    _scale[(16,)](x, normal, 1000, BLOCK=64)
+    torch.testing.assert_close(ahead, normal, rtol=0, atol=0)
+    torch.testing.assert_close(first, 3.0 * x, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_compiling_ahead_during_a_graph_capture_leaves_the_capture_intact():
+    # The background compiles must call nothing CUDA forbids while another
+    # thread captures (torch captures in the "global" mode).
+    launch = FastLauncher(_shift, variants=lambda meta: [{**meta, "BLOCK": b} for b in (32, 64, 256)])
+    x, out = torch.randn(1000, device="cuda"), torch.empty(1000, device="cuda")
+    launch((8,), x, out, 1000, BLOCK=128)  # compiles ahead from here on
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch((8,), x, out, 1000, BLOCK=128)
+        _wait_ahead(launch)  # the compiles ran while this thread captured
+    x.copy_(torch.randn(1000, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(out, x + 5.0, rtol=0, atol=0)
+    for block in (32, 64, 256):  # each compiled ahead, and right
+        other = torch.full_like(x, float("nan"))
+        launch((triton.cdiv(1000, block),), x, other, 1000, BLOCK=block)
+        torch.testing.assert_close(other, x + 5.0, rtol=0, atol=0)
+
+
+def test_extend_row_tile_variants_are_the_launch_settings_shorter_queries_take():
+    from sgl_piecewise.backends.triton_kernels.extend import extend_kernel_meta, row_tile_variants
+
+    for heads, head_dim, dtype in [((14, 2), 64, torch.bfloat16), ((32, 8), 128, torch.float16),
+                                   ((8, 1), 256, torch.bfloat16), ((8, 2), 128, torch.float32)]:  # fmt: skip
+        metas = [extend_kernel_meta(*heads, head_dim, head_dim, dtype, q, False, True) for q in (1, 2, 4, 8, 16, 4096)]
+        distinct = {tuple(sorted(m.items())) for m in metas}
+        for meta in metas:
+            variants = {tuple(sorted(v.items())) for v in row_tile_variants(meta)}
+            assert variants == distinct - {tuple(sorted(meta.items()))}, (heads, head_dim, dtype, meta)

@@ -243,7 +243,8 @@ def _extend_kernel(
 # Under TRITON_INTERPRET=1, triton.jit yields an interpreter object instead of
 # a JITFunction; its bf16 dot needs the UPCAST workaround (see tiles.mm).
 _INTERPRETED = not isinstance(_extend_kernel, JITFunction)
-_launch_extend = FastLauncher(_extend_kernel)  # once per layer per step (launch.py)
+# Once per layer per step (launch.py); compiles the other row tiles ahead.
+_launch_extend = FastLauncher(_extend_kernel, variants=lambda meta: row_tile_variants(meta))
 
 
 @functools.lru_cache(maxsize=256)
@@ -267,12 +268,7 @@ def extend_kernel_meta(
     """
     group = num_q_heads // num_kv_heads
     padded = triton.next_power_of_2(max(head_dim, dv))
-    if dtype == torch.float32:
-        block_m, block_n = FP32_BLOCK_M, FP32_BLOCK_N
-    elif padded <= 128:
-        block_m, block_n = EXTEND_BLOCK_M, EXTEND_BLOCK_N
-    else:
-        block_m, block_n = LARGE_HEAD_BLOCK_M, LARGE_HEAD_BLOCK_N
+    block_m, block_n = _tiles(dtype, padded)
     block_m = min(block_m, max(MIN_BLOCK_M, triton.next_power_of_2(max_q_len * group)))
     return dict(
         GROUP=group,
@@ -286,9 +282,38 @@ def extend_kernel_meta(
         F32X3=dtype == torch.float32,
         UPCAST=_INTERPRETED and dtype == torch.bfloat16,
         NEW_KV=new_kv,
-        num_warps=4 if padded <= 64 or block_m < 64 else 8,
+        num_warps=_num_warps(padded, block_m),
         num_stages=EXTEND_NUM_STAGES,
     )
+
+
+def _tiles(dtype: torch.dtype, padded_head: int) -> tuple:
+    """The largest (row, key) tile for this dtype and padded head size."""
+    if dtype == torch.float32:
+        return FP32_BLOCK_M, FP32_BLOCK_N
+    if padded_head <= 128:
+        return EXTEND_BLOCK_M, EXTEND_BLOCK_N
+    return LARGE_HEAD_BLOCK_M, LARGE_HEAD_BLOCK_N
+
+
+def _num_warps(padded_head: int, block_m: int) -> int:
+    return 4 if padded_head <= 64 or block_m < 64 else 8
+
+
+def row_tile_variants(meta: dict) -> list:
+    """The launch settings of ``meta`` with each other row tile a query
+    length can take (``extend_kernel_meta``: the tile shrinks to fit short
+    queries), for the launcher to compile ahead: a start-up that captures
+    graphs of 512 down to 1 token otherwise compiles them one by one."""
+    padded = max(meta["BLOCK_D"], meta["BLOCK_DV"])
+    dtype = torch.float32 if meta["F32X3"] else torch.bfloat16  # only the fp32 / 16-bit split matters here
+    largest = _tiles(dtype, padded)[0]
+    variants, block_m = [], MIN_BLOCK_M
+    while block_m <= largest:
+        if block_m != meta["BLOCK_M"]:
+            variants.append({**meta, "BLOCK_M": block_m, "num_warps": _num_warps(padded, block_m)})
+        block_m *= 2
+    return variants
 
 
 def _check_extend_args(q, k_cache, v_cache, out, custom_mask, mask_indptr) -> None:

@@ -25,11 +25,23 @@ Anything unexpected (the Triton interpreter, a Triton whose compiled-kernel
 launcher takes other arguments) falls back to ``kernel[grid](...)`` for good.
 Launch hooks (a profiler's) are called as ``JITFunction.run`` calls them;
 Triton's default empty hook chains are skipped.
+
+A launcher given ``variants`` compiles ahead: after the first launch of a
+specialisation it compiles, on a background thread, the kernels of the same
+arguments under the other launch settings ``variants(meta)`` names (the
+extend kernel's smaller row tiles, which shorter queries take). Triton's
+compiler spends most of its time outside the GIL (MLIR and LLVM passes,
+``ptxas``), so a start-up that would compile them one after the other, each
+in the middle of its work, finds them compiled; a first launch of one that
+is still compiling waits for it instead of compiling it again.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from triton.runtime.jit import JITFunction
@@ -38,6 +50,29 @@ try:  # the launch hooks' home since Triton 3.4
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - older Triton: always the slow path
     _knobs = None
+
+logger = logging.getLogger("sgl_piecewise.triton")
+
+Meta = Dict[str, Any]
+
+# Background compiles: a few threads (each compile is mostly single-threaded
+# native code), started on first use.
+_COMPILE_AHEAD_THREADS = 3
+_compile_ahead_pool: Optional[ThreadPoolExecutor] = None
+
+
+def _compile_pool() -> ThreadPoolExecutor:
+    global _compile_ahead_pool
+    if _compile_ahead_pool is None:
+        _compile_ahead_pool = ThreadPoolExecutor(_COMPILE_AHEAD_THREADS, thread_name_prefix="sgl-piecewise-compile")
+        # At exit, drop the compiles not started yet rather than wait for
+        # them; a compile under way finishes (Triton's cache writes are
+        # atomic either way). Registered after concurrent.futures' own
+        # hook, so it runs before that joins the threads.
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(lambda pool=_compile_ahead_pool: pool.shutdown(wait=False, cancel_futures=True))
+    return _compile_ahead_pool
 
 
 def _arg_key(arg: Any) -> Any:
@@ -83,10 +118,14 @@ class FastLauncher:
     order; ``meta`` holds every constexpr argument (by name) and the launch
     options (``num_warps``, ``num_stages``)."""
 
-    def __init__(self, fn: Any):
+    def __init__(self, fn: Any, variants: Optional[Callable[[Meta], List[Meta]]] = None):
         self.fn = fn
         self.fast = isinstance(fn, JITFunction) and _knobs is not None
         self._kernels: Dict[Tuple, BoundKernel] = {}
+        # variants(meta): the other launch settings a call with the same
+        # arguments is likely to take, compiled ahead (module docstring).
+        self.variants = variants
+        self._ahead: Dict[Tuple, Future] = {}  # key -> its compile on the background threads
 
     # Keys hold integers by value; a long run of ever new values (say, a
     # token count) must not grow the table without bound.
@@ -118,6 +157,9 @@ class FastLauncher:
         return torch._C._cuda_getDevice(), tuple(map(_arg_key, args)), tuple(meta.items())
 
     def _first_launch(self, key: Tuple, grid: Sequence[int], args: Sequence[Any], meta: Dict[str, Any]) -> None:
+        ahead = self._ahead.pop(key, None)
+        if ahead is not None:
+            ahead.result()  # compiling in the background: Triton finds it once done
         kernel = self.fn[grid](*args, **meta)
         constexprs = self._constexpr_values(len(args), meta)
         usable = constexprs is not None and kernel is not None and hasattr(kernel, "packed_metadata")
@@ -125,8 +167,40 @@ class FastLauncher:
             if len(self._kernels) >= self.max_entries:
                 self._kernels.clear()
             self._kernels[key] = BoundKernel(kernel, constexprs)
+            if self.variants is not None:
+                self._compile_ahead(args, meta)
         else:
             self.fast = False
+
+    def _compile_ahead(self, args: Sequence[Any], meta: Meta) -> None:
+        """Compile, on the background threads, this launch's kernel under
+        each of ``self.variants(meta)``. Tensors are handed to Triton as
+        their dtypes (its ``warmup`` takes them for 16-byte aligned
+        pointers), so only launches whose tensors are aligned are compiled
+        ahead, and no tensor is kept alive by a thread."""
+        if any(isinstance(a, torch.Tensor) and a.data_ptr() % 16 for a in args):
+            return
+        stand_ins = [a.dtype if isinstance(a, torch.Tensor) else a for a in args]
+        device = torch._C._cuda_getDevice()
+        if len(self._ahead) >= self.max_entries:
+            self._ahead.clear()
+        for other in self.variants(meta):
+            key = self._key(args, other)
+            if key in self._kernels or key in self._ahead:
+                continue
+            try:
+                self._ahead[key] = _compile_pool().submit(self._compile, device, stand_ins, other)
+            except RuntimeError:  # the pool was shut down: the interpreter is exiting
+                return
+
+    def _compile(self, device: int, stand_ins: List[Any], meta: Meta) -> None:
+        """One compile ahead (a background thread). A failure is only logged:
+        the launch that needs the kernel compiles it and reports its error."""
+        try:
+            torch.cuda.set_device(device)
+            self.fn.warmup(*stand_ins, grid=(1,), **meta)
+        except Exception as exc:  # never let a guess break a launch
+            logger.debug("compiling %s ahead for %s failed: %s", getattr(self.fn, "__name__", self.fn), meta, exc)
 
     def _constexpr_values(self, num_args: int, meta: Dict[str, Any]) -> Optional[Tuple]:
         """The values of the parameters after the runtime arguments, in
