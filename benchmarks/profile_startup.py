@@ -1,0 +1,117 @@
+"""Where the start-up of the piecewise graphs goes (a script, not a test).
+
+The 0.5b shape of the suite, bf16, ``triton`` attention: compiles the model
+and captures the 52 default token counts (``PiecewiseCudaGraphRunner.capture``),
+as ``suite.py``'s start-up does, and times its phases on the side: Dynamo's
+own figures (``torch._dynamo.utils.compile_times``: the bytecode trace, the
+backend), the pieces' compiles, the fake run of the split module that feeds
+them, each Triton compile (or load from Triton's cache) of this process and
+the thread it ran on, the first size and the other 51. Run it in a fresh
+process with empty caches for a cold start::
+
+    export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
+    python benchmarks/profile_startup.py --out results/
+    python benchmarks/profile_startup.py --out results/ --no-compile-ahead  # (fresh caches again)
+
+``--no-compile-ahead``: the extend kernel's other row tiles are compiled
+when first launched, not ahead on background threads (``launch.py``).
+Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+import types
+from collections import defaultdict
+
+import suite  # noqa: E402 (benchmarks/ is the script's folder)
+import torch
+from triton.runtime.jit import JITFunction
+
+from sgl_piecewise.backends.triton_kernels import extend
+from sgl_piecewise.compile import CompileOptions
+from sgl_piecewise.compile import backend as compile_backend
+from sgl_piecewise.compile.piece_compiler import PieceCompiler
+from sgl_piecewise.runners import PiecewiseCudaGraphRunner
+
+
+class PhaseTimes:
+    """Wall time spent in wrapped functions, and each Triton compile."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+        self.triton = []  # one row per Triton compile (or cache load)
+        self.start = time.perf_counter()
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - t
+
+        setattr(owner, name, timed)
+
+    def wrap_triton_compiles(self) -> None:
+        do_compile = JITFunction._do_compile
+
+        def timed(fn, *args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return do_compile(fn, *args, **kwargs)
+            finally:
+                main = threading.current_thread() is threading.main_thread()
+                self.triton.append({"kernel": fn.fn.__name__, "thread": "main" if main else "background",
+                                    "at_s": round(t - self.start, 3),
+                                    "seconds": round(time.perf_counter() - t, 3)})  # fmt: skip
+
+        JITFunction._do_compile = timed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--no-compile-ahead", action="store_true")
+    cli = p.parse_args()
+    if cli.no_compile_ahead:
+        extend._launch_extend.variants = None
+    args = types.SimpleNamespace(shape="0.5b", device="cuda", backend="triton", context=1024,
+                                 decode_bs=[1, 8, 32], extend=[16])  # fmt: skip
+    model, runner = suite.build(args)
+    times = PhaseTimes()
+    times.wrap(compile_backend._CompilePieces, "run", "split module's fake run, piece compiles included")
+    times.wrap(PieceCompiler, "__call__", "piece compiles")
+    times.wrap_triton_compiles()
+    piecewise = PiecewiseCudaGraphRunner(runner, CompileOptions(cudagraphs=True))
+    times.start = time.perf_counter()
+    seconds = piecewise.capture(progress=False)
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    dynamo = {name: round(float(value), 3) for name, value in zip(names, values)}
+    info = {
+        "shape": args.shape, "torch": torch.__version__, "card": torch.cuda.get_device_name(),
+        "compile_ahead": not cli.no_compile_ahead, "seconds": round(seconds, 3),
+        "first_size_seconds": round(piecewise.first_size_seconds, 3),
+        "other_sizes_seconds": round(seconds - piecewise.first_size_seconds, 3),
+        "phases_seconds": {k: round(v, 3) for k, v in times.seconds.items()},
+        "dynamo_seconds": {k: dynamo[k] for k in ("bytecode_tracing", "OutputGraph.call_user_compiler") if k in dynamo},
+        "triton_compiles": times.triton,
+    }  # fmt: skip
+    print(json.dumps({k: v for k, v in info.items() if k != "triton_compiles"}, indent=1))
+    for row in times.triton:
+        print(f"  triton {row['kernel']:24s} {row['thread']:10s} at {row['at_s']:7.3f} s  {row['seconds']:.3f} s")
+    os.makedirs(cli.out, exist_ok=True)
+    name = "profile_startup_0.5b" + ("_no_compile_ahead" if cli.no_compile_ahead else "") + ".json"
+    json.dump(info, open(os.path.join(cli.out, name), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
