@@ -15,7 +15,11 @@ process with empty caches for a cold start::
 
 ``--no-compile-ahead``: the extend kernel's other row tiles are compiled
 when first launched, not ahead on background threads (``launch.py``).
-Needs CUDA.
+``--cache-dir DIR``: save the compile there, or start from the one saved
+there (``CompileOptions.cache_dir``; the second process is a warm start).
+Each graph capture is timed too (the pieces', and the metadata fill's per
+size): beginning it, the whole of it, ending it (CUDA's instantiation
+included). Needs CUDA.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ import torch
 from triton.runtime.jit import JITFunction
 
 from sgl_piecewise.backends.triton_kernels import extend
-from sgl_piecewise.compile import CompileOptions
+from sgl_piecewise.compile import CompileOptions, counters
 from sgl_piecewise.compile import backend as compile_backend
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
 from sgl_piecewise.runners import PiecewiseCudaGraphRunner
+from sgl_piecewise.runners.capture import GraphCapture
 
 
 class PhaseTimes:
@@ -79,6 +84,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--no-compile-ahead", action="store_true")
+    p.add_argument("--cache-dir", default=None)
     cli = p.parse_args()
     if cli.no_compile_ahead:
         extend._launch_extend.variants = None
@@ -89,19 +95,32 @@ def main() -> None:
     times.wrap(compile_backend._CompilePieces, "run", "split module's fake run, piece compiles included")
     times.wrap(PieceCompiler, "__call__", "piece compiles")
     times.wrap_triton_compiles()
-    piecewise = PiecewiseCudaGraphRunner(runner, CompileOptions(cudagraphs=True))
+    for name in ("record", "begin_graph", "end_graph"):
+        times.wrap(GraphCapture, name, f"graph captures (pieces and metadata fills): {name}")
+    piecewise = PiecewiseCudaGraphRunner(runner, CompileOptions(cudagraphs=True, cache_dir=cli.cache_dir))
+    first_phases = []  # the phases' times when the first size is done
+    dummy_forward = piecewise._dummy_forward
+
+    def size_then_note(num_tokens):
+        dummy_forward(num_tokens)
+        if not first_phases:
+            first_phases.append(dict(times.seconds))
+
+    piecewise._dummy_forward = size_then_note
     times.start = time.perf_counter()
     seconds = piecewise.capture(progress=False)
+    first, others = piecewise.first_size_seconds, seconds - piecewise.first_size_seconds
     from torch._dynamo.utils import compile_times
 
     names, values = compile_times(repr="csv", aggregate=True)
     dynamo = {name: round(float(value), 3) for name, value in zip(names, values)}
     info = {
         "shape": args.shape, "torch": torch.__version__, "card": torch.cuda.get_device_name(),
-        "compile_ahead": not cli.no_compile_ahead, "seconds": round(seconds, 3),
-        "first_size_seconds": round(piecewise.first_size_seconds, 3),
-        "other_sizes_seconds": round(seconds - piecewise.first_size_seconds, 3),
+        "compile_ahead": not cli.no_compile_ahead, "from_saved_compile": counters.compiles_loaded > 0,
+        "seconds": round(seconds, 3), "first_size_seconds": round(first, 3), "other_sizes_seconds": round(others, 3),
         "phases_seconds": {k: round(v, 3) for k, v in times.seconds.items()},
+        "other_sizes_phases_seconds": {k: round(v - first_phases[0].get(k, 0.0), 3) for k, v in times.seconds.items()},
+        "piece_graphs_captured": counters.graphs_captured,
         "dynamo_seconds": {k: dynamo[k] for k in ("bytecode_tracing", "OutputGraph.call_user_compiler") if k in dynamo},
         "triton_compiles": times.triton,
     }  # fmt: skip
@@ -109,7 +128,8 @@ def main() -> None:
     for row in times.triton:
         print(f"  triton {row['kernel']:24s} {row['thread']:10s} at {row['at_s']:7.3f} s  {row['seconds']:.3f} s")
     os.makedirs(cli.out, exist_ok=True)
-    name = "profile_startup_0.5b" + ("_no_compile_ahead" if cli.no_compile_ahead else "") + ".json"
+    name = "profile_startup_0.5b" + ("_no_compile_ahead" if cli.no_compile_ahead else "")
+    name += "_from_saved_compile.json" if info["from_saved_compile"] else ".json"
     json.dump(info, open(os.path.join(cli.out, name), "w"), indent=1)
 
 
