@@ -38,9 +38,10 @@ is still compiling waits for it instead of compiling it again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -159,7 +160,8 @@ class FastLauncher:
     def _first_launch(self, key: Tuple, grid: Sequence[int], args: Sequence[Any], meta: Dict[str, Any]) -> None:
         ahead = self._ahead.pop(key, None)
         if ahead is not None:
-            ahead.result()  # compiling in the background: Triton finds it once done
+            with contextlib.suppress(CancelledError):  # cancelled only while the interpreter exits
+                ahead.result()  # compiling in the background: Triton finds it once done
         kernel = self.fn[grid](*args, **meta)
         constexprs = self._constexpr_values(len(args), meta)
         usable = constexprs is not None and kernel is not None and hasattr(kernel, "packed_metadata")
