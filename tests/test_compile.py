@@ -109,6 +109,34 @@ def test_counters_count_pieces_captures_replays_and_fallbacks():
     assert dict(counters.eager_fallbacks) == {"9 tokens: above the largest capture size 8": 1}
 
 
+def test_the_compile_fake_runs_each_distinct_piece_once(monkeypatch):
+    """Identical pieces have outputs of the same metadata: the compile's fake
+    run of the split module runs the shared middle piece once, and the
+    compiled model still equals eager."""
+    import torch.fx
+
+    ran = []
+    fake_run = torch.fx.Interpreter.call_module
+
+    def counted(self, target, args, kwargs):
+        ran.append(target)
+        return fake_run(self, target, args, kwargs)
+
+    monkeypatch.setattr(torch.fx.Interpreter, "call_module", counted)
+    model, backend = model_and_pools()
+    compiled = CompiledModel(model, CompileOptions(piece_compiler="eager"))
+    batch, out = step(compiled, backend, [0, 3], [5, 2])
+    monkeypatch.undo()
+    # 4 compiled pieces (first, two identical middles, tail) around 3
+    # attention pieces: the second middle is not run.
+    assert counters.pieces_seen == 4 and counters.pieces_compiled == 3
+    assert len(ran) == 3 + 3 and len(set(ran)) == 6, ran
+    backend.init_forward_metadata(batch)
+    with torch.no_grad(), sp.forward_context(batch, backend):
+        want = model(batch.input_ids, batch.positions)
+    torch.testing.assert_close(out, want)
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("piece_compiler", ["eager", "inductor"])
 def test_graphed_generation_equals_eager_over_changing_batches(arch, piece_compiler):

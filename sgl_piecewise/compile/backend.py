@@ -188,7 +188,14 @@ def _install_piece(split_gm: torch.fx.GraphModule, piece: Any, compiled: Any, st
 
 class _CompilePieces(torch.fx.Interpreter):
     """Runs the split module on fake inputs; compiles each piece with the
-    (symbolic) arguments it is actually called with, and swaps it in."""
+    (symbolic) arguments it is actually called with, and swaps it in.
+
+    A piece identical to an earlier one (same structural key: the same ops
+    on inputs of the same shapes, strides and dtypes) has outputs of the
+    same shapes, strides and dtypes: it is not run again, and the earlier
+    piece's fake outputs stand for its own. Only fake tensors are shared
+    so, never data; a model's middle layers then cost one fake run.
+    """
 
     def __init__(self, split_gm, pieces, compiler, state):
         super().__init__(split_gm)
@@ -196,12 +203,19 @@ class _CompilePieces(torch.fx.Interpreter):
         self.compiler = compiler
         self.state = state
         self.compiled: Dict[str, Any] = {}  # piece name -> what it was compiled to
+        self._outputs: Dict[str, Any] = {}  # structural key -> that piece's fake outputs
 
     def call_module(self, target, args, kwargs):
-        result = super().call_module(target, args, kwargs)  # the fake run of a splitting piece needs the dispatcher
         piece = self.pieces[target]
+        key = None if piece.is_splitting_op else self.compiler.key(piece.graph, args)
+        if key is not None and key in self._outputs:
+            result = self._outputs[key]
+        else:
+            result = super().call_module(target, args, kwargs)  # a splitting piece's fake run needs the dispatcher
+            if key is not None:
+                self._outputs[key] = result
         if not piece.is_splitting_op:
-            self.compiled[target] = self.compiler(piece.graph, args)
+            self.compiled[target] = self.compiler(piece.graph, args, key)
         _install_piece(self.module, piece, self.compiled.get(target), self.state)
         return result
 

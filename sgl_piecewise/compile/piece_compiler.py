@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx
@@ -71,9 +71,14 @@ class PieceCompiler:
         self.keep_artifacts = keep_artifacts and compiler == "inductor"
         self.artifacts: List[Any] = []
 
-    def __call__(self, gm: torch.fx.GraphModule, fake_args: Sequence[Any]) -> CompiledPiece:
+    def key(self, gm: torch.fx.GraphModule, fake_args: Sequence[Any]) -> Optional[str]:
+        """The piece's structural key, or None when pieces are not shared."""
+        return structural_key(gm, fake_args) if self.share_identical else None
+
+    def __call__(self, gm: torch.fx.GraphModule, fake_args: Sequence[Any], key: Optional[str] = None) -> CompiledPiece:
+        """``key``: the piece's ``self.key(gm, fake_args)``, when the caller has it."""
         counters.pieces_seen += 1
-        key = structural_key(gm, fake_args) if self.share_identical else None
+        key = key if key is not None else self.key(gm, fake_args)
         if key is not None and key in self._cache:
             return self._cache[key]
         if self.keep_artifacts:
