@@ -243,8 +243,6 @@ def _extend_kernel(
 # Under TRITON_INTERPRET=1, triton.jit yields an interpreter object instead of
 # a JITFunction; its bf16 dot needs the UPCAST workaround (see tiles.mm).
 _INTERPRETED = not isinstance(_extend_kernel, JITFunction)
-# Once per layer per step (launch.py); compiles the other row tiles ahead.
-_launch_extend = FastLauncher(_extend_kernel, variants=lambda meta: row_tile_variants(meta))
 
 
 @functools.lru_cache(maxsize=256)
@@ -314,6 +312,10 @@ def row_tile_variants(meta: dict) -> list:
             variants.append({**meta, "BLOCK_M": block_m, "num_warps": _num_warps(padded, block_m)})
         block_m *= 2
     return variants
+
+
+# Once per layer per step (launch.py); compiles the other row tiles ahead.
+_launch_extend = FastLauncher(_extend_kernel, variants=row_tile_variants)
 
 
 def _check_extend_args(q, k_cache, v_cache, out, custom_mask, mask_indptr) -> None:
