@@ -186,6 +186,22 @@ def _install_piece(split_gm: torch.fx.GraphModule, piece: Any, compiled: Any, st
         )
 
 
+def _one_producer_each(split_gm: torch.fx.GraphModule) -> bool:
+    """Does every piece read the outputs of at most one other piece (besides
+    the graph's inputs)?"""
+    for node in split_gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        producers = set()
+        for arg in node.all_input_nodes:
+            source = arg.args[0] if arg.op == "call_function" and arg.target is operator.getitem else arg
+            if source.op == "call_module":
+                producers.add(source)
+        if len(producers) > 1:
+            return False
+    return True
+
+
 class _CompilePieces(torch.fx.Interpreter):
     """Runs the split module on fake inputs; compiles each piece with the
     (symbolic) arguments it is actually called with, and swaps it in.
@@ -194,7 +210,11 @@ class _CompilePieces(torch.fx.Interpreter):
     on inputs of the same shapes, strides and dtypes) has outputs of the
     same shapes, strides and dtypes: it is not run again, and the earlier
     piece's fake outputs stand for its own. Only fake tensors are shared
-    so, never data; a model's middle layers then cost one fake run.
+    so, never data; a model's middle layers then cost one fake run. Shared
+    outputs are the same objects, so two pieces' outputs would look like one
+    tensor to a piece that read both (a compile could then fold two inputs
+    into one): sharing is on only where every piece reads the outputs of
+    at most one other piece (``_one_producer_each``), as a stack of layers does.
     """
 
     def __init__(self, split_gm, pieces, compiler, state):
@@ -204,11 +224,12 @@ class _CompilePieces(torch.fx.Interpreter):
         self.state = state
         self.compiled: Dict[str, Any] = {}  # piece name -> what it was compiled to
         self._outputs: Dict[str, Any] = {}  # structural key -> that piece's fake outputs
+        self._share_runs = _one_producer_each(split_gm)
 
     def call_module(self, target, args, kwargs):
         piece = self.pieces[target]
         key = None if piece.is_splitting_op else self.compiler.key(piece.graph, args)
-        if key is not None and key in self._outputs:
+        if self._share_runs and key is not None and key in self._outputs:
             result = self._outputs[key]
         else:
             result = super().call_module(target, args, kwargs)  # a splitting piece's fake run needs the dispatcher
