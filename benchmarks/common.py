@@ -7,6 +7,8 @@ runs of the scripts' logic), wall time. Nothing here is a test.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import statistics
 import sys
 import time
@@ -231,3 +233,37 @@ def graph_step_fn(runner, decode_graphs, batch):
         return runner.last_token_logits(decode_graphs.try_replay(batch), batch)
 
     return run
+
+
+@contextlib.contextmanager
+def timed(components: list, totals: collections.Counter, calls: collections.Counter):
+    """Replace each ``(owner, attribute, label)``'s attribute by a timed
+    wrapper (``owner`` a class, or an instance's ``__dict__``) while inside:
+    ``totals[label]`` gets the nanoseconds spent in it, ``calls[label]`` its
+    calls."""
+
+    def put(owner, name, value):
+        if isinstance(owner, dict):
+            owner[name] = value
+        else:
+            setattr(owner, name, value)
+
+    saved = []
+    for owner, name, label in components:
+        fn = owner[name] if isinstance(owner, dict) else getattr(owner, name)
+        saved.append((owner, name, fn))
+
+        def wrapper(*args, _fn=fn, _label=label, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                totals[_label] += time.perf_counter_ns() - start
+                calls[_label] += 1
+
+        put(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        for owner, name, fn in reversed(saved):
+            put(owner, name, fn)

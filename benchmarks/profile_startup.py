@@ -30,10 +30,11 @@ import os
 import threading
 import time
 import types
-from collections import defaultdict
+from collections import Counter
 
-import suite  # noqa: E402 (benchmarks/ is the script's folder)
+import suite
 import torch
+from common import timed  # noqa: E402 (benchmarks/ is the script's folder)
 from triton.runtime.jit import JITFunction
 
 from sgl_piecewise.backends.triton_kernels import extend
@@ -44,40 +45,22 @@ from sgl_piecewise.runners import PiecewiseCudaGraphRunner
 from sgl_piecewise.runners.capture import GraphCapture
 
 
-class PhaseTimes:
-    """Wall time spent in wrapped functions, and each Triton compile."""
+def triton_compiles(since: float) -> list:
+    """Wrap Triton's JIT compile (or cache load) for good: the returned list
+    gets a row per compile, with its kernel, thread, start and seconds."""
+    rows, do_compile = [], JITFunction._do_compile
 
-    def __init__(self):
-        self.seconds = defaultdict(float)
-        self.triton = []  # one row per Triton compile (or cache load)
-        self.start = time.perf_counter()
+    def timed_compile(fn, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return do_compile(fn, *args, **kwargs)
+        finally:
+            main = threading.current_thread() is threading.main_thread()
+            rows.append({"kernel": fn.fn.__name__, "thread": "main" if main else "background",
+                         "at_s": round(t - since, 3), "seconds": round(time.perf_counter() - t, 3)})  # fmt: skip
 
-    def wrap(self, owner, name: str, label: str) -> None:
-        fn = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[label] += time.perf_counter() - t
-
-        setattr(owner, name, timed)
-
-    def wrap_triton_compiles(self) -> None:
-        do_compile = JITFunction._do_compile
-
-        def timed(fn, *args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return do_compile(fn, *args, **kwargs)
-            finally:
-                main = threading.current_thread() is threading.main_thread()
-                self.triton.append({"kernel": fn.fn.__name__, "thread": "main" if main else "background",
-                                    "at_s": round(t - self.start, 3),
-                                    "seconds": round(time.perf_counter() - t, 3)})  # fmt: skip
-
-        JITFunction._do_compile = timed
+    JITFunction._do_compile = timed_compile
+    return rows
 
 
 def main() -> None:
@@ -91,24 +74,26 @@ def main() -> None:
     args = types.SimpleNamespace(shape="0.5b", device="cuda", backend="triton", context=1024,
                                  decode_bs=[1, 8, 32], extend=[16])  # fmt: skip
     model, runner = suite.build(args)
-    times = PhaseTimes()
-    times.wrap(compile_backend._CompilePieces, "run", "split module's fake run, piece compiles included")
-    times.wrap(PieceCompiler, "__call__", "piece compiles")
-    times.wrap_triton_compiles()
-    for name in ("record", "begin_graph", "end_graph"):
-        times.wrap(GraphCapture, name, f"graph captures (pieces and metadata fills): {name}")
+    phases = [
+        (compile_backend._CompilePieces, "run", "split module's fake run, piece compiles included"),
+        (PieceCompiler, "__call__", "piece compiles"),
+        *[(GraphCapture, name, f"graph captures (pieces and metadata fills): {name}")
+          for name in ("record", "begin_graph", "end_graph")],
+    ]  # fmt: skip
     piecewise = PiecewiseCudaGraphRunner(runner, CompileOptions(cudagraphs=True, cache_dir=cli.cache_dir))
-    first_phases = []  # the phases' times when the first size is done
+    totals, calls = Counter(), Counter()  # nanoseconds and calls per phase
+    first_phases = []  # the phases' totals when the first size is done
     dummy_forward = piecewise._dummy_forward
 
     def size_then_note(num_tokens):
         dummy_forward(num_tokens)
         if not first_phases:
-            first_phases.append(dict(times.seconds))
+            first_phases.append(Counter(totals))
 
     piecewise._dummy_forward = size_then_note
-    times.start = time.perf_counter()
-    seconds = piecewise.capture(progress=False)
+    compiles = triton_compiles(since=time.perf_counter())
+    with timed(phases, totals, calls):
+        seconds = piecewise.capture(progress=False)
     first, others = piecewise.first_size_seconds, seconds - piecewise.first_size_seconds
     from torch._dynamo.utils import compile_times
 
@@ -118,14 +103,14 @@ def main() -> None:
         "shape": args.shape, "torch": torch.__version__, "card": torch.cuda.get_device_name(),
         "compile_ahead": not cli.no_compile_ahead, "from_saved_compile": counters.compiles_loaded > 0,
         "seconds": round(seconds, 3), "first_size_seconds": round(first, 3), "other_sizes_seconds": round(others, 3),
-        "phases_seconds": {k: round(v, 3) for k, v in times.seconds.items()},
-        "other_sizes_phases_seconds": {k: round(v - first_phases[0].get(k, 0.0), 3) for k, v in times.seconds.items()},
+        "phases_seconds": {k: round(v / 1e9, 3) for k, v in totals.items()},
+        "other_sizes_phases_seconds": {k: round((v - first_phases[0][k]) / 1e9, 3) for k, v in totals.items()},
         "piece_graphs_captured": counters.graphs_captured,
         "dynamo_seconds": {k: dynamo[k] for k in ("bytecode_tracing", "OutputGraph.call_user_compiler") if k in dynamo},
-        "triton_compiles": times.triton,
+        "triton_compiles": compiles,
     }  # fmt: skip
     print(json.dumps({k: v for k, v in info.items() if k != "triton_compiles"}, indent=1))
-    for row in times.triton:
+    for row in compiles:
         print(f"  triton {row['kernel']:24s} {row['thread']:10s} at {row['at_s']:7.3f} s  {row['seconds']:.3f} s")
     os.makedirs(cli.out, exist_ok=True)
     name = "profile_startup_0.5b" + ("_no_compile_ahead" if cli.no_compile_ahead else "")

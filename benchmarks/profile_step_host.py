@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import os
 import time
@@ -28,7 +27,7 @@ from functools import partial
 
 import suite
 import torch
-from common import free_batch, graph_step_fn, host_ms, step_fn  # noqa: E402 (benchmarks/ is the script's folder)
+from common import free_batch, graph_step_fn, host_ms, step_fn, timed  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.backends.triton_kernels import decode as decode_kernels
 from sgl_piecewise.compile import CompiledModel, compiled_model, piece_graphs
@@ -43,38 +42,6 @@ def dynamo_call(compiled: CompiledModel, input_ids, positions):
     module."""
     with size_oblivious_tracing():
         return compiled.compiled(input_ids, positions)
-
-
-@contextlib.contextmanager
-def timed(components: list, totals: collections.Counter, calls: collections.Counter):
-    """Replace each ``(owner, attribute, label)``'s attribute by a timed
-    wrapper (``owner`` a class, or an instance's ``__dict__``)."""
-
-    def put(owner, name, value):
-        if isinstance(owner, dict):
-            owner[name] = value
-        else:
-            setattr(owner, name, value)
-
-    saved = []
-    for owner, name, label in components:
-        fn = owner[name] if isinstance(owner, dict) else getattr(owner, name)
-        saved.append((owner, name, fn))
-
-        def wrapper(*args, _fn=fn, _label=label, **kwargs):
-            start = time.perf_counter_ns()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                totals[_label] += time.perf_counter_ns() - start
-                calls[_label] += 1
-
-        put(owner, name, wrapper)
-    try:
-        yield
-    finally:
-        for owner, name, fn in reversed(saved):
-            put(owner, name, fn)
 
 
 def profile(run, module, backend) -> list:
