@@ -266,7 +266,7 @@ def extend_kernel_meta(
     """
     group = num_q_heads // num_kv_heads
     padded = triton.next_power_of_2(max(head_dim, dv))
-    block_m, block_n = _tiles(dtype, padded)
+    block_m, block_n = _tiles(dtype == torch.float32, padded)
     block_m = min(block_m, max(MIN_BLOCK_M, triton.next_power_of_2(max_q_len * group)))
     return dict(
         GROUP=group,
@@ -285,9 +285,9 @@ def extend_kernel_meta(
     )
 
 
-def _tiles(dtype: torch.dtype, padded_head: int) -> tuple:
-    """The largest (row, key) tile for this dtype and padded head size."""
-    if dtype == torch.float32:
+def _tiles(fp32: bool, padded_head: int) -> tuple:
+    """The largest (row, key) tile for fp32 or 16-bit inputs and this padded head size."""
+    if fp32:
         return FP32_BLOCK_M, FP32_BLOCK_N
     if padded_head <= 128:
         return EXTEND_BLOCK_M, EXTEND_BLOCK_N
@@ -304,8 +304,7 @@ def row_tile_variants(meta: dict) -> list:
     queries), for the launcher to compile ahead: a start-up that captures
     graphs of 512 down to 1 token otherwise compiles them one by one."""
     padded = max(meta["BLOCK_D"], meta["BLOCK_DV"])
-    dtype = torch.float32 if meta["F32X3"] else torch.bfloat16  # only the fp32 / 16-bit split matters here
-    largest = _tiles(dtype, padded)[0]
+    largest = _tiles(meta["F32X3"], padded)[0]  # F32X3: fp32 inputs
     variants, block_m = [], MIN_BLOCK_M
     while block_m <= largest:
         if block_m != meta["BLOCK_M"]:
