@@ -229,12 +229,13 @@ class _CompilePieces(torch.fx.Interpreter):
     def call_module(self, target, args, kwargs):
         piece = self.pieces[target]
         key = None if piece.is_splitting_op else self.compiler.key(piece.graph, args)
-        if self._share_runs and key is not None and key in self._outputs:
-            result = self._outputs[key]
+        shared = key if self._share_runs else None
+        if shared is not None and shared in self._outputs:
+            result = self._outputs[shared]
         else:
             result = super().call_module(target, args, kwargs)  # a splitting piece's fake run needs the dispatcher
-            if key is not None:
-                self._outputs[key] = result
+            if shared is not None:
+                self._outputs[shared] = result
         if not piece.is_splitting_op:
             self.compiled[target] = self.compiler(piece.graph, args, key)
         _install_piece(self.module, piece, self.compiled.get(target), self.state)
