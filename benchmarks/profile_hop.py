@@ -8,7 +8,9 @@ synchronised only at the end: the Python and launch cost, not the kernels'
 device time. From the whole attention op down to its one launch, the
 unfused K/V write other backends still pay, and, for scale, an empty Triton
 kernel launched the usual way, through ``FastLauncher`` and as a bound
-kernel given addresses.
+kernel given addresses; the decode launch through the CUDA driver (the
+default) and through Triton's compiled launcher; a small graph replayed by
+torch and launched by the driver directly.
 
     python benchmarks/profile_hop.py --out results/
 """
@@ -52,6 +54,30 @@ def per_call_us(fn, n: int = 3000) -> float:
     return 1e6 * seconds / n
 
 
+def graph_launches() -> dict:
+    """A small graph (eight pointwise kernels, like a piece of one layer)
+    replayed through torch and launched by ``cuGraphLaunch`` directly."""
+    import ctypes
+
+    x = torch.randn(8, 896, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x
+        for _ in range(8):
+            y = y * 1.001
+    rows = {"CUDAGraph.replay of an 8-kernel graph": graph.replay}
+    raw_exec = getattr(graph, "raw_cuda_graph_exec", None)
+    if raw_exec is not None:
+        launch = ctypes.CDLL("libcuda.so.1").cuGraphLaunch
+        launch.argtypes, launch.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+        handle = raw_exec()
+        device = torch.cuda.current_device()
+        rows["the same graph, cuGraphLaunch through ctypes"] = lambda: launch(
+            handle, torch._C._cuda_getCurrentRawStream(device)
+        )
+    return rows
+
+
 def calls(runner, batch, ctx) -> dict:
     """What to time: name -> a call of it on the step's tensors (layer 0)."""
     config, pool, be = runner.config, runner.kv_pool, runner.backend
@@ -67,6 +93,9 @@ def calls(runner, batch, ctx) -> dict:
         q, k0, v0, out, *step, be.max_kv_splits, scale, new_k=k, new_v=v, out_cache_loc=loc, num_rows=1
     )
     plan = decode()
+    through_triton = decode()  # the same launch with the driver path switched off: Triton's compiled launcher
+    through_triton.launch(q, k0, v0, out, k, v)
+    through_triton._launch._driver = None
     empty_args = (q, k, v, out, q, k, v, out, q, k, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
     fast_empty = FastLauncher(_empty)
     fast_empty((1,), *empty_args, BLOCK=16)
@@ -77,7 +106,12 @@ def calls(runner, batch, ctx) -> dict:
         "backend.write_kv_and_attend (the step's DecodePlan)": lambda: be.write_kv_and_attend(
             q, k, v, out, 0, batch, scale, 1, loc
         ),
-        "DecodePlan.launch (one layer: K/V write, splits, merge)": lambda: plan.launch(q, k0, v0, out, k, v),
+        "DecodePlan.launch (one layer: K/V write, splits, merge), through the driver": lambda: plan.launch(
+            q, k0, v0, out, k, v
+        ),
+        "DecodePlan.launch through Triton's compiled launcher, addresses as ints": lambda: through_triton.launch(
+            q, k0, v0, out, k, v
+        ),
         "decode_attention (checks, a new plan, its launch)": decode,
         "unfused path for comparison: pool.set_kv (2 index_copy_)": lambda: pool.set_kv(0, loc, k, v),
         "one index_copy_": lambda: k0.index_copy_(0, loc, k),
@@ -85,6 +119,7 @@ def calls(runner, batch, ctx) -> dict:
         "empty Triton kernel through FastLauncher": lambda: fast_empty((1,), *empty_args, BLOCK=16),
         "empty Triton kernel, BoundKernel, addresses as ints": lambda: bound_empty((1,), *empty_addresses),
         "empty torch op (torch.empty(0))": lambda: torch.empty(0, device="cuda"),
+        **graph_launches(),
         "out[1:].zero_() (no-op slice)": lambda: out[1:].zero_(),
     }
 

@@ -170,3 +170,119 @@ def test_extend_row_tile_variants_are_the_launch_settings_shorter_queries_take()
         for meta in metas:
             variants = {tuple(sorted(v.items())) for v in row_tile_variants(meta)}
             assert variants == distinct - {tuple(sorted(meta.items()))}, (heads, head_dim, dtype, meta)
+
+
+# ---- launches through the CUDA driver, arguments packed once ----------------
+
+from sgl_piecewise.backends.triton_kernels import driver_launch as dl  # noqa: E402
+from sgl_piecewise.backends.triton_kernels.launch import StepLaunch  # noqa: E402
+
+
+def test_param_layout_packs_the_arguments_triton_passes_in_order():
+    # _axpy(x, y, out, n, alpha, BLOCK): n == 1 would have been specialised
+    # to a constexpr by Triton, and is then no parameter.
+    layout = dl.param_layout(["*fp32", "*fp32", "*bf16", "i32", "fp32", "constexpr"], 5)
+    assert layout.arg_positions == (0, 1, 2, 3, 4)
+    assert layout.ctypes == (dl._POINTER,) * 3 + (dl.ctypes.c_int32, dl.ctypes.c_float)
+    one = dl.param_layout(["*fp32", "*fp32", "*fp32", "constexpr", "fp32", "constexpr"], 5)
+    assert one.arg_positions == (0, 1, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "signature,num_args,why",
+    [
+        (["*fp32", "i32", "constexpr"], 1, "a runtime argument the launch does not give"),
+        (["*fp32", ("i32", "i32")], 2, "a tuple argument"),
+        (["*fp32", "fp16"], 2, "an fp16 scalar: Triton packs it by hand"),
+        (["tensordesc<fp16[64, 64]>"], 1, "a tensor descriptor"),
+    ],
+)
+def test_param_layout_refuses_what_it_does_not_pack_like_triton(signature, num_args, why):
+    assert dl.param_layout(signature, num_args) is None, why
+
+
+def test_packed_values_are_refused_where_triton_would_raise_or_ctypes_truncate():
+    assert dl.packed_value(dl.ctypes.c_int32, 2**31 - 1).value == 2**31 - 1
+    assert dl.packed_value(dl.ctypes.c_int32, 2**31) is None  # ctypes alone would wrap it to -2**31
+    assert dl.packed_value(dl.ctypes.c_int64, -(2**40)).value == -(2**40)
+    assert dl.packed_value(dl._POINTER, 2**64) is None and dl.packed_value(dl._POINTER, -16) is None
+    assert dl.packed_value(dl.ctypes.c_int32, 3.0) is None  # a float for an int parameter
+    assert dl.packed_value(dl.ctypes.c_float, True) is None
+    assert dl.packed_value(dl.ctypes.c_float, 0.1).value == pytest.approx(0.1, rel=1e-7)
+
+
+@pytest.mark.gpu
+def test_gpu_a_step_launch_goes_through_the_driver_bit_for_bit():
+    x = torch.randn(1000, device="cuda")
+    ys = [torch.randn(1000, device="cuda") for _ in range(3)]
+    outs = [torch.full_like(x, float("nan")) for _ in range(3)]
+    step = StepLaunch(FastLauncher(_axpy), (8,), (x, ys[0], outs[0], 1000, 2.0), {"BLOCK": 128},
+                      layer_positions=(1, 2))  # fmt: skip
+    for y, out in zip(ys, outs):  # the first through Triton, the others through the driver
+        step.launch(y, out)
+    assert step._driver is not None, "the driver launch must be in use on this card"
+    for y, out in zip(ys, outs):
+        normal = torch.full_like(x, float("nan"))
+        _axpy[(8,)](x, y, normal, 1000, 2.0, BLOCK=128)
+        torch.testing.assert_close(out, normal, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_a_driver_launch_is_captured_on_the_current_stream_and_replays_new_data():
+    x, y, out = (torch.randn(256, device="cuda") for _ in range(3))
+    step = StepLaunch(FastLauncher(_axpy), (2,), (x, y, out, 256, 3.0), {"BLOCK": 128}, layer_positions=(2,))
+    step.launch(out)  # through Triton, outside the graph; binds the driver launch
+    assert step._driver is not None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step.launch(out)
+    out.zero_()
+    x.copy_(torch.randn(256, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(out, 3.0 * x + y, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_with_a_launch_hook_set_a_step_launch_goes_through_triton_which_calls_it():
+    x, y, out = (torch.randn(256, device="cuda") for _ in range(3))
+    step = StepLaunch(FastLauncher(_axpy), (2,), (x, y, out, 256, 2.0), {"BLOCK": 128}, layer_positions=(2,))
+    step.launch(out)
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        step.launch(out)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen == ["_axpy"]
+
+
+@pytest.mark.gpu
+def test_gpu_a_layout_is_admitted_only_where_the_driver_records_the_same_parameters():
+    x, y, out = (torch.randn(256, device="cuda") for _ in range(3))
+    launcher = FastLauncher(_axpy)
+    launcher((2,), x, y, out, 256, 2.0, BLOCK=128)
+    kernel = launcher.bound((x, y, out, 256, 2.0), {"BLOCK": 128}).kernel
+    layout = dl.kernel_layout(kernel, 5)
+    assert layout is not None and layout.num_scratch <= dl._MAX_SCRATCH
+    # Three pointers, an i32, an f32, then Triton's scratch pointers.
+    assert dl._driver().params(kernel.function, 10) == (8, 8, 8, 4, 4) + (8,) * layout.num_scratch
+    signature = dict(kernel.src.signature)
+    kernel.src.signature = {**signature, "n": "i64"}  # a layout of an i64 where the kernel has an i32
+    try:
+        assert dl.kernel_layout(kernel, 5) is None
+    finally:
+        kernel.src.signature = signature
+
+
+def test_triton_s_cache_key_is_hashed_ahead_once_and_is_the_one_triton_computes():
+    from triton.runtime.cache import triton_key
+
+    from sgl_piecewise.backends.triton_kernels import launch
+
+    launch.hash_triton_sources_ahead()
+    ahead = launch._triton_key_ahead
+    launch.hash_triton_sources_ahead()  # once per process
+    assert launch._triton_key_ahead is ahead
+    launch._wait_for_triton_key()
+    assert ahead.done() and ahead.result() == triton_key()

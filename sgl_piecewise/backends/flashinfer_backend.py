@@ -102,6 +102,7 @@ class FlashInferBackend(StaticGraphBackend):
         self._flashinfer = import_flashinfer()
         # Triton comes with torch on CUDA (and the gpu extra); its one-launch
         # fill replaces some 20 small torch kernels a step.
+        from sgl_piecewise.backends.triton_kernels.launch import hash_triton_sources_ahead
         from sgl_piecewise.backends.triton_kernels.metadata_fill import fill_paged_metadata
 
         self._fill_paged = fill_paged_metadata
@@ -110,6 +111,7 @@ class FlashInferBackend(StaticGraphBackend):
                 f"flashinfer backend: expected a KV pool on a CUDA device, got {kv_pool.device}; "
                 f"use the torch or triton backend on this device"
             )
+        hash_triton_sources_ahead()
         if not isinstance(num_q_heads, int) or num_q_heads <= 0 or num_q_heads % kv_pool.num_kv_heads:
             raise InvalidInputError(
                 f"num_q_heads: expected a positive multiple of the pool's {kv_pool.num_kv_heads} "

@@ -37,6 +37,7 @@ from sgl_piecewise.backends.triton_kernels import (
     grid_kv_splits,
 )
 from sgl_piecewise.backends.triton_kernels.decode import _INTERPRETED
+from sgl_piecewise.backends.triton_kernels.launch import hash_triton_sources_ahead
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode
@@ -107,6 +108,8 @@ class TritonBackend(StaticGraphBackend):
                 f"kv heads (it sizes the decode scratch), got {num_q_heads!r}"
             )
         self.max_kv_splits = check_positive_int("max_kv_splits", max_kv_splits)
+        if kv_pool.device.type == "cuda":
+            hash_triton_sources_ahead()
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         # One key per padded request: one split, one tile, no empty-range work.

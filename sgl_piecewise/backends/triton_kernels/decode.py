@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from sgl_piecewise.backends.triton_kernels.launch import FastLauncher
+from sgl_piecewise.backends.triton_kernels.launch import FastLauncher, StepLaunch
 from sgl_piecewise.backends.triton_kernels.tiles import (
     check_attention_args,
     check_last_dim_contiguous,
@@ -493,69 +493,45 @@ class DecodePlan:
         self.meta = decode_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, launch, new_k is not None)
         self.grid = (rows, num_kv_heads * self.meta["HEAD_BLOCKS"], splits)
         self.new_kv = new_k is not None
-        self.num_rows = bs
-        # Per-step arguments, in the kernel's order around the per-layer ones.
-        self._metadata = (out_cache_loc, kv_indptr, kv_indices, num_kv_splits, attn_logits, attn_lse, merge_counts)
-        self._scale = sm_scale * _LOG2E
-        self._scratch_strides = (
-            *attn_logits.stride()[:3], *attn_lse.stride()[:2], merge_counts.stride(0),
-        )  # fmt: skip
-        self._splits = splits
         self._layout = layer_layout(q, k_cache, v_cache, out, new_k, new_v)
-        self._bound = None  # (BoundKernel, per-step addresses) after the first launch
-        self._tail = ()
-        self._bindable = True
-
-    def _args(self, q, k_cache, v_cache, out, new_k, new_v, metadata) -> tuple:
-        new_k, new_v = (new_k, new_v) if self.new_kv else (q, q)  # not read when the launch writes no K/V
-        loc, kv_indptr, kv_indices, num_kv_splits, attn_logits, attn_lse, merge_counts = metadata
-        loc = q if loc is None else loc
-        return (
-            q, k_cache, v_cache, new_k, new_v, loc, kv_indptr, kv_indices, num_kv_splits,
-            attn_logits, attn_lse, merge_counts, out, self.num_rows, self._scale,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
-            *self._scratch_strides, out.stride(0), out.stride(1), self._splits,
-        )  # fmt: skip
+        metadata = (out_cache_loc, kv_indptr, kv_indices, num_kv_splits, attn_logits, attn_lse, merge_counts)
+        args = _decode_args(q, k_cache, v_cache, out, new_k, new_v, metadata, bs, sm_scale * _LOG2E, splits)
+        self._launch = StepLaunch(_launch_decode, self.grid, args, self.meta, layer_positions=_LAYER_ARGS)
 
     def launch(self, q, k_cache, v_cache, out, new_k=None, new_v=None) -> bool:
         """Attend one layer: ``q, out`` (and ``new_k, new_v``) are its
         tensors, ``k_cache, v_cache`` its pools; the rest is the plan's.
         Returns False, launching nothing, when the layer's tensors are laid
         out unlike the first layer's (build a plan for them)."""
-        layout = layer_layout(q, k_cache, v_cache, out, new_k, new_v)
-        if layout != self._layout:
+        if layer_layout(q, k_cache, v_cache, out, new_k, new_v) != self._layout:
             return False
         if self.grid[0] == 0:
             return True
-        if self._bound is not None:
-            ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr())
-            new = (new_k.data_ptr(), new_v.data_ptr()) if self.new_kv else ptrs[:1] * 2
-            if not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | new[0] | new[1]) & 15:  # as compiled: 16-byte aligned
-                kernel, metadata = self._bound
-                try:
-                    kernel(self.grid, ptrs[0], ptrs[1], ptrs[2], *new, *metadata, ptrs[3], *self._tail)
-                    return True
-                except TypeError:  # a launcher that takes no addresses: it parsed, launched nothing
-                    self._bindable = False
-                    self._bound = None
-        args = self._args(q, k_cache, v_cache, out, new_k, new_v, self._metadata)
-        _launch_decode(self.grid, *args, **self.meta)
-        if self._bindable:
-            self._bind(args)
+        if self.new_kv:
+            self._launch.launch(q, k_cache, v_cache, new_k, new_v, out)
+        else:  # no new K/V to write: q stands in for them, unread
+            self._launch.launch(q, k_cache, v_cache, q, q, out)
         return True
 
-    def _bind(self, args: tuple) -> None:
-        """After a launch through the launcher: keep its compiled kernel and
-        the per-step tensors as addresses, if the layer's tensors were 16-byte
-        aligned, as the next launches' are checked to be."""
-        kernel = _launch_decode.bound(args, self.meta)
-        # The step's tensors keep their addresses (the kernel was compiled for
-        # their alignment); a layer's own are checked to be aligned at launch.
-        layer_tensors = (args[0], args[1], args[2], args[3], args[4], args[12])
-        if kernel is not None and all(t.data_ptr() % 16 == 0 for t in layer_tensors):
-            self._bound = (kernel, tuple(t.data_ptr() for t in args[5:12]))
-            self._tail = args[13:]  # the scalars after `out`
+
+# The kernel's arguments that are one layer's own: q, its pools, its new K/V, out.
+_LAYER_ARGS = (0, 1, 2, 3, 4, 12)
+
+
+def _decode_args(q, k_cache, v_cache, out, new_k, new_v, metadata, num_rows: int, scale_log2: float,
+                 splits: int) -> tuple:  # fmt: skip
+    """The kernel's runtime arguments, in its order."""
+    new_k, new_v = (new_k, new_v) if new_k is not None else (q, q)  # not read when the launch writes no K/V
+    loc, kv_indptr, kv_indices, num_kv_splits, attn_logits, attn_lse, merge_counts = metadata
+    loc = kv_indptr if loc is None else loc  # not read either; a step tensor, never a layer's
+    return (
+        q, k_cache, v_cache, new_k, new_v, loc, kv_indptr, kv_indices, num_kv_splits,
+        attn_logits, attn_lse, merge_counts, out, num_rows, scale_log2,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
+        *attn_logits.stride()[:3], *attn_lse.stride()[:2], merge_counts.stride(0),
+        out.stride(0), out.stride(1), splits,
+    )  # fmt: skip
 
 
 def decode_attention(
