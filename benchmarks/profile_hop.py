@@ -8,9 +8,8 @@ synchronised only at the end: the Python and launch cost, not the kernels'
 device time. From the whole attention op down to its one launch, the
 unfused K/V write other backends still pay, and, for scale, an empty Triton
 kernel launched the usual way, through ``FastLauncher`` and as a bound
-kernel given addresses; the decode launch through the CUDA driver (the
-default) and through Triton's compiled launcher; a small graph replayed by
-torch and launched by the driver directly.
+kernel given addresses; a small graph replayed by torch and launched by
+the driver directly.
 
     python benchmarks/profile_hop.py --out results/
 """
@@ -93,9 +92,6 @@ def calls(runner, batch, ctx) -> dict:
         q, k0, v0, out, *step, be.max_kv_splits, scale, new_k=k, new_v=v, out_cache_loc=loc, num_rows=1
     )
     plan = decode()
-    through_triton = decode()  # the same launch with the driver path switched off: Triton's compiled launcher
-    through_triton.launch(q, k0, v0, out, k, v)
-    through_triton._launch._driver = None
     empty_args = (q, k, v, out, q, k, v, out, q, k, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
     fast_empty = FastLauncher(_empty)
     fast_empty((1,), *empty_args, BLOCK=16)
@@ -106,12 +102,7 @@ def calls(runner, batch, ctx) -> dict:
         "backend.write_kv_and_attend (the step's DecodePlan)": lambda: be.write_kv_and_attend(
             q, k, v, out, 0, batch, scale, 1, loc
         ),
-        "DecodePlan.launch (one layer: K/V write, splits, merge), through the driver": lambda: plan.launch(
-            q, k0, v0, out, k, v
-        ),
-        "DecodePlan.launch through Triton's compiled launcher, addresses as ints": lambda: through_triton.launch(
-            q, k0, v0, out, k, v
-        ),
+        "DecodePlan.launch (one layer: K/V write, splits, merge)": lambda: plan.launch(q, k0, v0, out, k, v),
         "decode_attention (checks, a new plan, its launch)": decode,
         "unfused path for comparison: pool.set_kv (2 index_copy_)": lambda: pool.set_kv(0, loc, k, v),
         "one index_copy_": lambda: k0.index_copy_(0, loc, k),

@@ -694,8 +694,8 @@ def test_gpu_decode_with_new_kv_merges_by_the_last_split_on_every_launch():
     kv_lens = [rng.randint(1, 1100) for _ in range(64)]
     cuda = torch.device("cuda")
     _, plan = _check_decode_with_new_kv(torch.bfloat16, kv_lens, cuda, hq=14, hkv=2, d=64, max_splits=8, launches=30)
-    # Its next layer launches through the driver: the step's slots need no 16-byte alignment.
-    assert plan._launch._driver is not None
+    # Its next layer launches through the bound kernel: the step's slots need no 16-byte alignment.
+    assert plan._launch._kernel is not None
 
 
 @pytest.mark.gpu
@@ -710,9 +710,9 @@ def test_gpu_decode_plan_bound_launch_equals_a_fresh_call_bit_for_bit():
     outs = [torch.empty(4, hq, d, device=cuda, dtype=torch.bfloat16) for _ in range(3)]
     plan = decode_attention(base.q, base.k_cache, base.v_cache, outs[0], base.kv_indptr, base.kv_indices,
                             *scratch, splits, 16, 0.125)  # fmt: skip
-    for _ in range(2):  # the second launch of a plan goes through the driver, its arguments packed once
+    for _ in range(2):  # the second launch of a plan goes through its bound kernel
         assert plan.launch(base.q, layers[1].k_cache, layers[1].v_cache, outs[1])
-    assert plan._launch._driver is not None
+    assert plan._launch._kernel is not None
     decode_attention(base.q, layers[1].k_cache, layers[1].v_cache, outs[2], base.kv_indptr, base.kv_indices,
                      *_decode_scratch(4, hq, d, 16, cuda), splits, 16, 0.125)  # fmt: skip
     assert torch.equal(outs[1], outs[2])
@@ -731,12 +731,12 @@ def test_gpu_extend_plan_bound_launches_equal_the_unfused_path_bit_for_bit():
     out = torch.full((rows, hq, d), float("nan"), device=cuda, dtype=torch.bfloat16)
     plan = ExtendPlan(q, b.k_cache, b.v_cache, out, b.qo_indptr, b.kv_indptr, b.kv_indices, 100, 0.125,
                       new_k=new_k, new_v=new_v, out_cache_loc=loc, num_rows=t)  # fmt: skip
-    for _ in range(3):  # later launches go through the driver, their arguments packed once
+    for _ in range(3):  # later launches go through the bound kernels, pointers as integers
         out.fill_(float("nan"))
         assert plan.launch(q, b.k_cache, b.v_cache, out, new_k, new_v)
         assert torch.equal(b.k_cache, want_k) and torch.equal(b.v_cache, want_v)
         assert torch.equal(out[:t], want) and not out[t:].any()
-    assert plan._attend._driver is not None and plan._store._driver is not None
+    assert plan._attend._kernel is not None and plan._store._kernel is not None
 
 
 @pytest.mark.gpu

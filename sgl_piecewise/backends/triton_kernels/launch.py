@@ -21,12 +21,6 @@ ones it gets. :meth:`FastLauncher.bound` hands that kernel to a caller that
 launches it many times with arguments of one specialisation
 (``decode.DecodePlan``, and :class:`StepLaunch` for the extend steps).
 
-:class:`StepLaunch` goes one step further for the launches repeated once
-per layer: their arguments are packed once for the CUDA driver, and each
-launch rewrites the layer's pointers and calls ``cuLaunchKernel``
-(``driver_launch.py``), past Triton's launcher, which parses every argument
-from Python on every call.
-
 Anything unexpected (the Triton interpreter, a Triton whose compiled-kernel
 launcher takes other arguments) falls back to ``kernel[grid](...)`` for good.
 Launch hooks (a profiler's) are called as ``JITFunction.run`` calls them;
@@ -52,9 +46,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from triton.runtime.jit import JITFunction
-
-from sgl_piecewise.backends.triton_kernels import driver_launch
-from sgl_piecewise.backends.triton_kernels.driver_launch import DriverLaunch
 
 try:  # the launch hooks' home since Triton 3.4
     from triton import knobs as _knobs
@@ -142,17 +133,6 @@ class BoundKernel:
 
     def __init__(self, kernel: Any, constexprs: Tuple):
         self.kernel, self.constexprs = kernel, constexprs
-        self._layouts: Dict[int, Optional[driver_launch.ParamLayout]] = {}  # by number of runtime arguments
-
-    def prepare(self, grid: Sequence[int], args: Sequence[Any], changing: Sequence[int]) -> Optional["DriverLaunch"]:
-        """This kernel's launch with ``args`` (pointers as device addresses)
-        packed for the CUDA driver, the pointers at ``changing`` given anew
-        at each launch (``driver_launch.DriverLaunch``); None where it does
-        not pack, and the launch stays with Triton's launcher."""
-        n = len(args)
-        if n not in self._layouts:
-            self._layouts[n] = driver_launch.kernel_layout(self.kernel, n)
-        return driver_launch.prepare(self.kernel, self._layouts[n], grid, args, changing)
 
     def __call__(self, grid: Sequence[int], *args: Any) -> None:
         kernel = self.kernel
@@ -273,14 +253,11 @@ class StepLaunch:
     """One kernel launched once per layer of a step with the same arguments
     but a layer's own tensors (at ``layer_positions`` of ``args``).
 
-    The first launch goes through the ``FastLauncher``; later ones, while the
-    layer's tensors are 16-byte aligned as the first layer's were (the
-    kernel was compiled for that), through the CUDA driver with the
-    arguments packed once (``driver_launch.DriverLaunch``), or where they do
-    not pack, or a launch hook (a profiler's) is set, through the compiled
-    kernel with every pointer given as a device address; an unaligned layer
-    goes through the launcher again. The caller compares a layer's shapes,
-    strides and dtypes with the first's.
+    The first launch goes through the ``FastLauncher``; later ones through
+    its compiled kernel with every pointer given as a device address, while
+    the layer's tensors are 16-byte aligned as the first layer's were (the
+    kernel was compiled for that), else through the launcher again. The
+    caller compares a layer's shapes, strides and dtypes with the first's.
     """
 
     def __init__(self, launcher: FastLauncher, grid: Tuple[int, ...], args: Sequence[Any],
@@ -293,16 +270,12 @@ class StepLaunch:
         self._args = [None if i in layer_positions else a for i, a in enumerate(args)]
         self._addresses: Optional[List[Any]] = None  # after the first launch: every pointer as an int
         self._kernel: Optional[BoundKernel] = None
-        self._driver: Optional[DriverLaunch] = None
         self._bindable = True
 
     def launch(self, *layer_tensors: torch.Tensor) -> None:
         if self._kernel is not None:
             ptrs = [t.data_ptr() for t in layer_tensors]
             if not any(p & 15 for p in ptrs):
-                if self._driver is not None and not _hooked():
-                    self._driver.launch(ptrs)
-                    return
                 args = self._addresses.copy()
                 for i, p in zip(self.layer_positions, ptrs):
                     args[i] = p
@@ -310,7 +283,7 @@ class StepLaunch:
                     self._kernel(self.grid, *args)
                     return
                 except TypeError:  # a launcher that takes no addresses: it parsed, launched nothing
-                    self._bindable, self._kernel, self._driver = False, None, None
+                    self._bindable, self._kernel = False, None
         args = self._args.copy()
         for i, t in zip(self.layer_positions, layer_tensors):
             args[i] = t
@@ -323,10 +296,3 @@ class StepLaunch:
         if kernel is not None and all(t.data_ptr() % 16 == 0 for t in layer_tensors):
             self._kernel = kernel
             self._addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
-            self._driver = kernel.prepare(self.grid, self._addresses, self.layer_positions)
-
-
-def _hooked() -> bool:
-    """Is a launch hook set (a profiler's)? Only Triton's launcher calls them."""
-    runtime = _knobs.runtime
-    return _active(runtime.launch_enter_hook) is not None or _active(runtime.launch_exit_hook) is not None
