@@ -324,6 +324,48 @@ def test_rejected_fill_leaves_every_buffer_unchanged():
     assert torch.equal(good.buffer, before) and reg.stats.fills == 0
 
 
+def test_rejected_fill_of_planned_sizes_leaves_every_buffer_unchanged():
+    reg = decode_()
+    reg.fill_from(_decode_sources(3), FillContext.uniform(3, 4))  # plans the fill of these sizes
+    before = {slot.name: scramble(slot) for slot in reg if slot.buffer.dim()}
+    sources = _decode_sources(3)
+    sources["seq_lens"] = rand(4, I32)  # one source of the wrong length, after good ones
+    with bad(r"slot 'seq_lens': source: expected shape \[3\]"):
+        reg.fill_from(sources, FillContext.uniform(3, 4))
+    assert all(torch.equal(reg.get_slot(name).buffer, b) for name, b in before.items())
+    assert reg.stats.fills == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(0, MAX_BS), st.integers(0, MAX_BS)), min_size=1, max_size=6),
+    poison=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_a_planned_fill_writes_what_the_checked_fill_writes(sizes, poison, seed):
+    # The same values reach two registries: as they are (the planned fill),
+    # and with input_ids as int32, whose cast sends every fill of the second
+    # down the checked path. Sizes repeat and change, so plans are reused.
+    torch.manual_seed(seed)
+    planned, checked = decode_(poison_tails=poison), decode_(poison_tails=poison)
+    for a, b in zip(planned, checked):
+        a.buffer.copy_(torch.randint(1, 1000, a.buffer.shape, dtype=a.buffer.dtype))
+        b.buffer.copy_(a.buffer)
+    calls = []
+    real = CudaGraphBufferRegistry._fill_checked
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CudaGraphBufferRegistry, "_fill_checked", lambda r, *a: (calls.append(r), real(r, *a)))
+        for x, y in sizes:
+            raw, padded = min(x, y), max(x, y)
+            sources = _decode_sources(raw)
+            cast = {**sources, "input_ids": sources["input_ids"].to(I32)}
+            planned.fill_from(sources, FillContext.uniform(raw, padded))
+            checked.fill_from(cast, FillContext.uniform(raw, padded))
+            for a, b in zip(planned, checked):
+                assert torch.equal(a.buffer, b.buffer), (a.name, raw, padded)
+    assert calls == [checked] * len(sizes)
+
+
 # ---- grouped copy ------------------------------------------------------------
 def test_one_foreach_copy_per_dtype_pair(monkeypatch):
     real, calls = torch._foreach_copy_, []

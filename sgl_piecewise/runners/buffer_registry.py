@@ -23,6 +23,14 @@ One ``fill_from(batch, ctx)``:
    (device, dst dtype, src dtype) group, per tensor if that call raises;
 4. runs the ``post_fill(slot, batch, ctx)`` hooks in registration order.
 
+Steps 2 and 3 are the same for every fill of one set of sizes, so the
+registry plans them once per set (:class:`_FillPlan`: the views to copy
+into, grouped, and the tails to reset). A fill whose every source copies as
+it is (the usual step: the slot's dtype and device, the raw rows' shape)
+runs the plan after checking only that; any other fill (a cast, a missing
+source, an error to report) takes the checked path of steps 1-3, which
+writes the same values.
+
 ``graph_slot`` defines the slot, its policies and ``FillContext``
 (re-exported here); ``input_registries`` declares the registries of the
 runners (``build_decode_registry``, ``build_prefill_registry``) and the pool
@@ -82,6 +90,14 @@ class _Fill(NamedTuple):
     padded: int
 
 
+class _FillPlan(NamedTuple):
+    """A fill of one set of sizes whose sources copy as they are."""
+
+    sources: Tuple[Tuple[GraphSlot, Optional[int]], ...]  # every copied slot, rows of its source (None: all)
+    groups: Tuple[Tuple[List[torch.Tensor], Tuple[int, ...]], ...]  # per copy group: views, indexes of sources
+    tails: Tuple[Tuple[torch.Tensor, PadValue], ...]  # padded tails and the value each gets
+
+
 def _poison_value(dtype: torch.dtype) -> PadValue:
     """A value no real input has: NaN, or the most negative int (a wild index)."""
     if dtype.is_floating_point or dtype.is_complex:
@@ -135,6 +151,34 @@ def _check_source(slot: GraphSlot, src: object, raw: int) -> None:
         raise InvalidInputError(f"{where}: expected shape {list(want)} ({why}), got {list(src.shape)}")
 
 
+def _tail_value(slot: GraphSlot, poison_tails: bool) -> Optional[PadValue]:
+    """What a fill writes into the slot's padded tail (None: nothing)."""
+    policy = slot.padding_policy
+    if policy is PaddingPolicy.FILL_SENTINEL:
+        return slot.pad_value
+    if policy is PaddingPolicy.ZERO:
+        return 0
+    if policy is PaddingPolicy.KEEP_PAD and poison_tails:
+        return _poison_value(slot.dtype)
+    return None
+
+
+def _usual_sources(plan: _FillPlan, batch: Any) -> Optional[List[torch.Tensor]]:
+    """Every copied slot's source, if each copies as it is; else None."""
+    sources = []
+    for slot, rows in plan.sources:
+        src = _source(slot, batch)
+        if not copies_as_is(src, slot.buffer, rows):
+            return None
+        sources.append(src)
+    return sources
+
+
+# Plans kept per registry: one per set of sizes filled, bounded against a
+# caller that fills ever new raw counts.
+_MAX_PLANS = 1024
+
+
 class CudaGraphBufferRegistry:
     """Owns the static inputs of one runner's graphs (module docstring: fill steps).
 
@@ -161,6 +205,7 @@ class CudaGraphBufferRegistry:
         self.poison_tails = bool(poison_tails)
         self.stats = RegistryStats()
         self._slots: Dict[str, GraphSlot] = {}
+        self._plans: Dict[Tuple[int, int, int, int], _FillPlan] = {}  # by the sizes of a FillContext
 
     # ---- declaration ------------------------------------------------------
     def register_slot(
@@ -195,6 +240,7 @@ class CudaGraphBufferRegistry:
         buffer = self._allocate(slot, device) if slot.buffer is None else self._adopt(slot, device)
         slot = dataclasses.replace(slot, device=device, buffer=buffer)
         self._slots[slot.name] = slot
+        self._plans.clear()
         return slot
 
     def _rows_needed(self, axis: str) -> Optional[int]:
@@ -281,6 +327,23 @@ class CudaGraphBufferRegistry:
         are the slot names) or a mapping name -> tensor; hooks receive it as is.
         """
         self._check_ctx(ctx)
+        plan = self._fill_plan(ctx)
+        sources = _usual_sources(plan, batch_or_sources)
+        if sources is None:
+            self._fill_checked(batch_or_sources, ctx)
+        else:
+            for tail, value in plan.tails:
+                tail.fill_(value)
+            for dsts, which in plan.groups:
+                self._copy_group(dsts, [sources[i] for i in which])
+        for slot in self._slots.values():
+            if slot.post_fill is not None:
+                slot.post_fill(slot, batch_or_sources, ctx)
+        self.stats.fills += 1
+
+    def _fill_checked(self, batch_or_sources: Any, ctx: FillContext) -> None:
+        """Steps 1-3 for any sources: each resolved and checked, with the
+        error that names the slot, then tails reset and heads copied."""
         # Check everything first: a rejected fill must not leave half a step behind.
         plans = (self._plan(slot, batch_or_sources, ctx) for slot in self._slots.values())
         fills = [f for f in plans if f is not None]
@@ -292,10 +355,34 @@ class CudaGraphBufferRegistry:
                 dsts.append(f.slot.buffer if f.slot.axis == "none" else f.slot.buffer[: f.raw])
                 srcs.append(f.src)
         self._copy_grouped(dsts, srcs)
+
+    def _fill_plan(self, ctx: FillContext) -> _FillPlan:
+        """Steps 2 and 3 for sources that copy as they are, planned once per
+        set of sizes: what :meth:`_fill_checked` would write for them."""
+        key = (ctx.raw_bs, ctx.padded_bs, ctx.raw_num_tokens, ctx.padded_num_tokens)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        sources, tails = [], []
+        groups: Dict[Tuple[torch.device, torch.dtype], Tuple[list, list]] = {}
         for slot in self._slots.values():
-            if slot.post_fill is not None:
-                slot.post_fill(slot, batch_or_sources, ctx)
-        self.stats.fills += 1
+            if not slot.copy_from_fb:
+                continue
+            raw, padded = (None, None) if slot.axis == "none" else ctx.counts(slot.axis)
+            dst = slot.buffer if raw is None else slot.buffer[:raw]
+            if dst.numel():
+                group = groups.setdefault((dst.device, dst.dtype), ([], []))
+                group[0].append(dst)
+                group[1].append(len(sources))
+            sources.append((slot, raw))
+            tail = _tail_value(slot, self.poison_tails) if raw is not None and raw < padded else None
+            if tail is not None:
+                tails.append((slot.buffer[raw:padded], tail))
+        plan = _FillPlan(tuple(sources), tuple((d, tuple(i)) for d, i in groups.values()), tuple(tails))
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
 
     def _check_ctx(self, ctx: FillContext) -> None:
         if not isinstance(ctx, FillContext):
@@ -334,14 +421,9 @@ class CudaGraphBufferRegistry:
             return
         if slot.axis == "none" or f.raw == f.padded:
             return
-        tail = buf[f.raw : f.padded]
-        policy = slot.padding_policy
-        if policy is PaddingPolicy.FILL_SENTINEL:
-            tail.fill_(slot.pad_value)
-        elif policy is PaddingPolicy.ZERO:
-            tail.zero_()
-        elif policy is PaddingPolicy.KEEP_PAD and self.poison_tails:
-            tail.fill_(_poison_value(slot.dtype))
+        value = _tail_value(slot, self.poison_tails)
+        if value is not None:
+            buf[f.raw : f.padded].fill_(value)
 
     def _copy_grouped(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
         # One foreach call takes tensors of one device, and its fast path one

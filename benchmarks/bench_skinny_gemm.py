@@ -1,0 +1,134 @@
+"""Linear layers at decode batch sizes: cuBLAS against a Triton kernel with
+no split-K (a script, not a test).
+
+For each weight shape of the suite's two models and M = 1 / 8 / 32 rows,
+``F.linear`` (cuBLAS) and a Triton kernel that gives each program a band of
+output columns and the whole reduction, over a sweep of its launch
+settings. Each time is one linear of a CUDA graph that runs the layer's
+linear over 24 copies of its weight in turn (as a step reads each layer's
+weights once: no copy stays in L2), median of CUDA-event timings of the
+graph. Prints the best setting per shape, its time against cuBLAS's, and the
+copy-rate floor of the weight read.
+
+    python benchmarks/bench_skinny_gemm.py --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from common import copy_rate, median_ms  # noqa: E402 (benchmarks/ is the script's folder)
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    for k in range(0, K, BLOCK_K):
+        kk = k + ks
+        x = tl.load(x_rows + kk[None, :], mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=(cols[:, None] < N) & (kk[None, :] < K), other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def triton_linear(x, w, b, out, block_n, block_k, warps, stages):
+    m, k = x.shape
+    n = w.shape[0]
+    block_m = max(16, triton.next_power_of_2(m))
+    _linear_kernel[(triton.cdiv(n, block_n),)](
+        x, w, b if b is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=b is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+SHAPES = {  # name: (in, out, bias)
+    "0.5b qkv": (896, 1152, True),
+    "0.5b o": (896, 896, False),
+    "0.5b gate_up": (896, 9728, False),
+    "0.5b down": (4864, 896, False),
+    "1b qkv": (2048, 3072, False),
+    "1b o": (2048, 2048, False),
+    "1b gate_up": (2048, 16384, False),
+    "1b down": (8192, 2048, False),
+}
+COPIES = 24
+
+
+def graph_ms(step) -> float:
+    """One call of ``step(i)`` per weight copy, captured once; ms per call."""
+    for i in range(COPIES):
+        step(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(COPIES):
+            step(i)
+    return median_ms(graph.replay, 5, 30) / COPIES
+
+
+def sweep(name, m, rate) -> dict:
+    k, n, has_bias = SHAPES[name]
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(COPIES)]
+    bs = [torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None for _ in range(COPIES)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(x, ws[0], bs[0])
+    row = {"cublas_ms": graph_ms(lambda i: F.linear(x, ws[i], bs[i])), "floor_ms": 1e3 * n * k * 2 / rate}
+    best = None
+    for block_n, block_k, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 6)):
+        try:
+            triton_linear(x, ws[0], bs[0], out, block_n, block_k, warps, stages)
+            err = float((out.float() - want.float()).abs().max())
+            ms = graph_ms(lambda i: triton_linear(x, ws[i], bs[i], out, block_n, block_k, warps, stages))
+        except Exception as e:  # out of shared memory or registers: not a candidate
+            print(f"  skip {name} m={m} {(block_n, block_k, warps, stages)}: {type(e).__name__}", file=sys.stderr)
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, (block_n, block_k, warps, stages), err)
+    row.update(triton_ms=best[0], triton_config=best[1], triton_max_err=best[2])
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--m", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rate = copy_rate()
+    result = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "date": time.strftime("%Y-%m-%d", time.gmtime()), "copy_rate_Bps": rate, "rows": {}}  # fmt: skip
+    for name in args.shapes:
+        for m in args.m:
+            row = sweep(name, m, rate)
+            result["rows"][f"{name} m={m}"] = row
+            print(f"{name:14s} m={m:3d} cublas {1e3 * row['cublas_ms']:6.2f} us  triton {1e3 * row['triton_ms']:6.2f} us "
+                  f"({row['triton_ms'] / row['cublas_ms']:.2f}x) {row['triton_config']}  floor {1e3 * row['floor_ms']:5.2f} us"
+                  f"  err {row['triton_max_err']:.3g}", flush=True)  # fmt: skip
+    json.dump(result, open(os.path.join(args.out, "skinny_gemm.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
