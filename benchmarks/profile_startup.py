@@ -17,6 +17,9 @@ process with empty caches for a cold start::
 when first launched, not ahead on background threads (``launch.py``).
 ``--cache-dir DIR``: save the compile there, or start from the one saved
 there (``CompileOptions.cache_dir``; the second process is a warm start).
+``--no-hash-ahead``: Triton's cache key is computed at the first kernel
+Triton looks up, not on a background thread from the backend's creation on
+(``launch.hash_triton_sources_ahead``).
 Each graph capture is timed too (the pieces', and the metadata fill's per
 size): beginning it, the whole of it, ending it (CUDA's instantiation
 included). Needs CUDA.
@@ -37,6 +40,7 @@ import torch
 from common import timed  # noqa: E402 (benchmarks/ is the script's folder)
 from triton.runtime.jit import JITFunction
 
+from sgl_piecewise.backends import triton_backend
 from sgl_piecewise.backends.triton_kernels import extend
 from sgl_piecewise.compile import CompileOptions, counters
 from sgl_piecewise.compile import backend as compile_backend
@@ -68,9 +72,12 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--no-compile-ahead", action="store_true")
     p.add_argument("--cache-dir", default=None)
+    p.add_argument("--no-hash-ahead", action="store_true")
     cli = p.parse_args()
     if cli.no_compile_ahead:
         extend._launch_extend.variants = None
+    if cli.no_hash_ahead:
+        triton_backend.hash_triton_sources_ahead = lambda: None
     args = types.SimpleNamespace(shape="0.5b", device="cuda", backend="triton", context=1024,
                                  decode_bs=[1, 8, 32], extend=[16])  # fmt: skip
     model, runner = suite.build(args)
@@ -101,7 +108,8 @@ def main() -> None:
     dynamo = {name: round(float(value), 3) for name, value in zip(names, values)}
     info = {
         "shape": args.shape, "torch": torch.__version__, "card": torch.cuda.get_device_name(),
-        "compile_ahead": not cli.no_compile_ahead, "from_saved_compile": counters.compiles_loaded > 0,
+        "compile_ahead": not cli.no_compile_ahead, "hash_ahead": not cli.no_hash_ahead,
+        "from_saved_compile": counters.compiles_loaded > 0,
         "seconds": round(seconds, 3), "first_size_seconds": round(first, 3), "other_sizes_seconds": round(others, 3),
         "phases_seconds": {k: round(v / 1e9, 3) for k, v in totals.items()},
         "other_sizes_phases_seconds": {k: round((v - first_phases[0][k]) / 1e9, 3) for k, v in totals.items()},
@@ -114,6 +122,7 @@ def main() -> None:
         print(f"  triton {row['kernel']:24s} {row['thread']:10s} at {row['at_s']:7.3f} s  {row['seconds']:.3f} s")
     os.makedirs(cli.out, exist_ok=True)
     name = "profile_startup_0.5b" + ("_no_compile_ahead" if cli.no_compile_ahead else "")
+    name += "_no_hash_ahead" if cli.no_hash_ahead else ""
     name += "_from_saved_compile.json" if info["from_saved_compile"] else ".json"
     json.dump(info, open(os.path.join(cli.out, name), "w"), indent=1)
 
