@@ -96,16 +96,16 @@ def sweep(name, m, rate) -> dict:
     want = F.linear(x, ws[0], bs[0])
     row = {"cublas_ms": graph_ms(lambda i: F.linear(x, ws[i], bs[i])), "floor_ms": 1e3 * n * k * 2 / rate}
     best = None
-    for block_n, block_k, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 6)):
+    for config in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 6)):
         try:
-            triton_linear(x, ws[0], bs[0], out, block_n, block_k, warps, stages)
+            triton_linear(x, ws[0], bs[0], out, *config)
             err = float((out.float() - want.float()).abs().max())
-            ms = graph_ms(lambda i: triton_linear(x, ws[i], bs[i], out, block_n, block_k, warps, stages))
+            ms = graph_ms(lambda i, c=config: triton_linear(x, ws[i], bs[i], out, *c))
         except Exception as e:  # out of shared memory or registers: not a candidate
-            print(f"  skip {name} m={m} {(block_n, block_k, warps, stages)}: {type(e).__name__}", file=sys.stderr)
+            print(f"  skip {name} m={m} {config}: {type(e).__name__}", file=sys.stderr)
             continue
         if best is None or ms < best[0]:
-            best = (ms, (block_n, block_k, warps, stages), err)
+            best = (ms, config, err)
     row.update(triton_ms=best[0], triton_config=best[1], triton_max_err=best[2])
     return row
 
@@ -124,8 +124,9 @@ def main() -> None:
         for m in args.m:
             row = sweep(name, m, rate)
             result["rows"][f"{name} m={m}"] = row
-            print(f"{name:14s} m={m:3d} cublas {1e3 * row['cublas_ms']:6.2f} us  triton {1e3 * row['triton_ms']:6.2f} us "
-                  f"({row['triton_ms'] / row['cublas_ms']:.2f}x) {row['triton_config']}  floor {1e3 * row['floor_ms']:5.2f} us"
+            us = {k: 1e3 * row[k] for k in ("cublas_ms", "triton_ms", "floor_ms")}
+            print(f"{name:14s} m={m:3d} cublas {us['cublas_ms']:6.2f} us  triton {us['triton_ms']:6.2f} us "
+                  f"({row['triton_ms'] / row['cublas_ms']:.2f}x) {row['triton_config']}  floor {us['floor_ms']:5.2f} us"
                   f"  err {row['triton_max_err']:.3g}", flush=True)  # fmt: skip
     json.dump(result, open(os.path.join(args.out, "skinny_gemm.json"), "w"), indent=1)
 
