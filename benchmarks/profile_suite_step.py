@@ -4,11 +4,12 @@ piecewise step, a whole-model step and the attention metadata alone, the
 kernels of a piecewise step, and cProfile of piecewise steps. The 0.5b shape
 of ``suite.py``, bf16, triton backend, context 1024.
 
-    python benchmarks/profile_suite_step.py
+    python benchmarks/profile_suite_step.py [--decode-bs 1 32]
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import io
 import pstats
@@ -62,11 +63,14 @@ def cprofile(run, reps: int = 30, top: int = 30) -> None:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 32])
+    cli = p.parse_args()
     args = types.SimpleNamespace(shape="0.5b", device="cuda", backend="triton", context=1024,
-                                 decode_bs=[1, 32], extend=[16])  # fmt: skip
+                                 decode_bs=cli.decode_bs, extend=[16])  # fmt: skip
     model, runner = suite.build(args)
     piecewise, _ = suite.start_up(runner)
-    whole, _ = suite.whole_model_runners(runner, 32)
+    whole, _ = suite.whole_model_runners(runner, max(cli.decode_bs))
     graphs = whole["whole_model"]
     with torch.no_grad():
         for bs in args.decode_bs:
