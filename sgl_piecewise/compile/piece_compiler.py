@@ -4,6 +4,7 @@ A model's middle layers split into pieces that differ only in which weights
 they receive as inputs. ``PieceCompiler`` keys every piece by its structure
 (ops and wiring, placeholders numbered, input shapes/dtypes/strides) and
 compiles each distinct structure once; identical pieces share the artifact.
+Inductor compiles here keep a residual add an add (``residual_add.py``).
 """
 
 from __future__ import annotations
@@ -101,7 +102,10 @@ def _compile_inductor(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiec
     # alike; it reads the symbolic shapes from the fake inputs.
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, fake_args)
+    from sgl_piecewise.compile.residual_add import residual_adds_unfused  # imports Inductor
+
+    with residual_adds_unfused():
+        return compile_fx(gm, fake_args)
 
 
 def _compile_inductor_artifact(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:
@@ -111,7 +115,10 @@ def _compile_inductor_artifact(gm: torch.fx.GraphModule, fake_args: list) -> Com
     ambient tracing context."""
     from torch._inductor import standalone_compile
 
-    return standalone_compile(gm, fake_args, dynamic_shapes="from_tracing_context", aot=True)
+    from sgl_piecewise.compile.residual_add import residual_adds_unfused  # imports Inductor
+
+    with residual_adds_unfused():
+        return standalone_compile(gm, fake_args, dynamic_shapes="from_tracing_context", aot=True)
 
 
 def _compile_tensorrt(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:

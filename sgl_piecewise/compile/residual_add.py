@@ -1,0 +1,106 @@
+"""An Inductor graph pass for the compiled pieces: a residual add stays an add.
+
+Inductor folds ``mm(x, w) + r`` into ``addmm(r, x, w)``, one cuBLAS call with
+``beta=1``, unless every user of the sum is pointwise: then it keeps the add
+to fuse it into them (``should_prefer_unfused_addmm`` in Inductor's
+post-grad passes). In a piece the residual stream's sum is also a graph
+output (the next piece reads it), so the fold happens, and cuBLAS copies the
+residual into the output before each such GEMM: on an H100 two extra
+``memcpy32_post`` kernels per layer of a piecewise decode step, 49 µs of
+a 0.5B model's step at batch 1 (docs/BENCHMARKS.md), which the model compiled
+whole does not launch: there the add fuses into the next RMSNorm's kernel.
+
+:class:`UnfuseResidualAddmm` runs after Inductor's own passes
+(``post_grad_custom_post_pass``) and turns every such ``addmm`` back into
+``mm`` then ``add``, on the devices it is given, so a piece launches what
+the whole graph launches. The sum then also rounds as the eager model's
+does (the product rounded to its dtype, then the add); ``addmm`` rounds
+once. An ``addmm`` of a bias (a row broadcast over the rows) stays: cuBLAS
+adds it in its epilogue, with no copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Optional, Tuple
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+logger = logging.getLogger("sgl_piecewise.compile")
+
+_aten = torch.ops.aten
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Provably the same shape, adding no guard on a symbolic size."""
+    return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+
+
+class UnfuseResidualAddmm(CustomGraphPass):
+    """``addmm(r, x, w)`` -> ``mm(x, w) + r`` where ``r`` has the output's
+    shape and the output is on one of ``devices``; ``beta``/``alpha`` 1."""
+
+    def __init__(self, devices: Tuple[str, ...] = ("cuda",)):
+        self.devices = tuple(devices)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in list(graph.nodes):
+            if self._residual_addmm(node):
+                self._unfuse(graph, node)
+
+    def _residual_addmm(self, node: torch.fx.Node) -> bool:
+        if node.op != "call_function" or node.target is not _aten.addmm.default or len(node.args) != 3:
+            return False
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            return False
+        inp = node.args[0]
+        out_val = node.meta.get("val")
+        inp_val = inp.meta.get("val") if isinstance(inp, torch.fx.Node) else None
+        return (
+            isinstance(out_val, torch.Tensor)
+            and isinstance(inp_val, torch.Tensor)
+            and out_val.device.type in self.devices
+            and inp_val.dtype == out_val.dtype
+            and _same_shape(inp_val, out_val)
+        )
+
+    @staticmethod
+    def _unfuse(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+        residual, mat1, mat2 = node.args
+        a, b = mat1.meta["val"], mat2.meta["val"]
+        with graph.inserting_before(node):
+            product = graph.call_function(_aten.mm.default, (mat1, mat2))
+            with _fake_mode_of(a):
+                product.meta["val"] = _aten.mm.default(a, b)
+            total = graph.call_function(_aten.add.Tensor, (product, residual))
+        total.meta.update(node.meta)
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
+
+    def uuid(self) -> Optional[Any]:
+        # Part of Inductor's cache key: a change of this file compiles anew.
+        return (get_hash_for_files((__file__,)), self.devices)
+
+
+@contextlib.contextmanager
+def _fake_mode_of(t: torch.Tensor) -> Iterator[None]:
+    mode = getattr(t, "fake_mode", None)
+    with mode if mode is not None else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
+def residual_adds_unfused(devices: Tuple[str, ...] = ("cuda",)) -> Iterator[None]:
+    """Inductor compiles inside run :class:`UnfuseResidualAddmm` after its own
+    post-grad passes; a pass the user set there is left in place, alone."""
+    from torch._inductor import config
+
+    if config.post_grad_custom_post_pass is not None:
+        logger.debug("a post-grad pass is set already: residual adds may fold into addmm in the pieces")
+        yield
+        return
+    with config.patch(post_grad_custom_post_pass=UnfuseResidualAddmm(devices)):
+        yield
