@@ -78,9 +78,10 @@ def _compile_pool() -> ThreadPoolExecutor:
 
 # Triton's cache key of this process: a hash of its sources and of its
 # ~500 MB compiled library, computed once per process at the first kernel
-# Triton looks up or compiles (0.35-0.38 s of a start from a saved compile on
-# an H200 host, docs/BENCHMARKS.md). hashlib lets the GIL go while it hashes,
-# so a thread computes it while the process does other start-up work.
+# Triton looks up or compiles (0.35-0.47 s of a start from a saved compile on
+# the H200 and H100 hosts measured, docs/BENCHMARKS.md). hashlib lets the GIL
+# go while it hashes, so a thread computes it while the process does other
+# start-up work.
 _triton_key_ahead: Optional[Future] = None
 
 
