@@ -66,6 +66,12 @@ def test_a_post_grad_pass_the_user_set_is_kept():
     assert inductor_config.post_grad_custom_post_pass is None
 
 
+@pytest.mark.parametrize("devices", ["cuda", ("cuda", 0), [None]])
+def test_devices_must_be_device_type_names(devices):
+    with pytest.raises(TypeError, match=r"devices: expected a tuple of device types"):
+        UnfuseResidualAddmm(devices)
+
+
 def test_the_pass_is_part_of_inductor_s_cache_key():
     assert UnfuseResidualAddmm(("cuda",)).uuid() != UnfuseResidualAddmm(("cpu",)).uuid()
     assert UnfuseResidualAddmm().uuid() == UnfuseResidualAddmm().uuid()

@@ -29,6 +29,8 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from sgl_piecewise.errors import InvalidTypeError
+
 logger = logging.getLogger("sgl_piecewise.compile")
 
 _aten = torch.ops.aten
@@ -44,6 +46,8 @@ class UnfuseResidualAddmm(CustomGraphPass):
     shape and the output is on one of ``devices``; ``beta``/``alpha`` 1."""
 
     def __init__(self, devices: Tuple[str, ...] = ("cuda",)):
+        if isinstance(devices, str) or not all(isinstance(d, str) for d in devices):
+            raise InvalidTypeError(f"devices: expected a tuple of device types such as ('cuda',), got {devices!r}")
         self.devices = tuple(devices)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
