@@ -31,7 +31,7 @@ def _compiled_code(fn, args, devices):
 
 def test_a_residual_addmm_becomes_mm_then_add_and_rounds_as_eager():
     x, w, r = torch.randn(5, 64), torch.randn(48, 64), torch.randn(5, 48)
-    (folded, _), code_without = _compiled_code(_residual_step, (x, w, r), None)
+    _, code_without = _compiled_code(_residual_step, (x, w, r), None)
     assert "addmm" in code_without  # what the pass is for: Inductor folds this add on its own
     (total, normed), code = _compiled_code(_residual_step, (x, w, r), ("cpu",))
     assert "addmm" not in code and "extern_kernels.mm" in code
@@ -80,7 +80,7 @@ def test_the_pass_is_part_of_inductor_s_cache_key():
 @pytest.mark.gpu
 def test_gpu_the_pieces_of_a_llama_add_every_residual_in_a_kernel(fresh_dynamo):
     # Llama has no linear bias: with the pass, no piece calls addmm at all
-    # (without it, both residual adds of a layer would fold into one).
+    # (without it, each of a layer's two residual adds would fold into one).
     import sgl_piecewise as sp
     from sgl_piecewise.models import ModelConfig, build_random_model
     from sgl_piecewise.runner import ModelRunner
