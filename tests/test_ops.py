@@ -18,7 +18,7 @@ from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.errors import InvalidTypeError
 from sgl_piecewise.memory import DUMMY_SLOT
 from sgl_piecewise.ops import unified_attention, unified_attention_with_output
-from sgl_piecewise.testing import random_batch
+from sgl_piecewise.testing import random_batch, release_batch
 
 HQ, HKV, D, LAYERS = 4, 2, 8, 2
 
@@ -274,3 +274,48 @@ def test_a_later_layer_takes_the_steps_plan_and_anything_else_the_full_path(mode
     with forward_context(batch, backend, debug_checks=True) as ctx:
         attention_with_output_direct(q, k, v, torch.empty_like(q), 0)
         assert ctx.layer_attend is None
+
+
+@pytest.mark.triton_cpu
+@pytest.mark.parametrize("mode, extend", [(ForwardMode.DECODE, [1, 1, 1]), (ForwardMode.EXTEND, [3, 1, 5])])
+def test_a_step_of_the_same_sizes_over_bound_metadata_takes_the_last_steps_plan(mode, extend):
+    """Eager steps over the static buffers keep their plans: the next step of
+    the same sizes launches the last one with its own slots, bit for bit
+    what a backend that builds a plan per step gives; slots at an address
+    aligned unlike the plan's (its kernels were specialised on it) get a
+    new plan."""
+    from sgl_piecewise.backends.triton_backend import TritonBackend
+    from sgl_piecewise.ops.attention import attention_with_output_direct
+
+    def fresh():
+        table = ReqToTokenPool(max_reqs=8, max_context_len=64)
+        pool = KVPool(num_slots=256, num_layers=2, num_kv_heads=HKV, head_dim=D)
+        return table, pool, TritonBackend(table, pool, HQ)
+
+    (table, pool, bound), (table2, pool2, per_step) = fresh(), fresh()
+    bound.init_cuda_graph_state(max_bs=4, max_num_tokens=16)
+    gen, gen2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    plans = []
+    for step in range(4):  # each step new requests in new slots; the last one's 8 bytes off 16
+        batch = random_batch(mode, table, pool, [5, 9, 2], extend, generator=gen)
+        batch2 = random_batch(mode, table2, pool2, [5, 9, 2], extend, generator=gen2)
+        if step == 3:
+            shifted = torch.empty(batch.out_cache_loc.shape[0] + 1, dtype=torch.int64)
+            shifted[1:] = batch.out_cache_loc
+            batch.out_cache_loc = shifted[1:]
+        layers = [qkv(batch.num_tokens) for _ in range(2)]
+        outs = []
+        for backend, b in ((bound, batch), (per_step, batch2)):
+            backend.init_forward_metadata(b)
+            with forward_context(b, backend):
+                for layer, (q, k, v) in enumerate(layers):
+                    outs.append(torch.empty_like(q))
+                    attention_with_output_direct(q, k, v, outs[-1], layer)
+        assert all(torch.equal(a, b) for a, b in zip(outs[:2], outs[2:]))
+        kv, kv2 = pool.k_buffers + pool.v_buffers, pool2.k_buffers + pool2.v_buffers
+        assert all(torch.equal(a, b) for a, b in zip(kv, kv2))
+        plans.append(bound.forward_metadata.step_plan[2])
+        release_batch(table, pool, batch)
+        release_batch(table2, pool2, batch2)
+    assert plans[0] is plans[1] is plans[2]
+    assert plans[3] is not plans[0]

@@ -719,6 +719,60 @@ def test_gpu_decode_plan_bound_launch_equals_a_fresh_call_bit_for_bit():
 
 
 @pytest.mark.gpu
+def test_gpu_a_layer_launched_again_takes_its_kept_arguments_and_new_slots_bit_for_bit():
+    """A plan launched with a layer index keeps the layer's arguments: the
+    same tensors launch again with nothing rebuilt, other tensors (or the
+    same at a new address) take the checked path, and the next step's slots
+    (``rebind_slots``) are written where they say, each launch equal to a
+    fresh call."""
+    cuda = torch.device("cuda")
+    kv_lens, hq, hkv, d, bs = [5, 700, 129, 1024], 14, 2, 64, 4
+    b = make_batch([1] * bs, kv_lens, hq, hkv, d, torch.bfloat16, device=cuda)
+    last = torch.tensor([int(b.kv_indptr[r + 1]) - 1 for r in range(bs)], device=cuda)
+    splits = choose_num_kv_splits(torch.tensor(kv_lens, dtype=torch.int32, device=cuda), 16,
+                                  torch.empty(bs, dtype=torch.int32, device=cuda))  # fmt: skip
+    new_k, new_v = (torch.randn(bs, hkv, d, device=cuda, dtype=torch.bfloat16) for _ in range(2))
+
+    def fresh(q, slots):
+        out, k_cache, v_cache = torch.empty_like(q), b.k_cache.clone(), b.v_cache.clone()
+        scratch = _decode_scratch(bs, hq, d, 16, cuda)
+        decode_attention(q, k_cache, v_cache, out, b.kv_indptr, kv_indices(slots), *scratch, splits, 16, 0.125,
+                         new_k=new_k, new_v=new_v, out_cache_loc=slots)  # fmt: skip
+        return out, k_cache, v_cache
+
+    def kv_indices(slots):  # each request's last key is its new token, at its slot
+        indices = b.kv_indices.clone()
+        indices[last] = slots.to(indices.dtype)
+        return indices
+
+    # The requests' last slots, then the same slots handed round: each read by one request only.
+    slots = [b.kv_indices[last].long(), b.kv_indices[last].long().roll(1)]
+    k_cache, v_cache = b.k_cache.clone(), b.v_cache.clone()
+    out = torch.empty_like(b.q)
+    indices = kv_indices(slots[0])
+    scratch = _decode_scratch(bs, hq, d, 16, cuda)
+    plan = decode_attention(b.q, k_cache, v_cache, out, b.kv_indptr, indices, *scratch, splits, 16, 0.125,
+                            new_k=new_k, new_v=new_v, out_cache_loc=slots[0])  # fmt: skip
+    want = fresh(b.q, slots[0])
+    for _ in range(3):  # the 2nd launch keeps the layer's arguments, the 3rd launches them again
+        out.fill_(float("nan"))
+        assert plan.launch(b.q, k_cache, v_cache, out, new_k, new_v, layer=0)
+        assert all(torch.equal(x, y) for x, y in zip((out, k_cache, v_cache), want))
+    assert set(plan._launch._layers) == {0}
+    other_q = b.q.clone()  # same values, another tensor: the checked path, the same result
+    assert plan.launch(other_q, k_cache, v_cache, out, new_k, new_v, layer=0)
+    assert torch.equal(out, want[0])
+    # The next step: its slots elsewhere, the page table rewritten in place.
+    indices.copy_(kv_indices(slots[1]))
+    assert plan.rebind_slots(slots[1]) and not plan._launch._layers
+    want = fresh(b.q, slots[1])
+    k_cache.copy_(b.k_cache), v_cache.copy_(b.v_cache)
+    for _ in range(2):
+        assert plan.launch(b.q, k_cache, v_cache, out, new_k, new_v, layer=0)
+        assert all(torch.equal(x, y) for x, y in zip((out, k_cache, v_cache), want))
+
+
+@pytest.mark.gpu
 def test_gpu_extend_plan_bound_launches_equal_the_unfused_path_bit_for_bit():
     cuda = torch.device("cuda")
     q_lens, kv_lens, hq, hkv, d = [16, 3, 100], [16, 900, 400], 14, 2, 64

@@ -14,8 +14,8 @@ replay. Importing this module imports ``triton``.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -54,9 +54,19 @@ class TritonMetadata(LengthMetadata):
     merge_counts: Optional[torch.Tensor]  # [bs, Hq] int32 split arrival counts, zero between launches
     # Steps with a tree mask only: the flat [q_len, kv_len] blocks, request-major.
     custom_mask: Optional[torch.Tensor]  # [M] bool
-    # The step's launches, built at its first layer: (what they were built
-    # for, out_cache_loc, DecodePlan or ExtendPlan); cleared by every fill.
+    # The step's launches, found or built at its first layer: (what they
+    # were built for, out_cache_loc, DecodePlan or ExtendPlan); cleared by
+    # every fill.
     step_plan: Optional[tuple] = None
+    # The plans built over this metadata, by what they were built for: a
+    # binding (static buffers) serves step after step, and a step of the
+    # same sizes takes its last plan with the new step's slots.
+    plans: Dict[tuple, Any] = field(default_factory=dict)
+
+
+# Plans one metadata binding keeps (TritonMetadata.plans): a decode binding
+# needs one per logit scale; a ragged extend's sizes change step by step.
+_MAX_PLANS = 8
 
 
 def _is_decode_step(mode: ForwardMode) -> bool:
@@ -206,22 +216,31 @@ class TritonBackend(StaticGraphBackend):
         kc, vc = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         key = (mode, num_tokens, scale, q.shape[0], meta.max_q_len if meta is not None else None)
         if cached is not None and cached[0] == key and cached[1] is out_cache_loc:
-            if cached[2].launch(q, kc, vc, out, k, v):
+            if cached[2].launch(q, kc, vc, out, k, v, layer_id):
                 return True
         self.check_supported(mode)
         meta = self._current_metadata(q[:num_tokens], batch)
-        new_kv = dict(new_k=k, new_v=v, out_cache_loc=out_cache_loc, num_rows=num_tokens)
-        if mode.is_decode():
-            plan = self._decode(q, kc, vc, out, meta, scale, **new_kv)
-        else:
-            # A plain extend's new tokens are each request's last keys, in
-            # order: the attention kernel can write them itself (one launch).
-            plan = ExtendPlan(q, kc, vc, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.max_q_len, scale,
-                              meta.custom_mask, meta.mask_indptr, **new_kv,
-                              fuse_kv_write=mode == ForwardMode.EXTEND)  # fmt: skip
-            plan.launch(q, kc, vc, out, k, v)
+        plan = meta.plans.get(key)
+        if plan is None or not (plan.rebind_slots(out_cache_loc) and plan.launch(q, kc, vc, out, k, v, layer_id)):
+            plan = self._new_plan(q, k, v, out, kc, vc, meta, mode, scale, num_tokens, out_cache_loc)
+            if len(meta.plans) >= _MAX_PLANS:  # a ragged step's sizes vary: keep the table small
+                meta.plans.clear()
+            meta.plans[key] = plan
         meta.step_plan = (key, out_cache_loc, plan)
         return True
+
+    def _new_plan(self, q, k, v, out, kc, vc, meta, mode, scale, num_tokens, out_cache_loc):
+        """A plan checked and built for this step; its first launch done."""
+        new_kv = dict(new_k=k, new_v=v, out_cache_loc=out_cache_loc, num_rows=num_tokens)
+        if mode.is_decode():
+            return self._decode(q, kc, vc, out, meta, scale, **new_kv)
+        # A plain extend's new tokens are each request's last keys, in
+        # order: the attention kernel can write them itself (one launch).
+        plan = ExtendPlan(q, kc, vc, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.max_q_len, scale,
+                          meta.custom_mask, meta.mask_indptr, **new_kv,
+                          fuse_kv_write=mode == ForwardMode.EXTEND)  # fmt: skip
+        plan.launch(q, kc, vc, out, k, v)
+        return plan
 
     def layer_attend(self) -> Optional["_LayerAttend"]:
         meta = self.forward_metadata
@@ -289,4 +308,4 @@ class _LayerAttend:
             return False
         if type(layer_id) is not int or not 0 <= layer_id < len(self.k_buffers):
             return False
-        return self.plan.launch(q, self.k_buffers[layer_id], self.v_buffers[layer_id], out, k, v)
+        return self.plan.launch(q, self.k_buffers[layer_id], self.v_buffers[layer_id], out, k, v, layer_id)

@@ -39,6 +39,7 @@ from sgl_piecewise.backends.triton_kernels.tiles import (
     check_last_dim_contiguous,
     check_new_kv,
     check_num_rows,
+    check_slots,
     layer_layout,
     load_rows,
     mm,
@@ -495,27 +496,46 @@ class DecodePlan:
         self.new_kv = new_k is not None
         self._layout = layer_layout(q, k_cache, v_cache, out, new_k, new_v)
         metadata = (out_cache_loc, kv_indptr, kv_indices, num_kv_splits, attn_logits, attn_lse, merge_counts)
+        self._slots, self._num_rows = out_cache_loc, bs
         args = _decode_args(q, k_cache, v_cache, out, new_k, new_v, metadata, bs, sm_scale * _LOG2E, splits)
         self._launch = StepLaunch(_launch_decode, self.grid, args, self.meta, layer_positions=_LAYER_ARGS)
 
-    def launch(self, q, k_cache, v_cache, out, new_k=None, new_v=None) -> bool:
+    def launch(self, q, k_cache, v_cache, out, new_k=None, new_v=None, layer=None) -> bool:
         """Attend one layer: ``q, out`` (and ``new_k, new_v``) are its
         tensors, ``k_cache, v_cache`` its pools; the rest is the plan's.
         Returns False, launching nothing, when the layer's tensors are laid
-        out unlike the first layer's (build a plan for them)."""
+        out unlike the first layer's (build a plan for them). ``layer``: its
+        index, under which the launch is kept for the layer's next step
+        (``StepLaunch.launch_again``)."""
+        # No new K/V to write: q stands in for them, unread.
+        written = (new_k, new_v) if self.new_kv else (q, q)
+        if layer is not None and self._launch.launch_again(layer, q, k_cache, v_cache, *written, out):
+            return True
         if layer_layout(q, k_cache, v_cache, out, new_k, new_v) != self._layout:
             return False
         if self.grid[0] == 0:
             return True
-        if self.new_kv:
-            self._launch.launch(q, k_cache, v_cache, new_k, new_v, out)
-        else:  # no new K/V to write: q stands in for them, unread
-            self._launch.launch(q, k_cache, v_cache, q, q, out)
+        self._launch.launch(q, k_cache, v_cache, *written, out, layer=layer)
+        return True
+
+    def rebind_slots(self, out_cache_loc: Optional[torch.Tensor]) -> bool:
+        """Take the next step's new-token slots (checked as at build), the
+        rest of the plan unchanged: a step of the same sizes over the same
+        metadata buffers. False where the plan cannot take them (build one)."""
+        if out_cache_loc is self._slots:
+            return True
+        if not self.new_kv or out_cache_loc is None:
+            return False
+        check_slots("decode_attention", out_cache_loc, self._num_rows, self._slots.device)
+        if not self._launch.rebind(_SLOTS_ARG, out_cache_loc):
+            return False
+        self._slots = out_cache_loc
         return True
 
 
 # The kernel's arguments that are one layer's own: q, its pools, its new K/V, out.
 _LAYER_ARGS = (0, 1, 2, 3, 4, 12)
+_SLOTS_ARG = 5  # out_cache_loc, the step's new-token slots
 
 
 def _decode_args(q, k_cache, v_cache, out, new_k, new_v, metadata, num_rows: int, scale_log2: float,

@@ -42,6 +42,7 @@ from sgl_piecewise.backends.triton_kernels.tiles import (
     check_last_dim_contiguous,
     check_new_kv,
     check_num_rows,
+    check_slots,
     layer_layout,
     load_rows,
     mm,
@@ -433,6 +434,7 @@ class ExtendPlan:
         check_new_kv("extend_attention", rows, num_rows, k_cache, v_cache, new_k, new_v, out_cache_loc)
         check_last_dim_contiguous("extend_attention", new_k=new_k, new_v=new_v)
         self._layout = layer_layout(q, k_cache, v_cache, out, new_k, new_v)
+        self._slots, self._num_rows = out_cache_loc, num_rows
         self._fused = fuse_kv_write and custom_mask is None and num_rows == rows
         self._store = None
         if not self._fused and rows:
@@ -443,17 +445,63 @@ class ExtendPlan:
         self._attend = _extend_launch(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len,
                                       sm_scale, custom_mask, mask_indptr, new_kv) if num_rows else None  # fmt: skip
 
-    def launch(self, q, k_cache, v_cache, out, new_k, new_v) -> bool:
+    def launch(self, q, k_cache, v_cache, out, new_k, new_v, layer=None) -> bool:
         """One layer: its K/V written, then its attention. Returns False,
         launching nothing, when its tensors are laid out unlike the first
-        layer's (build a plan for them)."""
+        layer's (build a plan for them). ``layer``: its index, under which
+        the launches are kept for the layer's next step
+        (``StepLaunch.kept_args``)."""
+        if layer is not None and self._launch_again(layer, q, k_cache, v_cache, out, new_k, new_v):
+            return True
         if layer_layout(q, k_cache, v_cache, out, new_k, new_v) != self._layout:
             return False
         if self._store is not None:
-            self._store.launch(new_k, new_v, k_cache, v_cache, out)
+            self._store.launch(new_k, new_v, k_cache, v_cache, out, layer=layer)
         if self._attend is not None:
-            if self._fused:
-                self._attend.launch(q, k_cache, v_cache, out, new_k, new_v)
-            else:
-                self._attend.launch(q, k_cache, v_cache, out)
+            self._attend.launch(*self._attend_tensors(q, k_cache, v_cache, out, new_k, new_v), layer=layer)
         return True
+
+    def rebind_slots(self, out_cache_loc: torch.Tensor) -> bool:
+        """Take the next step's new-token slots (checked as at build), the
+        rest of the plan unchanged: a step of the same sizes over the same
+        metadata buffers. False where the plan cannot take them (build one)."""
+        if out_cache_loc is self._slots:
+            return True
+        if out_cache_loc is None:
+            return False
+        check_slots("extend_attention", out_cache_loc, self._num_rows, self._slots.device)
+        launches = [(self._store, _STORE_SLOTS_ARG)] if self._store is not None else []
+        if self._fused and self._attend is not None:
+            launches.append((self._attend, _EXTEND_SLOTS_ARG))
+        if not all(launch.rebind(position, out_cache_loc) for launch, position in launches):
+            return False  # the store's may have taken them: this plan is dropped, a new one built
+        self._slots = out_cache_loc
+        return True
+
+    def _attend_tensors(self, q, k_cache, v_cache, out, new_k, new_v) -> tuple:
+        return (q, k_cache, v_cache, out, new_k, new_v) if self._fused else (q, k_cache, v_cache, out)
+
+    def _launch_again(self, layer, q, k_cache, v_cache, out, new_k, new_v) -> bool:
+        """Both launches of ``layer`` as its last step's, or neither."""
+        store, attend = self._store, self._attend
+        if store is None and attend is None:
+            return False
+        store_args = attend_args = None
+        if store is not None:
+            store_args = store.kept_args(layer, (new_k, new_v, k_cache, v_cache, out))
+            if store_args is None:
+                return False
+        if attend is not None:
+            attend_args = attend.kept_args(layer, self._attend_tensors(q, k_cache, v_cache, out, new_k, new_v))
+            if attend_args is None:
+                return False
+        if store is not None:
+            store.launch_kept(store_args)
+        if attend is not None:
+            attend.launch_kept(attend_args)
+        return True
+
+
+# Where the new tokens' slots are among the store kernel's and the fused extend kernel's arguments.
+_STORE_SLOTS_ARG = 4
+_EXTEND_SLOTS_ARG = 11

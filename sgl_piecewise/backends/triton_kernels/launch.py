@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -259,6 +260,14 @@ class StepLaunch:
     the layer's tensors are 16-byte aligned as the first layer's were (the
     kernel was compiled for that), else through the launcher again. The
     caller compares a layer's shapes, strides and dtypes with the first's.
+
+    A launch given its ``layer`` index also keeps that layer's whole
+    argument tuple, with weak references to the layer's tensors and their
+    addresses: :meth:`launch_again` then launches the layer with nothing
+    rebuilt while it is handed the very same tensors at the same addresses
+    (a piecewise graph's outputs and the pool's buffers are, step after
+    step), and :meth:`rebind` swaps a step argument (the new tokens' slots)
+    for the next step's.
     """
 
     def __init__(self, launcher: FastLauncher, grid: Tuple[int, ...], args: Sequence[Any],
@@ -272,8 +281,36 @@ class StepLaunch:
         self._addresses: Optional[List[Any]] = None  # after the first launch: every pointer as an int
         self._kernel: Optional[BoundKernel] = None
         self._bindable = True
+        # layer index -> (weak refs to its tensors, their addresses, the full argument tuple)
+        self._layers: Dict[int, Tuple[tuple, tuple, tuple]] = {}
 
-    def launch(self, *layer_tensors: torch.Tensor) -> None:
+    def launch_again(self, layer: int, *layer_tensors: torch.Tensor) -> bool:
+        """Launch ``layer`` as its last launch did, if it is handed the same
+        tensor objects at the same addresses; False, launching nothing,
+        otherwise. The same objects have the shapes, strides and dtypes the
+        caller checked then."""
+        args = self.kept_args(layer, layer_tensors)
+        if args is None:
+            return False
+        self._kernel(self.grid, *args)
+        return True
+
+    def kept_args(self, layer: int, layer_tensors: Sequence[torch.Tensor]) -> Optional[tuple]:
+        """The argument tuple :meth:`launch_again` would launch, or None."""
+        entry = self._layers.get(layer)
+        if entry is None:
+            return None
+        refs, ptrs, args = entry
+        for ref, tensor in zip(refs, layer_tensors):
+            if ref() is not tensor:
+                return None
+        return args if tuple(map(_data_ptr, layer_tensors)) == ptrs else None
+
+    def launch_kept(self, args: tuple) -> None:
+        """Launch an argument tuple :meth:`kept_args` returned."""
+        self._kernel(self.grid, *args)
+
+    def launch(self, *layer_tensors: torch.Tensor, layer: Optional[int] = None) -> None:
         if self._kernel is not None:
             ptrs = [t.data_ptr() for t in layer_tensors]
             if not any(p & 15 for p in ptrs):
@@ -282,9 +319,13 @@ class StepLaunch:
                     args[i] = p
                 try:
                     self._kernel(self.grid, *args)
-                    return
                 except TypeError:  # a launcher that takes no addresses: it parsed, launched nothing
                     self._bindable, self._kernel = False, None
+                    self._layers.clear()
+                else:
+                    if layer is not None:
+                        self._keep(layer, layer_tensors, ptrs, args)
+                    return
         args = self._args.copy()
         for i, t in zip(self.layer_positions, layer_tensors):
             args[i] = t
@@ -292,8 +333,32 @@ class StepLaunch:
         if self._bindable and self._kernel is None:
             self._bind(args, layer_tensors)
 
+    def rebind(self, position: int, tensor: torch.Tensor) -> bool:
+        """Put ``tensor`` (checked by the caller like the one it replaces) at
+        argument ``position``, a step tensor's, for the launches from now
+        on. False, changing nothing, where the compiled kernel does not
+        cover it: its 16-byte alignment differs from the one it replaces."""
+        old = self._args[position]
+        if (old.data_ptr() % 16 == 0) != (tensor.data_ptr() % 16 == 0):
+            return False
+        self._args[position] = tensor
+        if self._addresses is not None and self._addresses[position] != tensor.data_ptr():
+            self._addresses[position] = tensor.data_ptr()
+            self._layers.clear()  # their argument tuples hold the old address
+        return True
+
+    def _keep(self, layer: int, layer_tensors: Sequence[torch.Tensor], ptrs: List[int], args: List[Any]) -> None:
+        if len(self._layers) >= _MAX_KEPT_LAYERS:
+            self._layers.clear()
+        self._layers[layer] = (tuple(map(weakref.ref, layer_tensors)), tuple(ptrs), tuple(args))
+
     def _bind(self, args: List[Any], layer_tensors: Sequence[torch.Tensor]) -> None:
         kernel = self.launcher.bound(args, self.meta)
         if kernel is not None and all(t.data_ptr() % 16 == 0 for t in layer_tensors):
             self._kernel = kernel
             self._addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+_data_ptr = torch.Tensor.data_ptr
+# Layer indices a StepLaunch keeps argument tuples for; a model has fewer.
+_MAX_KEPT_LAYERS = 1024

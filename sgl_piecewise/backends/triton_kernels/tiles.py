@@ -120,14 +120,19 @@ def check_new_kv(kernel: str, rows: int, num_rows: int, k_cache, v_cache, new_k,
             f"{kernel}: expected new_k {list(want_k)} and new_v {list(want_v)} of {k_cache.dtype}, "
             f"got {list(new_k.shape)} {new_k.dtype} and {list(new_v.shape)} {new_v.dtype}"
         )
+    check_slots(kernel, out_cache_loc, num_rows, k_cache.device)
+
+
+def check_slots(kernel: str, out_cache_loc, num_rows: int, device: torch.device) -> None:
+    """The new tokens' slots: contiguous int64 ``[>= num_rows]`` on ``device``."""
     if out_cache_loc.dim() != 1 or out_cache_loc.shape[0] < num_rows or out_cache_loc.dtype != torch.int64:
         raise InvalidInputError(
             f"{kernel}: expected out_cache_loc int64 [>={num_rows}], "
             f"got {out_cache_loc.dtype} {list(out_cache_loc.shape)}"
         )
-    if out_cache_loc.device != k_cache.device or out_cache_loc.stride(0) != 1:
+    if out_cache_loc.device != device or out_cache_loc.stride(0) != 1:
         raise InvalidInputError(
-            f"{kernel}: expected out_cache_loc contiguous on {k_cache.device}, "
+            f"{kernel}: expected out_cache_loc contiguous on {device}, "
             f"got {out_cache_loc.device} with stride {out_cache_loc.stride(0)}"
         )
 
