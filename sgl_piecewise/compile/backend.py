@@ -436,6 +436,7 @@ class PiecewiseModule:
         padded_args = self._pad(args, n, padded)
         state = self.state
         state.num_tokens, state.padded_tokens, state.graph_set = n, padded, self._graph_set(args)
+        state.replay_key = (state.graph_set, padded)
         if (state.graph_set, padded) in self.captured:
             out = self._run(Phase.REPLAY, padded_args)
         else:
