@@ -870,3 +870,12 @@ def test_gpu_decode_and_extend_replay_in_a_cuda_graph_with_new_lengths():
     assert_close(out_ext, ext_ref, torch.bfloat16)
     # Decode row r is the second query token of request r: it sees every key.
     assert_close(out_dec, ext_ref[1::2], torch.bfloat16)
+
+
+def test_slots_need_only_be_contiguous_as_read():
+    from sgl_piecewise.backends.triton_kernels.tiles import check_slots
+
+    column = torch.arange(8, dtype=torch.int64).view(2, 4)[:, 3]  # [2], stride 4
+    check_slots("decode_attention", column[:1], 1, CPU)  # one slot: its stride is never used
+    with pytest.raises(InvalidInputError, match="expected out_cache_loc contiguous on cpu, got cpu with stride 4"):
+        check_slots("decode_attention", column, 2, CPU)

@@ -130,7 +130,7 @@ def check_slots(kernel: str, out_cache_loc, num_rows: int, device: torch.device)
             f"{kernel}: expected out_cache_loc int64 [>={num_rows}], "
             f"got {out_cache_loc.dtype} {list(out_cache_loc.shape)}"
         )
-    if out_cache_loc.device != device or out_cache_loc.stride(0) != 1:
+    if out_cache_loc.device != device or not out_cache_loc.is_contiguous():
         raise InvalidInputError(
             f"{kernel}: expected out_cache_loc contiguous on {device}, "
             f"got {out_cache_loc.device} with stride {out_cache_loc.stride(0)}"
