@@ -1,0 +1,105 @@
+"""The decode attention kernel as a model's step launches it (a script, not
+a test).
+
+For the attention of the suite's shapes (0.5b: 14 query / 2 KV heads, 1b:
+32 / 8, head_dim 64), bf16, every request with ``--context`` keys: one CUDA
+graph of one launch per layer (24 layers for 0.5b, 16 for 1b), each layer
+with its own K/V pool, the new tokens' K/V written by the launch as between
+pieces and in the whole-model graph. Each figure is the median of 40
+replays divided by the layers: µs of device time per layer, at each decode
+batch size and each ``tokens_per_split`` (keys per split before another is
+added, ``choose_num_kv_splits``).
+
+    python benchmarks/bench_decode_layers.py --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from sgl_piecewise.backends.triton_kernels.decode import choose_num_kv_splits, decode_attention
+
+# name: (query heads, kv heads, head_dim, layers)
+SHAPES = {"0.5b": (14, 2, 64, 24), "1b": (32, 8, 64, 16)}
+MAX_KV_SPLITS = 64
+
+
+def step_launches(hq: int, hkv: int, d: int, layers: int, bs: int, context: int, tokens_per_split: int) -> Callable:
+    """One step's decode launches, a layer each, over random pools and a shuffled page table."""
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    slots = bs * context + 8
+    k_pools = [torch.randn(slots, hkv, d, device=dev, dtype=bf16) for _ in range(layers)]
+    v_pools = [torch.randn(slots, hkv, d, device=dev, dtype=bf16) for _ in range(layers)]
+    kv_indices = torch.randperm(slots - 8, device=dev)[: bs * context].to(torch.int32) + 1
+    kv_indptr = torch.arange(0, bs * context + 1, context, device=dev, dtype=torch.int32)
+    new_slots = torch.empty(bs, dtype=torch.int64, device=dev).copy_(kv_indices.view(bs, context)[:, -1])
+    q = torch.randn(bs, hq, d, device=dev, dtype=bf16)
+    new_k, new_v = (torch.randn(bs, hkv, d, device=dev, dtype=bf16) for _ in range(2))
+    out = torch.empty(bs, hq, d, device=dev, dtype=bf16)
+    kv_lens = torch.full((bs,), context, device=dev, dtype=torch.int32)
+    splits = choose_num_kv_splits(kv_lens, MAX_KV_SPLITS, torch.empty_like(kv_lens), tokens_per_split)
+    scratch = (
+        torch.empty(bs, hq, MAX_KV_SPLITS, d, device=dev),
+        torch.empty(bs, hq, MAX_KV_SPLITS, device=dev),
+        torch.zeros(bs, hq, dtype=torch.int32, device=dev),
+    )
+
+    def run() -> None:
+        for k_pool, v_pool in zip(k_pools, v_pools):
+            decode_attention(q, k_pool, v_pool, out, kv_indptr, kv_indices, *scratch, splits, MAX_KV_SPLITS,
+                             d**-0.5, new_k=new_k, new_v=new_v, out_cache_loc=new_slots)  # fmt: skip
+
+    return run
+
+
+def us_per_layer(run: Callable, layers: int) -> float:
+    run()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(40):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / layers)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for bench_decode_layers.json")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--tokens-per-split", type=int, nargs="+", default=[32, 64, 128])
+    args = p.parse_args()
+    rows = []
+    for shape, (hq, hkv, d, layers) in SHAPES.items():
+        for bs in args.decode_bs:
+            for tps in args.tokens_per_split:
+                run = step_launches(hq, hkv, d, layers, bs, args.context, tps)
+                row = dict(shape=shape, bs=bs, context=args.context, tokens_per_split=tps,
+                           us_per_layer=us_per_layer(run, layers))  # fmt: skip
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    os.makedirs(args.out, exist_ok=True)
+    info = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"), rows=rows)
+    with open(os.path.join(args.out, "bench_decode_layers.json"), "w") as f:
+        json.dump(info, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
