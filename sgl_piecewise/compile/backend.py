@@ -437,10 +437,10 @@ class PiecewiseModule:
         state = self.state
         state.num_tokens, state.padded_tokens, state.graph_set = n, padded, self._graph_set(args)
         state.replay_key = (state.graph_set, padded)
-        if (state.graph_set, padded) in self.captured:
+        if state.replay_key in self.captured:
             out = self._run(Phase.REPLAY, padded_args)
         else:
-            out = self._warmup_and_capture(padded_args, padded)
+            out = self._warmup_and_capture(padded_args)
         return self._unpad(out, n)
 
     def _graph_set(self, args) -> int:
@@ -475,7 +475,7 @@ class PiecewiseModule:
         finally:
             self.state.phase = Phase.RUN
 
-    def _warmup_and_capture(self, padded_args, padded: int) -> Any:
+    def _warmup_and_capture(self, padded_args) -> Any:
         # One warm-up per module: the first run loads the pieces' kernels and
         # settles Inductor's autotuning, which must not happen while
         # capturing; the kernels are the same for every token count, and
@@ -489,7 +489,7 @@ class PiecewiseModule:
             self.warmed_up = True
         with frozen_gc():
             out = self._run(Phase.CAPTURE, padded_args)
-        self.captured.add((self.state.graph_set, padded))
+        self.captured.add(self.state.replay_key)
         return out
 
     def _num_tokens(self, args) -> int:
