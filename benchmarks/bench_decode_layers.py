@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from typing import Callable
 
 import torch
+from common import median_ms  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.backends.triton_kernels.decode import choose_num_kv_splits, decode_attention
 
@@ -65,18 +65,7 @@ def us_per_layer(run: Callable, layers: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(40):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / layers)
-    return statistics.median(times)
+    return 1e3 * median_ms(graph.replay, 5, 40) / layers
 
 
 def main() -> None:
