@@ -335,6 +335,21 @@ def test_decode_with_new_kv_writes_the_pool_and_attends_padded_rows_to_zero(dtyp
     assert splits.tolist() == [1, 1, 3]  # one request goes through the merge
 
 
+def test_a_plan_refuses_next_step_slots_it_cannot_take_and_keeps_its_own():
+    _, plan = _check_decode_with_new_kv(torch.float32, [1, 40, 300])
+    slots = plan._slots
+    bad = [
+        (torch.zeros(3, dtype=torch.int32), r"expected out_cache_loc int64 \[>=3\], got torch.int32 \[3\]"),
+        (torch.zeros(2, dtype=torch.int64), r"expected out_cache_loc int64 \[>=3\], got torch.int64 \[2\]"),
+        (torch.zeros(3, 2, dtype=torch.int64)[:, 0], "expected out_cache_loc contiguous on cpu, got cpu with stride 2"),
+    ]
+    for loc, message in bad:
+        with pytest.raises(InvalidInputError, match=message):
+            plan.rebind_slots(loc)
+        assert plan._slots is slots and plan._launch._args[dec._SLOTS_ARG] is slots
+    assert not plan.rebind_slots(None)  # no slots: build a plan, which names what is missing
+
+
 def test_decode_plan_launches_another_layer_like_a_fresh_call():
     kv_lens, hq, hkv, d = [5, 70, 129], 4, 2, 16
     layers = [make_batch([1] * 3, kv_lens, hq, hkv, d, torch.float32) for _ in range(2)]
