@@ -7,15 +7,19 @@ graph of one launch per layer (24 layers for 0.5b, 16 for 1b), each layer
 with its own K/V pool, the new tokens' K/V written by the launch as between
 pieces and in the whole-model graph. Each figure is the median of 40
 replays divided by the layers: µs of device time per layer, at each decode
-batch size and each ``tokens_per_split`` (keys per split before another is
-added, ``choose_num_kv_splits``).
+batch size, each ``tokens_per_split`` (keys per split before another is
+added, ``choose_num_kv_splits``) and each launch setting (``--launch``:
+keys per tile / warps / pipeline stages / programs per SM the split axis
+fills, ``DecodeLaunch``; default: the kernel's own).
 
     python benchmarks/bench_decode_layers.py --out results/
+    python benchmarks/bench_decode_layers.py --out results/ --launch 64/4/3/2 128/4/2/4
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -24,14 +28,33 @@ from typing import Callable
 import torch
 from common import median_ms  # noqa: E402 (benchmarks/ is the script's folder)
 
-from sgl_piecewise.backends.triton_kernels.decode import choose_num_kv_splits, decode_attention
+from sgl_piecewise.backends.triton_kernels.decode import (
+    DEFAULT_DECODE_LAUNCH,
+    DecodeLaunch,
+    choose_num_kv_splits,
+    decode_attention,
+)
 
 # name: (query heads, kv heads, head_dim, layers)
 SHAPES = {"0.5b": (14, 2, 64, 24), "1b": (32, 8, 64, 16)}
 MAX_KV_SPLITS = 64
 
 
-def step_launches(hq: int, hkv: int, d: int, layers: int, bs: int, context: int, tokens_per_split: int) -> Callable:
+def parse_launch(text: str) -> DecodeLaunch:
+    """``"64/4/3/2"`` -> DecodeLaunch(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2)."""
+    parts = text.split("/")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected block_n/num_warps/num_stages/programs_per_sm, got {text!r}")
+    block_n, warps, stages, per_sm = map(int, parts)
+    return DecodeLaunch(block_n=block_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
+
+
+def launch_name(launch: DecodeLaunch) -> str:
+    return f"{launch.block_n}/{launch.num_warps}/{launch.num_stages}/{launch.programs_per_sm}"
+
+
+def step_launches(hq: int, hkv: int, d: int, layers: int, bs: int, context: int, tokens_per_split: int,
+                  launch: DecodeLaunch) -> Callable:  # fmt: skip
     """One step's decode launches, a layer each, over random pools and a shuffled page table."""
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     slots = bs * context + 8
@@ -54,7 +77,7 @@ def step_launches(hq: int, hkv: int, d: int, layers: int, bs: int, context: int,
     def run() -> None:
         for k_pool, v_pool in zip(k_pools, v_pools):
             decode_attention(q, k_pool, v_pool, out, kv_indptr, kv_indices, *scratch, splits, MAX_KV_SPLITS,
-                             d**-0.5, new_k=new_k, new_v=new_v, out_cache_loc=new_slots)  # fmt: skip
+                             d**-0.5, launch, new_k=new_k, new_v=new_v, out_cache_loc=new_slots)  # fmt: skip
 
     return run
 
@@ -74,14 +97,16 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--tokens-per-split", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--launch", type=parse_launch, nargs="+", default=[DEFAULT_DECODE_LAUNCH],
+                   help="block_n/num_warps/num_stages/programs_per_sm (default: the kernel's)")  # fmt: skip
     args = p.parse_args()
     rows = []
     for shape, (hq, hkv, d, layers) in SHAPES.items():
         for bs in args.decode_bs:
-            for tps in args.tokens_per_split:
-                run = step_launches(hq, hkv, d, layers, bs, args.context, tps)
+            for tps, launch in itertools.product(args.tokens_per_split, args.launch):
+                run = step_launches(hq, hkv, d, layers, bs, args.context, tps, launch)
                 row = dict(shape=shape, bs=bs, context=args.context, tokens_per_split=tps,
-                           us_per_layer=us_per_layer(run, layers))  # fmt: skip
+                           launch=launch_name(launch), us_per_layer=us_per_layer(run, layers))  # fmt: skip
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     os.makedirs(args.out, exist_ok=True)

@@ -245,6 +245,24 @@ def test_gpu_decode_graphs_hold_the_metadata_fill(name, monkeypatch):
     assert backend.forward_metadata.kv_lens.tolist() == [5, 1, 9, 2]
 
 
+@pytest.mark.gpu
+def test_gpu_a_second_runner_over_the_backend_leaves_the_first_holding_its_fill(monkeypatch):
+    """Two whole-model runners over one backend capture the same sizes, each
+    over its own inputs: the second's capture must not take the fill out of
+    the first's graphs (the first's replays would fill again before each
+    graph). Both replay fresh batches as eager does, with no fill outside
+    their graphs."""
+    eager, graphs, first = _runners("triton", "cuda", torch.bfloat16, GPU_CONFIG, max_reqs=24)
+    first.capture(progress=False)
+    second = CudaGraphRunner(graphs, CAPTURE_BS)
+    second.capture(progress=False)
+    fills = _fills_of(graphs.backend, monkeypatch)
+    for runner in (first, second):
+        graphs.step_graphs = runner
+        _check_fresh_batches(eager, graphs, random.Random("two-runners"), (4, 1, 3), 5e-2)
+    assert fills == []
+
+
 def _pools_of_blocks_freed_by_clearing_cublas_workspaces() -> list:
     """Do what torch.compile's reduce-overhead does before it records (free
     every cuBLAS workspace); return the memory pool of each block it freed.

@@ -180,8 +180,12 @@ class StaticGraphBackend(AttentionBackend):
         if key not in self._graph_metadata:
             self._graph_metadata[key] = self._bind_metadata(bs, width, forward_mode, spec_info)
         self._check_bound(self._graph_metadata[key], bs, width, spec_info)
-        # A new graph of this size: its caller says again whether it holds the fill.
-        self._caller_graph_fills.pop(("graph", forward_mode, bs), None)
+        # A new graph over these inputs: its caller says again whether it holds
+        # the fill. Other runners' graphs of this size read other inputs and
+        # keep what they said (two whole-model runners over one backend).
+        held = self._caller_graph_fills.get(("graph", forward_mode, bs))
+        if held is not None:
+            held.discard((req_pool_indices[:bs].data_ptr(), seq_lens[:bs].data_ptr()))
         self.init_forward_metadata_replay_cuda_graph(
             bs,
             req_pool_indices,
