@@ -26,7 +26,7 @@ import time
 from typing import Callable
 
 import torch
-from common import median_ms  # noqa: E402 (benchmarks/ is the script's folder)
+from common import graph_us_per_layer  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.backends.triton_kernels.decode import (
     DEFAULT_DECODE_LAUNCH,
@@ -82,15 +82,6 @@ def step_launches(hq: int, hkv: int, d: int, layers: int, bs: int, context: int,
     return run
 
 
-def us_per_layer(run: Callable, layers: int) -> float:
-    run()  # compiles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return 1e3 * median_ms(graph.replay, 5, 40) / layers
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for bench_decode_layers.json")
@@ -106,7 +97,7 @@ def main() -> None:
             for tps, launch in itertools.product(args.tokens_per_split, args.launch):
                 run = step_launches(hq, hkv, d, layers, bs, args.context, tps, launch)
                 row = dict(shape=shape, bs=bs, context=args.context, tokens_per_split=tps,
-                           launch=launch_name(launch), us_per_layer=us_per_layer(run, layers))  # fmt: skip
+                           launch=launch_name(launch), us_per_layer=graph_us_per_layer(run, layers))  # fmt: skip
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     os.makedirs(args.out, exist_ok=True)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from common import median_ms  # noqa: E402 (benchmarks/ is the script's folder)
+from common import graph_us_per_layer  # noqa: E402 (benchmarks/ is the script's folder)
 
 # name: (hidden, intermediate, layers)
 SHAPES = {"0.5b": (896, 4864, 24), "1b": (2048, 8192, 16)}
@@ -130,21 +130,12 @@ def split_k(x, w, out, scratch, launch) -> None:
     )  # fmt: skip
 
 
-def us_per_layer(run: Callable[[], None], layers: int) -> float:
-    run()  # compiles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return 1e3 * median_ms(graph.replay, 5, 40) / layers
-
-
 def best_launch(make_run: Callable, launches: list, layers: int) -> Optional[dict]:
     """The fastest of ``launches`` (settings Triton cannot compile are skipped)."""
     best = None
     for launch in launches:
         try:
-            us = us_per_layer(make_run(launch), layers)
+            us = graph_us_per_layer(make_run(launch), layers)
         except Exception:  # a setting past the card's shared memory or registers
             continue
         if best is None or us < best["us_per_layer"]:
@@ -168,9 +159,9 @@ def measure(shape: str, rows: int) -> dict:
         for gate_up_w, down_w in zip(gate_up_ws, down_ws):
             F.linear(silu_mul(F.linear(x, gate_up_w)), down_w)
 
-    row = dict(shape=shape, rows=rows, unfused_us=us_per_layer(unfused, layers),
-               cublas_gate_up_us=us_per_layer(lambda: [F.linear(x, w) for w in gate_up_ws], layers),
-               cublas_down_us=us_per_layer(lambda: [F.linear(h_in, w) for w in down_ws], layers))  # fmt: skip
+    row = dict(shape=shape, rows=rows, unfused_us=graph_us_per_layer(unfused, layers),
+               cublas_gate_up_us=graph_us_per_layer(lambda: [F.linear(x, w) for w in gate_up_ws], layers),
+               cublas_down_us=graph_us_per_layer(lambda: [F.linear(h_in, w) for w in down_ws], layers))  # fmt: skip
     row["triton_gate_up_silu"] = best_launch(
         lambda launch: lambda: [gate_up_silu(x, w, h, launch) for w in gate_up_ws], GATE_UP_LAUNCHES, layers
     )

@@ -111,6 +111,18 @@ def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> flo
 cuda_median_ms = median_ms
 
 
+def graph_us_per_layer(run: Callable[[], object], layers: int) -> float:
+    """µs of device time per layer of ``run`` (one call launching every
+    layer's kernels), recorded as one CUDA graph after a first call (which
+    compiles): the median replay divided by ``layers``."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return 1e3 * median_ms(graph.replay, 5, 40) / layers
+
+
 def time_paths(paths: Dict[str, Callable[[], Callable]], rounds: int = 6, iters: int = 5) -> dict:
     """Median ms of each path (a factory of its step), and its max |logit
     difference| to the first path; a failing path records its error.
