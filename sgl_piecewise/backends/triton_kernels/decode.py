@@ -39,10 +39,10 @@ from sgl_piecewise.backends.triton_kernels.tiles import (
     check_last_dim_contiguous,
     check_new_kv,
     check_num_rows,
-    check_slots,
     layer_layout,
     load_rows,
     mm,
+    rebind_slots,
     softmax_step,
 )
 from sgl_piecewise.checks import check_positive_int
@@ -522,12 +522,11 @@ class DecodePlan:
         """Take the next step's new-token slots (checked as at build), the
         rest of the plan unchanged: a step of the same sizes over the same
         metadata buffers. False where the plan cannot take them (build one)."""
-        if out_cache_loc is self._slots:
-            return True
-        if not self.new_kv or out_cache_loc is None:
-            return False
-        check_slots("decode_attention", out_cache_loc, self._num_rows, self._slots.device)
-        if not self._launch.rebind(_SLOTS_ARG, out_cache_loc):
+        if not self.new_kv:  # its launches read no slots
+            return out_cache_loc is self._slots
+        if not rebind_slots(
+            "decode_attention", self._slots, out_cache_loc, self._num_rows, [(self._launch, _SLOTS_ARG)]
+        ):
             return False
         self._slots = out_cache_loc
         return True

@@ -42,10 +42,10 @@ from sgl_piecewise.backends.triton_kernels.tiles import (
     check_last_dim_contiguous,
     check_new_kv,
     check_num_rows,
-    check_slots,
     layer_layout,
     load_rows,
     mm,
+    rebind_slots,
     softmax_step,
 )
 from sgl_piecewise.errors import InvalidInputError
@@ -465,16 +465,11 @@ class ExtendPlan:
         """Take the next step's new-token slots (checked as at build), the
         rest of the plan unchanged: a step of the same sizes over the same
         metadata buffers. False where the plan cannot take them (build one)."""
-        if out_cache_loc is self._slots:
-            return True
-        if out_cache_loc is None:
-            return False
-        check_slots("extend_attention", out_cache_loc, self._num_rows, self._slots.device)
         launches = [(self._store, _STORE_SLOTS_ARG)] if self._store is not None else []
         if self._fused and self._attend is not None:
             launches.append((self._attend, _EXTEND_SLOTS_ARG))
-        if not all(launch.rebind(position, out_cache_loc) for launch, position in launches):
-            return False  # the store's may have taken them: this plan is dropped, a new one built
+        if not rebind_slots("extend_attention", self._slots, out_cache_loc, self._num_rows, launches):
+            return False
         self._slots = out_cache_loc
         return True
 

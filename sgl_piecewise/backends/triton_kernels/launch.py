@@ -292,7 +292,7 @@ class StepLaunch:
         args = self.kept_args(layer, layer_tensors)
         if args is None:
             return False
-        self._kernel(self.grid, *args)
+        self.launch_kept(args)
         return True
 
     def kept_args(self, layer: int, layer_tensors: Sequence[torch.Tensor]) -> Optional[tuple]:

@@ -137,6 +137,21 @@ def check_slots(kernel: str, out_cache_loc, num_rows: int, device: torch.device)
         )
 
 
+def rebind_slots(kernel: str, slots, new_slots, num_rows: int, launches) -> bool:
+    """Whether a plan built over ``slots`` can take the next step's
+    ``new_slots`` (its ``rebind_slots``): the same tensor, or one checked
+    as at build that every launch reading it, ``(StepLaunch, argument
+    position)``, took. False where the plan cannot take them (build one);
+    a launch that took them before another refused leaves the plan to be
+    dropped."""
+    if new_slots is slots:
+        return True
+    if new_slots is None:
+        return False
+    check_slots(kernel, new_slots, num_rows, slots.device)
+    return all(launch.rebind(position, new_slots) for launch, position in launches)
+
+
 def layer_layout(q, k_cache, v_cache, out, new_k, new_v) -> tuple:
     """What a plan's checks and compiled kernels assumed of one layer's
     tensors: each one's shape, strides and dtype. Spelled out, not a loop:
