@@ -121,6 +121,7 @@ def main() -> None:
         "other_sizes_phases_seconds": {k: round((v - first_phases[0][k]) / 1e9, 3) for k, v in totals.items()},
         "piece_graphs_captured": counters.graphs_captured,
         "dynamo_seconds": {k: dynamo[k] for k in ("bytecode_tracing", "OutputGraph.call_user_compiler") if k in dynamo},
+        "dynamo_timed_seconds": dict(sorted(dynamo.items(), key=lambda kv: -kv[1])),  # every timer torch keeps
         "triton_compiles": compiles,
     }  # fmt: skip
     print(json.dumps({k: v for k, v in info.items() if k != "triton_compiles"}, indent=1))

@@ -17,6 +17,7 @@ from sgl_piecewise.compile.backend import PiecewiseModule, SglPiecewiseBackend
 from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.direct_call import GraphInputs, StaleGraphError, make_gather
 from sgl_piecewise.compile.options import CompileOptions
+from sgl_piecewise.compile.piece_compiler import start_inductor_workers
 from sgl_piecewise.compile.token_guards import (
     MAX_TRACED_TOKENS,
     TokenShapeGuards,
@@ -114,6 +115,8 @@ class CompiledModel:
         if not self._marked:
             mark_token_axis_backed(*args)
             self._marked = True
+            if self.options.piece_compiler == "inductor" and args[0].is_cuda:
+                start_inductor_workers()  # up by the time the trace's pieces compile
         self.backend.call = (self.model, args) if _direct_calls_on(self.options) else None
         try:
             with size_oblivious_tracing():

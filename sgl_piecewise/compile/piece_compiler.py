@@ -93,6 +93,21 @@ class PieceCompiler:
         return compiled
 
 
+def start_inductor_workers() -> None:
+    """Start Inductor's compile worker processes now, on their own: they take
+    seconds to come up, and until they are, Inductor compiles its Triton
+    kernels one by one in this process. ``backend="inductor"`` starts them
+    before Dynamo traces; a custom backend is called only once the trace is
+    done, so ``CompiledModel`` calls this before its first trace. Does
+    nothing where Inductor would not use them (one compile thread, no Triton,
+    ``TORCH_WARM_POOL=0``), or on a torch without the call."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:
+        return
+    maybe_warm_pool()
+
+
 def _compile_eager(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:
     return gm
 
