@@ -1,6 +1,7 @@
 """Builders of random ragged batches over real pools, for tests, ``verify``
-and benchmarks. Nothing here is a stand-in: the batch is laid out in the pools
-exactly as ``ModelRunner`` lays out a real one."""
+and benchmarks, and the smallest model configuration tests compile. Nothing
+here is a stand-in: the batch is laid out in the pools exactly as
+``ModelRunner`` lays out a real one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,22 @@ import torch
 
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
 from sgl_piecewise.memory import KVPool, ReqToTokenPool, allocate_requests
+from sgl_piecewise.models.config import ModelConfig
+
+
+def two_layer_llama_config() -> ModelConfig:
+    """Two Llama layers of hidden size 64, 4 query and 2 KV heads of 16 dims,
+    vocabulary 256: a model that compiles in seconds on a CPU."""
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+    )
 
 
 def place_requests(

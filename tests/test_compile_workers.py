@@ -11,24 +11,14 @@ import torch
 import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.compile import CompiledModel, CompileOptions, compiled_model
-from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.testing import random_batch
+from sgl_piecewise.models import build_random_model
+from sgl_piecewise.testing import random_batch, two_layer_llama_config
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _model_and_backend(device: str):
-    config = ModelConfig(
-        architecture="LlamaForCausalLM",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=256,
-    )
-    model = build_random_model(config, device=device, seed=1)
+    model = build_random_model(two_layer_llama_config(), device=device, seed=1)
     pool = sp.KVPool(512, 2, 2, 16, device=device)
     return model, ReferenceBackend(sp.ReqToTokenPool(max_reqs=8, max_context_len=64, device=device), pool)
 

@@ -11,8 +11,8 @@ import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.compile import CompiledModel, CompileOptions, compiled_model, counters, token_guards
 from sgl_piecewise.compile.token_guards import MAX_TRACED_TOKENS, _only_bounds_token_count
-from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.testing import random_batch
+from sgl_piecewise.models import build_random_model
+from sgl_piecewise.testing import random_batch, two_layer_llama_config
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -64,18 +64,7 @@ def test_any_other_shape_guard_is_kept(expr):
 
 
 def _small_model():
-    """Two Llama layers."""
-    config = ModelConfig(
-        architecture="LlamaForCausalLM",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=256,
-    )
-    return build_random_model(config, seed=1)
+    return build_random_model(two_layer_llama_config(), seed=1)
 
 
 class BranchesOnTokenCount(torch.nn.Module):
