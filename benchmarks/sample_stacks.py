@@ -4,8 +4,9 @@ Runs a Python script as ``python script.py args`` would, while a thread
 samples the main thread's Python stack every few milliseconds
 (``sys._current_frames``), and writes per function the seconds it was on the
 stack (inclusive) and on its top (self), and the sampled stacks in order.
-cProfile times every call and slows Python-heavy work (Dynamo's trace, the
-Triton front end) by 2-3 times, so its shares are wrong for a start-up; a
+cProfile times every call, so it slows Python-heavy work (Dynamo's trace,
+the Triton front end) far more than the rest and its shares of a start-up
+are wrong; a
 sample costs the same wherever the thread is. It needs only the standard
 library, for hosts where a sampling profiler such as py-spy cannot be
 installed. A sample is taken when the sampler gets the GIL: Python's switch
