@@ -183,9 +183,10 @@ class StaticGraphBackend(AttentionBackend):
         # A new graph over these inputs: its caller says again whether it holds
         # the fill. Other runners' graphs of this size read other inputs and
         # keep what they said (two whole-model runners over one backend).
-        held = self._caller_graph_fills.get(("graph", forward_mode, bs))
+        key, inputs = _graph_fill(forward_mode, bs, req_pool_indices, seq_lens)
+        held = self._caller_graph_fills.get(key)
         if held is not None:
-            held.discard((req_pool_indices[:bs].data_ptr(), seq_lens[:bs].data_ptr()))
+            held.discard(_addresses(inputs))
         self.init_forward_metadata_replay_cuda_graph(
             bs,
             req_pool_indices,
@@ -223,7 +224,7 @@ class StaticGraphBackend(AttentionBackend):
         # "restore max_seq_len_q after replay" exception upstream SGLang needed for draft extend (PR 26665) does
         # not arise). The capture's spec_info carries the real mask kind, so
         # tree-masked verify delegates to replay like every other mode.
-        key, inputs = ("graph", forward_mode, bs), (req_pool_indices[:bs], seq_lens[:bs])
+        key, inputs = _graph_fill(forward_mode, bs, req_pool_indices, seq_lens)
         if not self._filled_by_caller_graph(key, inputs):
             self._fill_bound(key, meta, inputs, spec_info)
         self._begin_step(meta)
@@ -245,8 +246,8 @@ class StaticGraphBackend(AttentionBackend):
         meta = self._graph_metadata.get((forward_mode, bs))
         if meta is None or not self.fill_on_device or not can_record_fill(seq_lens.device, meta.masked):
             return False
-        ptrs = (req_pool_indices[:bs].data_ptr(), seq_lens[:bs].data_ptr())
-        self._caller_graph_fills.setdefault(("graph", forward_mode, bs), set()).add(ptrs)
+        key, inputs = _graph_fill(forward_mode, bs, req_pool_indices, seq_lens)
+        self._caller_graph_fills.setdefault(key, set()).add(_addresses(inputs))
         return True
 
     def _filled_by_caller_graph(self, key, inputs: Tuple[torch.Tensor, ...]) -> bool:
@@ -255,7 +256,7 @@ class StaticGraphBackend(AttentionBackend):
         ptrs = self._caller_graph_fills.get(key)
         if ptrs is None or torch.cuda.is_current_stream_capturing():
             return False
-        return (inputs[0].data_ptr(), inputs[1].data_ptr()) in ptrs
+        return _addresses(inputs) in ptrs
 
     def _begin_step(self, meta: LengthMetadata) -> None:
         """A binding serves step after step: drop the host state a subclass
@@ -373,3 +374,15 @@ class StaticGraphBackend(AttentionBackend):
                 f"got {q.shape[0]}; was the metadata prepared for this batch?"
             )
         return meta
+
+
+def _graph_fill(forward_mode: ForwardMode, bs: int, req_pool_indices, seq_lens) -> tuple:
+    """The key of the graph binding of ``(forward_mode, bs)``'s fill, and the
+    inputs it fills from: the first ``bs`` rows of each."""
+    return ("graph", forward_mode, bs), (req_pool_indices[:bs], seq_lens[:bs])
+
+
+def _addresses(inputs: Tuple[torch.Tensor, torch.Tensor]) -> Tuple[int, int]:
+    """Where a fill's two inputs lie: a caller's offer to hold the fill in
+    its graph is kept by them (``fill_in_graph``)."""
+    return inputs[0].data_ptr(), inputs[1].data_ptr()
