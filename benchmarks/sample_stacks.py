@@ -6,10 +6,9 @@ samples the main thread's Python stack every few milliseconds
 stack (inclusive) and on its top (self), and the sampled stacks in order.
 cProfile times every call, so it slows Python-heavy work (Dynamo's trace,
 the Triton front end) far more than the rest and its shares of a start-up
-are wrong; a
-sample costs the same wherever the thread is. It needs only the standard
-library, for hosts where a sampling profiler such as py-spy cannot be
-installed. A sample is taken when the sampler gets the GIL: Python's switch
+are wrong; a sample costs the same wherever the thread is. It needs only
+the standard library, for hosts where a sampling profiler such as py-spy
+cannot be installed. A sample is taken when the sampler gets the GIL: Python's switch
 interval (5 ms) bounds how often, so the seconds are counts scaled by the
 wall time over the samples::
 
@@ -89,6 +88,10 @@ def main() -> None:
     p.add_argument("script", help="the script to run, then its arguments (after --)")
     p.add_argument("args", nargs=argparse.REMAINDER)
     cli = p.parse_args()
+    if not cli.interval_ms > 0 or cli.top < 1:
+        p.error(f"expected --interval-ms > 0 and --top >= 1, got {cli.interval_ms} and {cli.top}")
+    if not os.path.isfile(cli.script):
+        p.error(f"expected a Python script to run, got {cli.script!r} (no such file)")
     sys.argv = [cli.script, *cli.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(cli.script)))  # as `python script.py` would
     sampler = Sampler(threading.main_thread().ident, cli.interval_ms / 1e3)
