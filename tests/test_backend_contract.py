@@ -404,3 +404,39 @@ def test_composite_serves_only_what_every_member_serves():
     pools = make_pools()
     composite = CompositeBackend(TorchGraphBackend(pools.req, pools.kv), [ReferenceBackend(pools.req, pools.kv)])
     assert composite.supported_modes == ALL_MODES and not composite.supports_cuda_graph
+
+
+def test_a_capture_takes_back_only_its_own_inputs_offer_to_hold_the_fill(monkeypatch):
+    """Two graph runners over one backend, each with its own static inputs,
+    offer to hold a size's fill in their graphs (``fill_in_graph``): a
+    replay over either runner's inputs then fills nothing, and a capture
+    over one runner's inputs takes back that runner's offer only. The
+    bookkeeping keys on the inputs' addresses, on any device; the fill's
+    recording, which is CUDA's, is allowed here, and no stream is capturing."""
+    from sgl_piecewise.backends import static_graph
+
+    monkeypatch.setattr(static_graph, "can_record_fill", lambda device, masked: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has no answer
+    backend = graph_backend("torch", ForwardMode.DECODE, make_pools())
+    fills = []
+    monkeypatch.setattr(backend, "_fill_bound", lambda key, meta, inputs, spec: fills.append(inputs[0].data_ptr()))
+    bs = 2
+    first, second, other = [(torch.zeros(MAX_BS, dtype=torch.int64), torch.ones(MAX_BS, dtype=torch.int32))
+                            for _ in range(3)]  # fmt: skip
+
+    def capture_over(inputs) -> None:
+        backend.init_forward_metadata_capture_cuda_graph(bs, bs, *inputs, None, ForwardMode.DECODE, None)
+        assert backend.fill_in_graph(ForwardMode.DECODE, bs, *inputs)
+
+    def filled_on_replay(inputs) -> bool:
+        fills.clear()
+        backend.init_forward_metadata_replay_cuda_graph(bs, *inputs, 2 * bs, None, ForwardMode.DECODE, None)
+        return fills == [inputs[0].data_ptr()]
+
+    capture_over(first)
+    capture_over(second)
+    assert not filled_on_replay(first) and not filled_on_replay(second)
+    assert filled_on_replay(other)  # inputs no graph holds the fill for
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs, *first, None, ForwardMode.DECODE, None)
+    assert filled_on_replay(first)  # its offer taken back until it offers again
+    assert not filled_on_replay(second)  # the other runner's stands
