@@ -192,8 +192,10 @@ def test_eager_and_replay_compute_the_same_metadata_for_one_batch(name, case):
     else:
         width = e.page_table.shape[1]
         assert torch.equal(e.page_table, g.page_table[:, :width])
-        assert torch.equal(e.allowed, g.allowed[:, :, :width])
-        assert not g.allowed[:, :, width:].any()
+        assert torch.equal(e.hidden, g.hidden[:, :, :width])
+        assert g.hidden[:, :, width:].all()
+        assert torch.equal(e.past_extent, g.past_extent[:, :width])
+        assert g.past_extent[:, width:].all()
 
 
 class NoHostSync(TorchDispatchMode):

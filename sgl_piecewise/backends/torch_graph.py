@@ -3,9 +3,10 @@
 Where the reference backend loops over requests with host-side lengths, this
 one works on the whole batch at once with shapes that depend only on the batch
 size: keys are gathered through a page table ``[bs, W]`` into
-``[bs, W, Hkv, D]``, an ``allowed [bs, S, W]`` mask (key extent, causal offset
-``kv_len - q_len``, or the verify tree mask) is prepared once per step, and the
-softmax runs in float32. When graphed, ``W`` is the pool's context length and
+``[bs, W, Hkv, D]``, a ``hidden [bs, S, W]`` mask (outside the key extent,
+past the causal offset ``kv_len - q_len``, or off the verify tree mask) and
+the keys past each request's extent are prepared once per step, not per
+layer, and the softmax runs in float32. When graphed, ``W`` is the pool's context length and
 ``S`` the uniform query width, so a captured step replays for any lengths.
 
 Eager EXTEND / MIXED / DRAFT_EXTEND use the same math over the ragged layout:
@@ -50,7 +51,8 @@ _MASKED = torch.finfo(torch.float32).min
 class TorchGraphMetadata(LengthMetadata):
     mask_indptr: Optional[torch.Tensor]  # [bs+1] int64 block offsets in the custom mask
     page_table: torch.Tensor  # [bs, W] int64: slot of key j of request b
-    allowed: torch.Tensor  # [bs, S, W] bool: query row i of request b may see key j
+    hidden: torch.Tensor  # [bs, S, W] bool: query row i of request b may not see key j
+    past_extent: torch.Tensor  # [bs, W] bool: key j is past request b's keys (j >= kv_len)
     # Ragged eager steps only (None when every request has S query rows):
     q_rows: Optional[torch.Tensor]  # [bs * S] int64: token row behind padded query (b, i)
     token_src: Optional[torch.Tensor]  # [T] int64: padded query row each token's output is
@@ -95,7 +97,8 @@ class TorchGraphBackend(StaticGraphBackend):
             masked=masked,
             mask_indptr=new(bs + 1, dtype=torch.int64) if masked else None,
             page_table=new(bs, keys, dtype=torch.int64),
-            allowed=new(bs, width, keys, dtype=torch.bool),
+            hidden=new(bs, width, keys, dtype=torch.bool),
+            past_extent=new(bs, keys, dtype=torch.bool),
             q_rows=new(bs * width, dtype=torch.int64) if ragged else None,
             token_src=new(tokens, dtype=torch.int64) if ragged else None,
         )
@@ -106,7 +109,8 @@ class TorchGraphBackend(StaticGraphBackend):
         buffers.alloc("mask_indptr", (max_bs + 1,), torch.int64)
         buffers.alloc("page_table", (max_bs, context), torch.int64)
         # One row of keys per graph query row: [max_num_tokens, context] bool.
-        buffers.alloc("allowed", (max_num_tokens, context), torch.bool)
+        buffers.alloc("hidden", (max_num_tokens, context), torch.bool)
+        buffers.alloc("past_extent", (max_bs, context), torch.bool)
 
     def _bind_metadata(self, bs: int, width: int, mode: ForwardMode, spec_info) -> TorchGraphMetadata:
         b = self._buffers
@@ -116,7 +120,8 @@ class TorchGraphBackend(StaticGraphBackend):
             **b.length_views(bs, width, mode, masked),
             mask_indptr=b["mask_indptr"][: bs + 1] if masked else None,
             page_table=b["page_table"][:bs],
-            allowed=b["allowed"][: bs * width].view(bs, width, context),
+            hidden=b["hidden"][: bs * width].view(bs, width, context),
+            past_extent=b["past_extent"][:bs],
             q_rows=None,
             token_src=None,
         )
@@ -128,7 +133,9 @@ class TorchGraphBackend(StaticGraphBackend):
         if meta.q_rows is not None:
             _fill_ragged_rows(meta)
         custom = spec_info.custom_mask if meta.masked else None
-        _fill_allowed(meta, custom)
+        _fill_hidden(meta, custom)
+        j = torch.arange(meta.past_extent.shape[1], device=meta.kv_lens.device)
+        torch.ge(j[None, :], meta.kv_lens[:, None], out=meta.past_extent)
 
     # ---- attention -------------------------------------------------------
     def forward_decode(self, q, k, v, out, layer_id, batch, scale) -> None:
@@ -150,11 +157,11 @@ class TorchGraphBackend(StaticGraphBackend):
         qg = rows.float().view(bs, width, num_kv_heads, group, head_dim)
         keys = k_cache[meta.page_table].float()  # [bs, W, Hkv, D]
         logits = torch.einsum("bshgd,bwhd->bhgsw", qg, keys) * scale
-        hidden = ~meta.allowed[:, None, None]
+        hidden = meta.hidden[:, None, None]
         logits = logits.masked_fill(hidden, _MASKED)
         probs = torch.softmax(logits, dim=-1).masked_fill_(hidden, 0.0)
         vals = v_cache[meta.page_table].float()  # [bs, W, Hkv, Dv], a fresh gather
-        vals.masked_fill_(~_key_in_extent(meta, vals.shape[1])[:, :, None, None], 0.0)
+        vals.masked_fill_(meta.past_extent[:, :, None, None], 0.0)
         o = torch.einsum("bhgsw,bwhd->bshgd", probs, vals)
         o = o.reshape(bs * width, num_kv_heads * group, vals.shape[-1])
         if meta.token_src is not None:
@@ -162,17 +169,11 @@ class TorchGraphBackend(StaticGraphBackend):
         out.copy_(o)
 
 
-def _key_in_extent(meta: TorchGraphMetadata, width: int) -> torch.Tensor:
-    """``[bs, W]`` bool: key ``j`` is one of request ``b``'s own (``j < kv_len``)."""
-    j = torch.arange(width, device=meta.kv_lens.device)
-    return j[None, :] < meta.kv_lens[:, None]
-
-
 def _fill_ragged_rows(meta: TorchGraphMetadata) -> None:
     """Maps between the ragged token layout and the padded ``[bs, S]`` one.
 
     Padded query slots past a request's ``q_len`` repeat its last row (any
-    valid row will do: ``allowed`` masks them and ``token_src`` never reads
+    valid row will do: ``hidden`` masks them and ``token_src`` never reads
     them back).
     """
     bs, width = meta.bs, meta.max_q_len
@@ -185,22 +186,22 @@ def _fill_ragged_rows(meta: TorchGraphMetadata) -> None:
     meta.token_src.copy_(req * width + (t - meta.qo_indptr[req]))
 
 
-def _fill_allowed(meta: TorchGraphMetadata, custom_mask: Optional[torch.Tensor]) -> None:
-    """``allowed[b, i, j]``: key ``j < kv_len`` for query ``i < q_len``, and
-    either causal at offset ``kv_len - q_len`` or ``custom_mask`` (a flat
+def _fill_hidden(meta: TorchGraphMetadata, custom_mask: Optional[torch.Tensor]) -> None:
+    """``hidden[b, i, j]``: not (key ``j < kv_len`` for query ``i < q_len``,
+    and either causal at offset ``kv_len - q_len`` or ``custom_mask``, a flat
     concatenation of row-major ``[q_len, kv_len]`` blocks, SpecInfo)."""
-    bs, width, keys = meta.allowed.shape
-    device = meta.allowed.device
+    bs, width, keys = meta.hidden.shape
+    device = meta.hidden.device
     i = torch.arange(width, device=device).view(1, width, 1)
     j = torch.arange(keys, device=device).view(1, 1, keys)
     q_len = meta.q_lens.view(bs, 1, 1).long()
     kv_len = meta.kv_lens.view(bs, 1, 1).long()
     in_range = (i < q_len) & (j < kv_len)
     if custom_mask is None:
-        meta.allowed.copy_(in_range & (j <= kv_len - q_len + i))
+        torch.logical_not(in_range & (j <= kv_len - q_len + i), out=meta.hidden)
         return
     fill_mask_indptr(meta.mask_indptr, meta.q_lens, meta.kv_lens)
     flat_mask = custom_mask.reshape(-1)
     # Out-of-range (b, i, j) are clamped to a valid index and masked by in_range.
     flat = (meta.mask_indptr[:bs].view(bs, 1, 1) + i * kv_len + j).clamp_(0, max(flat_mask.numel() - 1, 0))
-    meta.allowed.copy_(flat_mask[flat].bool() & in_range)
+    torch.logical_not(flat_mask[flat].bool() & in_range, out=meta.hidden)
