@@ -319,3 +319,66 @@ def test_a_step_of_the_same_sizes_over_bound_metadata_takes_the_last_steps_plan(
         release_batch(table2, pool2, batch2)
     assert plans[0] is plans[1] is plans[2]
     assert plans[3] is not plans[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode, extend", [(ForwardMode.DECODE, [1, 1, 1]), (ForwardMode.EXTEND, [3, 1, 5])])
+@pytest.mark.parametrize("pad", [0, 5])
+def test_flashinfer_layers_through_the_steps_plan_equal_the_full_path(mode, extend, pad):
+    """Between compiled pieces a FlashInfer step's layers go through the plan
+    its first layer built (one K/V-write launch, then ``run()``): bit for bit
+    the full path's output and K/V (two ``index_copy_``, ``run()``, the
+    padded rows zeroed), padded rows zero and writing no K/V; another scale,
+    an invalid layer index or a new fill launch nothing through it."""
+    pytest.importorskip("flashinfer")
+    from sgl_piecewise.backends.flashinfer_backend import FlashInferBackend
+    from sgl_piecewise.ops.attention import attention_with_output_direct
+
+    hq, hkv, d = 4, 2, 128  # the FlashInfer kernels the backend tests build
+    table = ReqToTokenPool(max_reqs=8, max_context_len=64, device="cuda")
+    pool = KVPool(num_slots=256, num_layers=3, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16, device="cuda")
+    backend = FlashInferBackend(table, pool, hq)
+    batch = random_batch(mode, table, pool, [5, 9, 2], extend)
+    rows = batch.num_tokens + pad
+
+    def layer_tensors():
+        shapes = ((rows, hq, d), (rows, hkv, d), (rows, hkv, d))
+        return [torch.randn(s, dtype=torch.bfloat16, device="cuda") for s in shapes]
+
+    layers = [layer_tensors() for _ in range(3)]
+    lean = backend.write_kv_and_attend
+
+    def step(through_plan: bool) -> list:
+        backend.write_kv_and_attend = lean if through_plan else (lambda *a: False)
+        backend.init_forward_metadata(batch)
+        outs = []
+        with forward_context(batch, backend) as ctx:
+            for layer, (q, k, v) in enumerate(layers):
+                outs.append(torch.full_like(q, float("nan")))
+                attention_with_output_direct(q, k, v, outs[-1], layer)
+                assert (ctx.layer_attend is not None) == through_plan
+        return outs + [b.clone() for b in pool.k_buffers + pool.v_buffers]
+
+    untouched = [b.clone() for b in pool.k_buffers + pool.v_buffers]
+    full = step(through_plan=False)
+    for b, before in zip(pool.k_buffers + pool.v_buffers, untouched):
+        b.copy_(before)
+    planned = step(through_plan=True)
+    assert all(torch.equal(a, b) for a, b in zip(full, planned))
+    assert all(not out[batch.num_tokens :].any() for out in planned[:3])
+    written = batch.out_cache_loc.unique().numel()
+    for b, before in zip(pool.k_buffers + pool.v_buffers, untouched):  # the real rows' slots, no other
+        assert int((b != before).any(dim=(1, 2)).sum()) == written
+
+    backend.init_forward_metadata(batch)
+    q, k, v = layers[1]
+    with forward_context(batch, backend) as ctx:
+        attention_with_output_direct(q, k, v, torch.empty_like(q), 0)
+        attend, kept = ctx.layer_attend, pool.k_buffers[1].clone()
+        scale = 1.0 / math.sqrt(d)
+        assert attend(q, k, v, torch.empty_like(q), 2, scale)
+        for layer_id, other_scale in ((1, 0.5), (3, scale), (-1, scale), (True, scale)):
+            assert not attend(q, k, v, torch.empty_like(q), layer_id, other_scale)
+        backend.init_forward_metadata(batch)  # a new fill: the plan is gone
+        assert not attend(q, k, v, torch.empty_like(q), 1, scale)
+        assert torch.equal(pool.k_buffers[1], kept)

@@ -13,6 +13,12 @@ Replay fills the buffers with the same ``_fill_metadata`` as the eager path and
 calls ``plan()`` — host side, outside the graph; ``run()`` is what the graph
 captures.
 
+Between compiled pieces a step's attention goes through a plan its first
+layer builds (:class:`_FlashInferStep`): checks, the K/V write's launch
+(one Triton kernel for K, V and the padded rows' zeros, instead of two
+``index_copy_`` and a ``zero_``) and the cache views are fixed once per
+step, so a later layer only writes its K/V and calls ``run()``.
+
 ``flashinfer`` is optional (``pip install sgl_piecewise[gpu]``): importing this
 module does not import it; constructing the backend does.
 """
@@ -71,6 +77,7 @@ class FlashInferMetadata(LengthMetadata):
     # Graph mode with a mask only: the static buffer plan() packs the mask into.
     packed_mask: Optional[torch.Tensor]
     wrapper: Any  # the decode or prefill wrapper that plans and runs this step
+    step: Optional["_FlashInferStep"] = None  # the attention plan of the step (its first layer builds it)
 
 
 def _is_decode_step(mode: ForwardMode) -> bool:
@@ -106,6 +113,8 @@ class FlashInferBackend(StaticGraphBackend):
         from sgl_piecewise.backends.triton_kernels.metadata_fill import fill_paged_metadata
 
         self._fill_paged = fill_paged_metadata
+        # The plans' cache views (see _run), made once, not per layer per step.
+        self._pages = [(k.unsqueeze(1), v.unsqueeze(1)) for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers)]
         if kv_pool.device.type != "cuda":
             raise InvalidInputError(
                 f"flashinfer backend: expected a KV pool on a CUDA device, got {kv_pool.device}; "
@@ -249,7 +258,29 @@ class FlashInferBackend(StaticGraphBackend):
             **common,
         )
 
+    def _begin_step(self, meta: FlashInferMetadata) -> None:
+        meta.step = None
+
     # ---- attention -------------------------------------------------------
+    def write_kv_and_attend(self, q, k, v, out, layer_id, batch, scale, num_tokens, out_cache_loc) -> bool:
+        """The step's first layer: build its plan (:class:`_FlashInferStep`)
+        and attend through it; later layers take it through
+        :meth:`layer_attend`."""
+        mode = batch.forward_mode
+        if mode.is_idle() or num_tokens == 0:  # nothing to write or attend: the op zeroes the rows
+            return False
+        self.check_supported(mode)
+        meta = self._current_metadata(q[:num_tokens], batch)
+        meta.step = _FlashInferStep(self, meta, q, k, v, out, layer_id, scale, num_tokens, out_cache_loc)
+        if meta.step(q, k, v, out, layer_id, scale):
+            return True
+        meta.step = None  # the pool's buffers are not the ones the views were made of: the op's full path
+        return False
+
+    def layer_attend(self) -> Optional["_FlashInferStep"]:
+        meta = self.forward_metadata
+        return None if meta is None else meta.step
+
     def forward_decode(self, q, k, v, out, layer_id, batch, scale) -> None:
         self._run(q, out, layer_id, batch, scale)
 
@@ -264,3 +295,59 @@ class FlashInferBackend(StaticGraphBackend):
         k_cache = self.kv_pool.k_buffers[layer_id].unsqueeze(1)
         v_cache = self.kv_pool.v_buffers[layer_id].unsqueeze(1)
         meta.wrapper.run(q, (k_cache, v_cache), out=out)
+
+
+class _FlashInferStep:
+    """One step's attention between compiled pieces, fixed at its first
+    layer: the checks, the K/V write's launch (``store_kv``: the real rows'
+    K/V into the pool, zeros into the padded rows of ``out``) and the
+    wrapper ``plan()`` prepared. Called for a later layer, it compares only
+    what can differ between layers (the metadata and plan still the
+    backend's, the scale, the layer index, the layer's tensors' layout) and
+    returns False, launching nothing, for anything else; the op then takes
+    the full path."""
+
+    __slots__ = ("backend", "meta", "scale", "q_factor", "layout_of", "layout", "store", "num_tokens", "padded",
+                 "k_buffers", "v_buffers", "pages")  # fmt: skip
+
+    def __init__(self, backend: FlashInferBackend, meta: FlashInferMetadata, q, k, v, out, layer_id: int,
+                 scale: float, num_tokens: int, out_cache_loc: torch.Tensor):  # fmt: skip
+        # Triton only when built (importing the backends loads none of it).
+        from sgl_piecewise.backends.triton_kernels.launch import StepLaunch
+        from sgl_piecewise.backends.triton_kernels.store_kv import launch_store_kv, store_kv_args, store_kv_meta
+        from sgl_piecewise.backends.triton_kernels.tiles import check_last_dim_contiguous, check_new_kv, layer_layout
+
+        pool = backend.kv_pool
+        kc, vc = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
+        rows = q.shape[0]
+        check_new_kv("flashinfer backend", rows, num_tokens, kc, vc, k, v, out_cache_loc)
+        check_last_dim_contiguous("flashinfer backend", k=k, v=v, out=out)
+        self.backend, self.meta, self.scale = backend, meta, scale
+        # plan() fixed the softmax scale; a layer with another one rescales q.
+        self.q_factor = None if scale == backend._plan_scale else scale / backend._plan_scale
+        self.layout_of = layer_layout
+        self.layout = layer_layout(q, kc, vc, out, k, v)
+        store_meta = store_kv_meta(kc.shape[1], q.shape[1], kc.shape[2], vc.shape[2])
+        args = store_kv_args(k, v, kc, vc, out_cache_loc, out, num_tokens)
+        self.store = StepLaunch(launch_store_kv, (rows,), args, store_meta, layer_positions=(0, 1, 2, 3, 5))
+        self.num_tokens, self.padded = num_tokens, rows > num_tokens
+        self.k_buffers, self.v_buffers, self.pages = pool.k_buffers, pool.v_buffers, backend._pages
+
+    def __call__(self, q, k, v, out, layer_id, scale: float) -> bool:
+        if self.backend.forward_metadata is not self.meta or self.meta.step is not self or scale != self.scale:
+            return False
+        if type(layer_id) is not int or not 0 <= layer_id < len(self.pages):
+            return False
+        kc, vc = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        k_pages, v_pages = self.pages[layer_id]
+        if k_pages._base is not kc or v_pages._base is not vc:  # the pool's buffers were replaced
+            return False
+        if self.layout_of(q, kc, vc, out, k, v) != self.layout:
+            return False
+        self.store.launch(k, v, kc, vc, out, layer=layer_id)
+        if self.padded:
+            q, out = q[: self.num_tokens], out[: self.num_tokens]
+        if self.q_factor is not None:
+            q = q * self.q_factor
+        self.meta.wrapper.run(q, (k_pages, v_pages), out=out)
+        return True
