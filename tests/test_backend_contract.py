@@ -308,7 +308,8 @@ def test_gpu_replay_fill_is_recorded_once_and_writes_what_the_plain_fill_writes(
         else:
             width = e.page_table.shape[1]
             assert torch.equal(e.page_table, g.page_table[:, :width])
-            assert torch.equal(e.allowed, g.allowed[:, :, :width])
+            assert torch.equal(e.hidden, g.hidden[:, :, :width])
+            assert torch.equal(e.past_extent, g.past_extent[:, :width])
     assert backend._fill_graphs == recorded  # replayed, never recorded again
 
     masked = graph_backend(name, ForwardMode.TARGET_VERIFY, pools)
