@@ -1,0 +1,31 @@
+"""``benchmarks/bench_backend_hops.py`` (a GPU script) runs end to end on the
+CPU: every timed path ran, their logits agree, and the hop was measured."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the scripts import their shared helpers from there
+    spec = importlib.util.spec_from_file_location("bench_backend_hops", ROOT / "benchmarks" / "bench_backend_hops.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_run_times_both_graph_paths_and_the_hop_of_each_batch_size(tmp_path):
+    argv = ["--device", "cpu", "--shape", "tiny", "--backends", "torch", "--decode-bs", "1", "2",
+            "--context", "16", "--rounds", "1", "--out", str(tmp_path)]  # fmt: skip
+    result = _bench_module().main(argv)
+    assert json.loads((tmp_path / "backend_hops.json").read_text()) == json.loads(json.dumps(result))
+    rows = result["backends"]["torch"]
+    assert sorted(rows) == [1, 2]
+    for row in rows.values():
+        assert row["piecewise"] > 0 and row["whole_model"] > 0 and row["hop_us_per_layer"] > 0
+        assert row["whole_model_maxdiff"] < 1e-4  # fp32: the two graph paths give the same logits
