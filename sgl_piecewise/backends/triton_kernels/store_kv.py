@@ -1,6 +1,7 @@
 """The new tokens' K/V written into the paged pool, and the output rows of
-padding zeroed, in one launch: the extend steps' companion of the attention
-kernel (the decode kernel writes its K/V itself).
+padding zeroed, in one launch: the triton backend's extend steps launch it
+before their attention kernel (the decode kernel writes its K/V itself), and
+the flashinfer backend's step plans before FlashInfer's ``run()``.
 
 One program per query row: a real row (``t < num_rows``) copies its K and V
 rows to slot ``out_cache_loc[t]``; a padded row writes zeros into its output
