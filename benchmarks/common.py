@@ -219,8 +219,12 @@ def free_batch(runner, batch) -> None:
 
 
 def step_fn(runner, fn, batch, keep_metadata=False):
-    """One whole step through ``fn``. ``keep_metadata``: hold every step's
-    attention metadata until the end. reduce-overhead records attention with
+    """One whole step through ``fn``, as ``ModelRunner.run_model`` runs it,
+    then the LM head. The batch is not validated (``check_batch``) here:
+    the engine, ``ModelRunner.forward_step``, validates it once per step
+    before it picks a path, and a whole-model replay (``graph_step_fn``)
+    does not validate it, so no timed path pays for it.
+    ``keep_metadata``: hold every step's attention metadata until the end. reduce-overhead records attention with
     the metadata tensors of its recording call inside its graph and replays
     those addresses; freed, their memory could be reused and the replayed
     kernels would read other tensors as page tables. Kept alive, they hold
@@ -231,7 +235,7 @@ def step_fn(runner, fn, batch, keep_metadata=False):
         runner.backend.init_forward_metadata(batch)
         if keep_metadata:
             kept.append(runner.backend.forward_metadata)
-        with sp.forward_context(batch, runner.backend):
+        with sp.forward_context(batch, runner.backend, check=False):
             h = fn(batch.input_ids, batch.positions)
         return runner.last_token_logits(h, batch)
 
