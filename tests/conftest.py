@@ -4,10 +4,12 @@ Without CUDA, Triton kernels run under its interpreter; the variable must be
 set before any kernel module is imported, so it is set here, first.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,3 +82,21 @@ def fresh_process():
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     return run
+
+
+@pytest.fixture
+def load_benchmark():
+    """``load(name)``: the module of ``benchmarks/<name>.py``, a script, so
+    its CPU smoke mode can be run in-process. Its folder goes on the path
+    first: the scripts import their shared helpers from there."""
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+
+    def load(name: str):
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -3,26 +3,13 @@ CPU: every timed path ran, their logits agree, and the hop was measured."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
-def _bench_module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # the scripts import their shared helpers from there
-    spec = importlib.util.spec_from_file_location("bench_backend_hops", ROOT / "benchmarks" / "bench_backend_hops.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_tiny_run_times_both_graph_paths_and_the_hop_of_each_batch_size(tmp_path):
+def test_tiny_run_times_both_graph_paths_and_the_hop_of_each_batch_size(load_benchmark, tmp_path):
     argv = ["--device", "cpu", "--shape", "tiny", "--backends", "torch", "--decode-bs", "1", "2",
             "--context", "16", "--rounds", "1", "--out", str(tmp_path)]  # fmt: skip
-    result = _bench_module().main(argv)
+    result = load_benchmark("bench_backend_hops").main(argv)
     assert json.loads((tmp_path / "backend_hops.json").read_text()) == json.loads(json.dumps(result))
     rows = result["backends"]["torch"]
     assert sorted(rows) == [1, 2]

@@ -4,24 +4,11 @@ run cannot silently time a fallback."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
-def _bench_module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # the scripts import their shared helpers from there
-    spec = importlib.util.spec_from_file_location("bench_runners", ROOT / "benchmarks" / "bench_runners.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_tiny_run_times_every_shape_on_the_path_its_policy_takes(tmp_path, capsys):
-    result = _bench_module().main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--iters", "1"])
+def test_tiny_run_times_every_shape_on_the_path_its_policy_takes(load_benchmark, tmp_path, capsys):
+    result = load_benchmark("bench_runners").main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--iters", "1"])
     assert json.loads((tmp_path / "runners.json").read_text()) == result
     decode, extend = ["decode bs 1", "decode bs 2", "decode bs 4"], ["extend 4", "extend 8", "extend 16"]
     # Captured sizes are exactly the timed ones, so every step is served.

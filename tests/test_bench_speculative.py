@@ -3,26 +3,13 @@ smoke mode: a tiny model, every kind of draft, the JSON it writes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_speculative.py"
 
 
-def _load():
-    sys.path.insert(0, str(SCRIPT.parent))  # the scripts import their shared helpers from there
-    spec = importlib.util.spec_from_file_location("bench_speculative", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_cpu_smoke_run_measures_every_draft_and_writes_json(tmp_path):
+def test_the_cpu_smoke_run_measures_every_draft_and_writes_json(load_benchmark, tmp_path):
     argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--batch-sizes", "2", "--prompt-len", "4",
             "--new-tokens", "6", "--drafts", "self:2,self-layers:2:2,random:2"]  # fmt: skip
-    _load().main(argv)
+    load_benchmark("bench_speculative").main(argv)
     result = json.loads((tmp_path / "speculative.json").read_text())
     assert result["dtype"] == "torch.float32" and result["backend"] == "torch"
     runs = {(r["batch_size"], r["draft"]): r for r in result["runs"]}
