@@ -14,10 +14,11 @@ calls ``plan()`` — host side, outside the graph; ``run()`` is what the graph
 captures.
 
 Between compiled pieces a step's attention goes through a plan its first
-layer builds (:class:`_FlashInferStep`): checks, the K/V write's launch
-(one Triton kernel for K, V and the padded rows' zeros, instead of two
-``index_copy_`` and a ``zero_``) and the cache views are fixed once per
-step, so a later layer only writes its K/V and calls ``run()``.
+layer builds (:class:`_FlashInferStep`): the checks and the K/V write's
+launch (one Triton kernel for K, V and the padded rows' zeros, instead of
+two ``index_copy_`` and a ``zero_``) are fixed once per step, the pool's
+paged views once per backend, so a later layer only writes its K/V and
+calls ``run()``.
 
 ``flashinfer`` is optional (``pip install sgl_piecewise[gpu]``): importing this
 module does not import it; constructing the backend does.
@@ -299,13 +300,13 @@ class FlashInferBackend(StaticGraphBackend):
 
 class _FlashInferStep:
     """One step's attention between compiled pieces, fixed at its first
-    layer: the checks, the K/V write's launch (``store_kv``: the real rows'
-    K/V into the pool, zeros into the padded rows of ``out``) and the
-    wrapper ``plan()`` prepared. Called for a later layer, it compares only
-    what can differ between layers (the metadata and plan still the
-    backend's, the scale, the layer index, the layer's tensors' layout) and
-    returns False, launching nothing, for anything else; the op then takes
-    the full path."""
+    layer: the checks and the K/V write's launch (``store_kv``: the real
+    rows' K/V into the pool, zeros into the padded rows of ``out``), over
+    the wrapper the step's metadata fill planned. Called for a later
+    layer, it compares only what can differ between layers (the metadata
+    and plan still the backend's, the scale, the layer index, the layer's
+    tensors' layout) and returns False, launching nothing, for anything
+    else; the op then takes the full path."""
 
     __slots__ = ("backend", "meta", "scale", "q_factor", "layout_of", "layout", "store", "num_tokens", "padded",
                  "k_buffers", "v_buffers", "pages")  # fmt: skip

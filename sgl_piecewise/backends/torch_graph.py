@@ -6,8 +6,9 @@ size: keys are gathered through a page table ``[bs, W]`` into
 ``[bs, W, Hkv, D]``, a ``hidden [bs, S, W]`` mask (outside the key extent,
 past the causal offset ``kv_len - q_len``, or off the verify tree mask) and
 the keys past each request's extent are prepared once per step, not per
-layer, and the softmax runs in float32. When graphed, ``W`` is the pool's context length and
-``S`` the uniform query width, so a captured step replays for any lengths.
+layer, and the softmax runs in float32. When graphed, ``W`` is the pool's
+context length and ``S`` the uniform query width, so a captured step
+replays for any lengths.
 
 Eager EXTEND / MIXED / DRAFT_EXTEND use the same math over the ragged layout:
 queries are gathered into ``[bs, S = max_q_len]`` and gathered back.
