@@ -224,11 +224,13 @@ def step_fn(runner, fn, batch, keep_metadata=False):
     the engine, ``ModelRunner.forward_step``, validates it once per step
     before it picks a path, and a whole-model replay (``graph_step_fn``)
     does not validate it, so no timed path pays for it.
-    ``keep_metadata``: hold every step's attention metadata until the end. reduce-overhead records attention with
-    the metadata tensors of its recording call inside its graph and replays
-    those addresses; freed, their memory could be reused and the replayed
-    kernels would read other tensors as page tables. Kept alive, they hold
-    the same batch's values, so the timing stays honest."""
+
+    ``keep_metadata``: hold every step's attention metadata until the end.
+    reduce-overhead records attention with the metadata tensors of its
+    recording call inside its graph and replays those addresses; freed,
+    their memory could be reused and the replayed kernels would read other
+    tensors as page tables. Kept alive, they hold the same batch's values,
+    so the timing stays honest."""
     kept = []
 
     def run():
