@@ -134,9 +134,7 @@ class TorchGraphBackend(StaticGraphBackend):
         if meta.q_rows is not None:
             _fill_ragged_rows(meta)
         custom = spec_info.custom_mask if meta.masked else None
-        _fill_hidden(meta, custom)
-        j = torch.arange(meta.past_extent.shape[1], device=meta.kv_lens.device)
-        torch.ge(j[None, :], meta.kv_lens[:, None], out=meta.past_extent)
+        _fill_masks(meta, custom)
 
     # ---- attention -------------------------------------------------------
     def forward_decode(self, q, k, v, out, layer_id, batch, scale) -> None:
@@ -187,16 +185,18 @@ def _fill_ragged_rows(meta: TorchGraphMetadata) -> None:
     meta.token_src.copy_(req * width + (t - meta.qo_indptr[req]))
 
 
-def _fill_hidden(meta: TorchGraphMetadata, custom_mask: Optional[torch.Tensor]) -> None:
-    """``hidden[b, i, j]``: not (key ``j < kv_len`` for query ``i < q_len``,
-    and either causal at offset ``kv_len - q_len`` or ``custom_mask``, a flat
-    concatenation of row-major ``[q_len, kv_len]`` blocks, SpecInfo)."""
+def _fill_masks(meta: TorchGraphMetadata, custom_mask: Optional[torch.Tensor]) -> None:
+    """``past_extent[b, j]``: key ``j >= kv_len``. ``hidden[b, i, j]``: not
+    (key ``j < kv_len`` for query ``i < q_len``, and either causal at offset
+    ``kv_len - q_len`` or ``custom_mask``, a flat concatenation of row-major
+    ``[q_len, kv_len]`` blocks, SpecInfo)."""
     bs, width, keys = meta.hidden.shape
     device = meta.hidden.device
     i = torch.arange(width, device=device).view(1, width, 1)
     j = torch.arange(keys, device=device).view(1, 1, keys)
     q_len = meta.q_lens.view(bs, 1, 1).long()
     kv_len = meta.kv_lens.view(bs, 1, 1).long()
+    torch.ge(j[0], kv_len[:, 0], out=meta.past_extent)
     in_range = (i < q_len) & (j < kv_len)
     if custom_mask is None:
         torch.logical_not(in_range & (j <= kv_len - q_len + i), out=meta.hidden)
