@@ -328,8 +328,10 @@ def test_flashinfer_layers_through_the_steps_plan_equal_the_full_path(mode, exte
     """Between compiled pieces a FlashInfer step's layers go through the plan
     its first layer built (one K/V-write launch, then ``run()``): bit for bit
     the full path's output and K/V (two ``index_copy_``, ``run()``, the
-    padded rows zeroed), padded rows zero and writing no K/V; another scale,
-    an invalid layer index or a new fill launch nothing through it."""
+    padded rows zeroed), padded rows zero and writing no K/V, also for a
+    layer whose pool buffers were replaced after the backend was built;
+    another scale, an invalid layer index or a new fill launch nothing
+    through it."""
     pytest.importorskip("flashinfer")
     from sgl_piecewise.backends.flashinfer_backend import FlashInferBackend
     from sgl_piecewise.ops.attention import attention_with_output_direct
@@ -363,6 +365,8 @@ def test_flashinfer_layers_through_the_steps_plan_equal_the_full_path(mode, exte
     full = step(through_plan=False)
     for b, before in zip(pool.k_buffers + pool.v_buffers, untouched):
         b.copy_(before)
+    # Layer 0's buffers replaced since the backend was built: its paged views are made anew.
+    pool.k_buffers[0], pool.v_buffers[0] = pool.k_buffers[0].clone(), pool.v_buffers[0].clone()
     planned = step(through_plan=True)
     assert all(torch.equal(a, b) for a, b in zip(full, planned))
     assert all(not out[batch.num_tokens :].any() for out in planned[:3])

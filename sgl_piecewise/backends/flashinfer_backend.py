@@ -114,8 +114,7 @@ class FlashInferBackend(StaticGraphBackend):
         from sgl_piecewise.backends.triton_kernels.metadata_fill import fill_paged_metadata
 
         self._fill_paged = fill_paged_metadata
-        # The plans' cache views (see _run), made once, not per layer per step.
-        self._pages = [(k.unsqueeze(1), v.unsqueeze(1)) for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers)]
+        self._pages = [_paged(k, v) for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers)]  # see _paged_cache
         if kv_pool.device.type != "cuda":
             raise InvalidInputError(
                 f"flashinfer backend: expected a KV pool on a CUDA device, got {kv_pool.device}; "
@@ -273,10 +272,7 @@ class FlashInferBackend(StaticGraphBackend):
         self.check_supported(mode)
         meta = self._current_metadata(q[:num_tokens], batch)
         meta.step = _FlashInferStep(self, meta, q, k, v, out, layer_id, scale, num_tokens, out_cache_loc)
-        if meta.step(q, k, v, out, layer_id, scale):
-            return True
-        meta.step = None  # the pool's buffers are not the ones the views were made of: the op's full path
-        return False
+        return meta.step(q, k, v, out, layer_id, scale)  # built from these very tensors: it takes them
 
     def layer_attend(self) -> Optional["_FlashInferStep"]:
         meta = self.forward_metadata
@@ -292,10 +288,23 @@ class FlashInferBackend(StaticGraphBackend):
         meta = self._current_metadata(q, batch)
         if scale != self._plan_scale:
             q = q * (scale / self._plan_scale)
-        # Page size 1: [slots, Hkv, D] is [pages, page_size=1, Hkv, D] (NHD).
-        k_cache = self.kv_pool.k_buffers[layer_id].unsqueeze(1)
-        v_cache = self.kv_pool.v_buffers[layer_id].unsqueeze(1)
-        meta.wrapper.run(q, (k_cache, v_cache), out=out)
+        meta.wrapper.run(q, self._paged_cache(layer_id), out=out)
+
+    def _paged_cache(self, layer_id: int) -> tuple:
+        """Layer ``layer_id``'s pool as FlashInfer's paged cache, views made
+        once per backend and made again where the pool's buffers were
+        replaced since."""
+        k, v = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
+        pages = self._pages[layer_id]
+        if pages[0]._base is not k or pages[1]._base is not v:
+            pages = self._pages[layer_id] = _paged(k, v)
+        return pages
+
+
+def _paged(k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """Page size 1: a ``[slots, Hkv, D]`` pool is ``[pages, page_size=1, Hkv,
+    D]`` (NHD)."""
+    return k.unsqueeze(1), v.unsqueeze(1)
 
 
 class _FlashInferStep:
@@ -309,7 +318,7 @@ class _FlashInferStep:
     else; the op then takes the full path."""
 
     __slots__ = ("backend", "meta", "scale", "q_factor", "layout_of", "layout", "store", "num_tokens", "padded",
-                 "k_buffers", "v_buffers", "pages")  # fmt: skip
+                 "k_buffers", "v_buffers")  # fmt: skip
 
     def __init__(self, backend: FlashInferBackend, meta: FlashInferMetadata, q, k, v, out, layer_id: int,
                  scale: float, num_tokens: int, out_cache_loc: torch.Tensor):  # fmt: skip
@@ -332,17 +341,14 @@ class _FlashInferStep:
         args = store_kv_args(k, v, kc, vc, out_cache_loc, out, num_tokens)
         self.store = StepLaunch(launch_store_kv, (rows,), args, store_meta, layer_positions=(0, 1, 2, 3, 5))
         self.num_tokens, self.padded = num_tokens, rows > num_tokens
-        self.k_buffers, self.v_buffers, self.pages = pool.k_buffers, pool.v_buffers, backend._pages
+        self.k_buffers, self.v_buffers = pool.k_buffers, pool.v_buffers
 
     def __call__(self, q, k, v, out, layer_id, scale: float) -> bool:
         if self.backend.forward_metadata is not self.meta or self.meta.step is not self or scale != self.scale:
             return False
-        if type(layer_id) is not int or not 0 <= layer_id < len(self.pages):
+        if type(layer_id) is not int or not 0 <= layer_id < len(self.k_buffers):
             return False
         kc, vc = self.k_buffers[layer_id], self.v_buffers[layer_id]
-        k_pages, v_pages = self.pages[layer_id]
-        if k_pages._base is not kc or v_pages._base is not vc:  # the pool's buffers were replaced
-            return False
         if self.layout_of(q, kc, vc, out, k, v) != self.layout:
             return False
         self.store.launch(k, v, kc, vc, out, layer=layer_id)
@@ -350,5 +356,5 @@ class _FlashInferStep:
             q, out = q[: self.num_tokens], out[: self.num_tokens]
         if self.q_factor is not None:
             q = q * self.q_factor
-        self.meta.wrapper.run(q, (k_pages, v_pages), out=out)
+        self.meta.wrapper.run(q, self.backend._paged_cache(layer_id), out=out)
         return True
