@@ -231,6 +231,19 @@ def test_decode_any_split_count_gives_the_same_answer():
         assert_close(out, ref, torch.float32)
 
 
+def test_decode_merges_more_splits_than_one_merge_chunk():
+    # The merge loads merge_block_s splits at a time (8 here): 9 and 20 splits
+    # take two and three chunks; at 700 keys, 20 splits of 64 keys leave
+    # splits 11-19 empty, so a chunk is part filled and one is all empty.
+    assert dec.merge_block_s(16, 64) == 8
+    kv_lens = [700, 300, 9]
+    b = make_batch([1] * 3, kv_lens, 8, 2, 64, torch.float32)
+    ref = decode_reference(b)
+    for splits in ([9, 9, 9], [20, 20, 20], [17, 8, 1]):
+        out = run_decode(b, 20, torch.tensor(splits, dtype=torch.int32))
+        assert_close(out, ref, torch.float32)
+
+
 @pytest.mark.parametrize("block_n,num_warps,num_stages", [(32, 4, 2), (64, 4, 3), (128, 8, 2)])
 def test_decode_launch_settings_change_speed_not_answers(block_n, num_warps, num_stages):
     # Key tiles wider than some splits and than some requests' keys.

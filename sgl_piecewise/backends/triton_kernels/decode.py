@@ -67,6 +67,8 @@ DEFAULT_TOKENS_PER_SPLIT = 128
 # A suggested scratch size for callers; the grid rarely uses it all
 # (grid_kv_splits caps it by the batch size).
 DEFAULT_MAX_KV_SPLITS = 64
+# Partial-output values (fp32) the merge loads at once; see merge_block_s.
+MERGE_CHUNK_VALUES = 8192
 
 
 @dataclass(frozen=True)
@@ -125,34 +127,46 @@ def _split_range(kv_len, num_splits, split_id, GRANULE: tl.constexpr):
 @triton.jit
 def _merge_splits(part_ptr, lse_ptr, req, heads, mask_h, offs_dv, mask_dv, kv_len, num_splits,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                  BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, GRANULE: tl.constexpr):  # fmt: skip
+                  BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+                  GRANULE: tl.constexpr):  # fmt: skip
     """The output rows of ``heads``: the filled splits' partial outputs
-    weighed by their log-sum-exp. Loads bypass L1 (``.cg``): other programs
-    wrote the partials during this launch."""
+    weighed by their log-sum-exp, ``BLOCK_S`` splits per load. Loads bypass
+    L1 (``.cg``): other programs wrote the partials during this launch.
+
+    One split per iteration would make the merge a chain of dependent L2
+    round trips (eight at 1024 keys); a chunk's partials are loaded at once."""
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    part_rows = part_ptr + req * stride_pb + heads[:, None] * stride_ph + offs_dv[None, :]
-    lse_rows = lse_ptr + req * stride_lb + heads * stride_lh
-    for split_id in range(0, num_splits):
-        start, end = _split_range(kv_len, num_splits, split_id, GRANULE)
+    offs_s = tl.arange(0, BLOCK_S)
+    # [H, S] log-sum-exps and [H, S, DV] partials of a chunk of splits.
+    lse_rows = lse_ptr + req * stride_lb + heads[:, None] * stride_lh + offs_s[None, :]
+    part_rows = (
+        part_ptr + req * stride_pb + heads[:, None, None] * stride_ph
+        + offs_s[None, :, None] * stride_ps + offs_dv[None, None, :]
+    )  # fmt: skip
+    # Splits are contiguous and equal (_split_range): the filled ones are a prefix.
+    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), GRANULE) * GRANULE
+    for s0 in range(0, num_splits, BLOCK_S):
+        split_ids = s0 + offs_s
         # Empty splits left their scratch stale; only count filled ones.
-        if start < end:
-            lse = tl.load(lse_rows + split_id, mask=mask_h, other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(
-                part_rows + split_id * stride_ps,
-                mask=mask_h[:, None] & mask_dv[None, :],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            m_new = tl.maximum(m_i, lse)
-            # lse = -inf (weightless keys): shift by 0, not -inf - -inf = NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            w = tl.exp(lse - m_safe)
-            acc = acc * alpha[:, None] + w[:, None] * part
-            l_i = l_i * alpha + w
-            m_i = m_new
+        filled = (split_ids < num_splits) & (split_ids * per_split < kv_len)
+        mask_hs = mask_h[:, None] & filled[None, :]
+        lse = tl.load(lse_rows + s0, mask=mask_hs, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(
+            part_rows + s0 * stride_ps,
+            mask=mask_hs[:, :, None] & mask_dv[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m_new = tl.maximum(m_i, tl.max(lse, axis=1))
+        # lse = -inf (weightless keys): shift by 0, not -inf - -inf = NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        w = tl.exp(lse - m_safe[:, None])
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=1)
+        l_i = l_i * alpha + tl.sum(w, axis=1)
+        m_i = m_new
     # l_i == 0: no key carried weight, so zeros, not 0/0. Not `l_i > 0`: a NaN
     # l_i fails that too, and NaN must reach the output (see softmax_step).
     return tl.where(l_i[:, None] == 0, 0.0, acc / l_i[:, None])
@@ -202,6 +216,7 @@ def _decode_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     GRANULE: tl.constexpr,
     F32X3: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -297,7 +312,7 @@ def _decode_kernel(
     if arrived == num_splits - 1:
         result = _merge_splits(part_ptr, lse_ptr, req, heads, mask_h, offs_dv, mask_dv, kv_len, num_splits,
                                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                               BLOCK_H, BLOCK_DV, GRANULE)  # fmt: skip
+                               BLOCK_H, BLOCK_DV, BLOCK_S, GRANULE)  # fmt: skip
         tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=mask_out)
         tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
@@ -340,6 +355,13 @@ def choose_num_kv_splits(
     splits = torch.div(kv_lens + (tokens_per_split - 1), tokens_per_split, rounding_mode="floor")
     out.copy_(splits.clamp_(1, max_kv_splits))
     return out
+
+
+def merge_block_s(block_h: int, block_dv: int) -> int:
+    """Splits the merge loads at once: as many as keep a chunk of partials
+    (``[BLOCK_H, BLOCK_S, BLOCK_DV]`` fp32) at 8192 values, 64 registers a
+    thread at 4 warps; at least 2, at most 8."""
+    return max(2, min(8, MERGE_CHUNK_VALUES // (block_h * block_dv)))
 
 
 def decode_block_h(group: int, dtype: torch.dtype) -> int:
@@ -422,6 +444,7 @@ def decode_kernel_meta(
         BLOCK_DV=triton.next_power_of_2(dv),
         BLOCK_H=block_h,
         BLOCK_N=launch.block_n,
+        BLOCK_S=merge_block_s(block_h, triton.next_power_of_2(dv)),
         GRANULE=SPLIT_GRANULE,
         F32X3=dtype == torch.float32,
         UPCAST=_INTERPRETED and dtype == torch.bfloat16,
