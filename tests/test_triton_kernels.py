@@ -293,8 +293,8 @@ def test_choose_num_kv_splits_scales_with_length_and_caps():
     out = torch.empty(6, dtype=torch.int32)
     # ceil(len / 256) clamped to [1, 8]
     assert choose_num_kv_splits(kv_lens, 8, out, tokens_per_split=256).tolist() == [1, 1, 1, 2, 4, 8]
-    # The default: one split per 128 keys.
-    assert choose_num_kv_splits(kv_lens, 8, out).tolist() == [1, 1, 2, 3, 8, 8]
+    # The default: one split per 64 keys.
+    assert choose_num_kv_splits(kv_lens, 8, out).tolist() == [1, 1, 4, 5, 8, 8]
     with pytest.raises(ValueError):
         choose_num_kv_splits(kv_lens, 0, out)
 
@@ -345,7 +345,7 @@ def _check_decode_with_new_kv(dtype, kv_lens, device=CPU, hq=8, hkv=2, d=32, max
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_with_new_kv_writes_the_pool_and_attends_padded_rows_to_zero(dtype):
     splits, _ = _check_decode_with_new_kv(dtype, [1, 40, 300])
-    assert splits.tolist() == [1, 1, 3]  # one request goes through the merge
+    assert splits.tolist() == [1, 1, 5]  # one request goes through the merge
 
 
 def test_a_plan_refuses_next_step_slots_it_cannot_take_and_keeps_its_own():

@@ -62,8 +62,11 @@ SPLIT_GRANULE = 32
 #
 # choose_num_kv_splits: one split per this many keys. At batch 1 the best
 # counts were 8, 16-32 and 32 splits for 1k, 4k and 16k keys; fewer keys a
-# split leave too little loop to amortise the q load and the merge.
-DEFAULT_TOKENS_PER_SPLIT = 128
+# split leave too little loop to amortise the q load and the merge. Since the
+# merge loads eight splits at once, 64 keys a split beat 128 at 1k keys and
+# batch 1 and 8 and tied at 4k (0.5b and 1b shapes, head_dim 64, on an H100:
+# `benchmarks/bench_decode_layers.py`).
+DEFAULT_TOKENS_PER_SPLIT = 64
 # A suggested scratch size for callers; the grid rarely uses it all
 # (grid_kv_splits caps it by the batch size).
 DEFAULT_MAX_KV_SPLITS = 64
