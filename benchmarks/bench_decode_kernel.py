@@ -50,7 +50,7 @@ COLD_BYTES = 256 << 20
 CALLS_PER_GRAPH = 32
 MAX_KV_SPLITS = 64  # scratch of our kernel in the table; the grid is batch-aware
 SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
-SWEEP_LAUNCHES = [DecodeLaunch(n, w, s, programs_per_sm=None) for n, w, s in
+SWEEP_LAUNCHES = [DecodeLaunch(n, w, s, cap_splits=False) for n, w, s in
                   ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2))]  # fmt: skip
 
 
@@ -188,7 +188,7 @@ def table_row(point: Point, rate: float, have_flashinfer: bool) -> dict:
     if have_flashinfer:
         contenders["flashinfer"] = flashinfer(point, tensor_cores=False)
         contenders["flashinfer_tc"] = flashinfer(point, tensor_cores=True)
-    splits = grid_kv_splits(point.bs, HQ, HKV, DTYPE, MAX_KV_SPLITS, torch.device("cuda"))
+    splits = grid_kv_splits(point.bs, HQ, HKV, DTYPE, MAX_KV_SPLITS, torch.device("cuda"), head_dim=D)
     row = {"bs": point.bs, "ctx": point.ctx, "bytes": point.kv_bytes, "copies": len(point.batches),
            "ours_grid_splits": splits}  # fmt: skip
     for name, call in contenders.items():

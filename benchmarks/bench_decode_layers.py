@@ -2,18 +2,19 @@
 a test).
 
 For the attention of the suite's shapes (0.5b: 14 query / 2 KV heads, 1b:
-32 / 8, head_dim 64), bf16, every request with ``--context`` keys: one CUDA
-graph of one launch per layer (24 layers for 0.5b, 16 for 1b), each layer
+32 / 8, head_dim 64; ``--shapes llama3-8b``: 32 / 8, head_dim 128), bf16,
+every request with ``--context`` keys: one CUDA graph of one launch per
+layer (24 layers for 0.5b, 16 for 1b, 32 for llama3-8b), each layer
 with its own K/V pool, the new tokens' K/V written by the launch as between
 pieces and in the whole-model graph. Each figure is the median of 40
 replays divided by the layers: µs of device time per layer, at each decode
 batch size, each ``tokens_per_split`` (keys per split before another is
 added, ``choose_num_kv_splits``) and each launch setting (``--launch``:
 keys per tile / warps / pipeline stages / programs per SM the split axis
-fills, ``DecodeLaunch``; default: the kernel's own).
+fills or ``auto``, ``DecodeLaunch``; default: the kernel's own).
 
     python benchmarks/bench_decode_layers.py --out results/
-    python benchmarks/bench_decode_layers.py --out results/ --launch 64/4/3/2 128/4/2/4
+    python benchmarks/bench_decode_layers.py --out results/ --launch 64/4/3/auto 64/4/3/2 64/4/3/4
 """
 
 from __future__ import annotations
@@ -35,22 +36,26 @@ from sgl_piecewise.backends.triton_kernels.decode import (
     decode_attention,
 )
 
-# name: (query heads, kv heads, head_dim, layers)
-SHAPES = {"0.5b": (14, 2, 64, 24), "1b": (32, 8, 64, 16)}
+# name: (query heads, kv heads, head_dim, layers); llama3-8b: Llama-3-8B's
+# attention, the shape the kernel's launch was first tuned on.
+SHAPES = {"0.5b": (14, 2, 64, 24), "1b": (32, 8, 64, 16), "llama3-8b": (32, 8, 128, 32)}
 MAX_KV_SPLITS = 64
 
 
 def parse_launch(text: str) -> DecodeLaunch:
-    """``"64/4/3/2"`` -> DecodeLaunch(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2)."""
+    """``"64/4/3/2"`` -> DecodeLaunch(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2);
+    ``"64/4/3/auto"``: programs_per_sm=None (what the SM's shared memory holds)."""
     parts = text.split("/")
-    if len(parts) != 4 or not all(p.isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"expected block_n/num_warps/num_stages/programs_per_sm, got {text!r}")
-    block_n, warps, stages, per_sm = map(int, parts)
+    if len(parts) != 4 or not all(p.isdigit() for p in parts[:3]) or not (parts[3].isdigit() or parts[3] == "auto"):
+        raise argparse.ArgumentTypeError(f"expected block_n/num_warps/num_stages/programs_per_sm|auto, got {text!r}")
+    block_n, warps, stages = map(int, parts[:3])
+    per_sm = None if parts[3] == "auto" else int(parts[3])
     return DecodeLaunch(block_n=block_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
 
 
 def launch_name(launch: DecodeLaunch) -> str:
-    return f"{launch.block_n}/{launch.num_warps}/{launch.num_stages}/{launch.programs_per_sm}"
+    per_sm = "auto" if launch.programs_per_sm is None else launch.programs_per_sm
+    return f"{launch.block_n}/{launch.num_warps}/{launch.num_stages}/{per_sm}"
 
 
 def step_launches(hq: int, hkv: int, d: int, layers: int, bs: int, context: int, tokens_per_split: int,
@@ -85,14 +90,16 @@ def step_launches(hq: int, hkv: int, d: int, layers: int, bs: int, context: int,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for bench_decode_layers.json")
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["0.5b", "1b"])
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--tokens-per-split", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--launch", type=parse_launch, nargs="+", default=[DEFAULT_DECODE_LAUNCH],
-                   help="block_n/num_warps/num_stages/programs_per_sm (default: the kernel's)")  # fmt: skip
+                   help="block_n/num_warps/num_stages/programs_per_sm|auto (default: the kernel's)")  # fmt: skip
     args = p.parse_args()
     rows = []
-    for shape, (hq, hkv, d, layers) in SHAPES.items():
+    for shape in args.shapes:
+        hq, hkv, d, layers = SHAPES[shape]
         for bs in args.decode_bs:
             for tps, launch in itertools.product(args.tokens_per_split, args.launch):
                 run = step_launches(hq, hkv, d, layers, bs, args.context, tps, launch)

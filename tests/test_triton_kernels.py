@@ -248,41 +248,53 @@ def test_decode_merges_more_splits_than_one_merge_chunk():
 def test_decode_launch_settings_change_speed_not_answers(block_n, num_warps, num_stages):
     # Key tiles wider than some splits and than some requests' keys.
     b = make_batch([1] * 4, [1, 70, 129, 300], 8, 2, 64, torch.bfloat16)
-    launch = DecodeLaunch(block_n, num_warps, num_stages, programs_per_sm=None)
+    launch = DecodeLaunch(block_n, num_warps, num_stages, cap_splits=False)
     out = run_decode(b, 3, torch.tensor([1, 2, 3, 3], dtype=torch.int32), launch)
     assert_close(out, decode_reference(b), torch.bfloat16)
 
 
-def test_grid_splits_fill_the_card_then_stop(monkeypatch):
+def test_grid_splits_fill_the_card_in_one_wave(monkeypatch):
     monkeypatch.setattr(dec, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(dec, "_smem_per_sm", lambda device: 228 * 1024)
     dec.grid_kv_splits.cache_clear()
     try:
         cuda = torch.device("cuda")
 
-        def grid(bs, max_splits=64, dtype=torch.bfloat16, hq=32, hkv=8):
-            return grid_kv_splits(bs, hq, hkv, dtype, max_splits, cuda)
+        def grid(bs, max_splits=64, dtype=torch.bfloat16, hq=32, hkv=8, head_dim=128, launch=None):
+            return grid_kv_splits(bs, hq, hkv, dtype, max_splits, cuda, launch, head_dim=head_dim)
 
-        # 2 programs per SM = 264: 8 programs per split at bs 1, 256 at bs 32.
-        assert [grid(1), grid(32), grid(128), grid(512)] == [33, 2, 1, 1]
+        # 64-key tiles, 3 stages: 96 KiB of K/V tiles a program at head_dim
+        # 128, so 2 programs an SM = 264: 8 programs per split at bs 1, 256 at
+        # bs 32 (one split, not two: the second would need a second wave).
+        assert dec.resident_programs(DecodeLaunch(), 128, 128, torch.bfloat16, 228 * 1024) == 2
+        assert [grid(1), grid(32), grid(33), grid(128)] == [33, 1, 1, 1]
         assert grid(1, max_splits=16) == 16
+        # head_dim 64: 4 programs an SM = 528; at 1 kv head and bs 33, 528 // 33 = 16.
+        assert grid(32, head_dim=64) == 2 and grid(8, head_dim=64) == 8
+        assert grid(33, hq=8, hkv=1, head_dim=64) == 16
+        # An explicit count overrides the estimate; cap_splits=False: the maximum.
+        assert grid(32, head_dim=64, launch=DecodeLaunch(programs_per_sm=1)) == 1
+        assert grid(32, launch=DecodeLaunch(cap_splits=False)) == 64
         # Wide groups take several programs per kv head (up to 64 heads each).
         assert grid(1, max_splits=512, hq=64, hkv=1) == 264
         assert grid(1, max_splits=512, hq=128, hkv=1) == 132
         # No SM count off CUDA (the interpreter): the caller's maximum.
-        assert grid_kv_splits(1, 32, 8, torch.bfloat16, 64, CPU) == 64
+        assert grid_kv_splits(1, 32, 8, torch.bfloat16, 64, CPU, head_dim=64) == 64
     finally:
         dec.grid_kv_splits.cache_clear()
 
 
 def test_bad_launch_settings_and_split_bounds_say_what_was_expected():
     for bad in (dict(block_n=48), dict(block_n=8), dict(num_warps=3), dict(num_stages=0),
-                dict(programs_per_sm=0)):  # fmt: skip
+                dict(programs_per_sm=0), dict(cap_splits=1)):  # fmt: skip
         with pytest.raises(InvalidInputError, match="expected"):
             DecodeLaunch(**bad)
     with pytest.raises(InvalidInputError, match="max_kv_splits: expected a positive int, got 0"):
-        grid_kv_splits(1, 8, 2, torch.bfloat16, 0, CPU)
+        grid_kv_splits(1, 8, 2, torch.bfloat16, 0, CPU, head_dim=64)
     with pytest.raises(InvalidInputError, match="num_q_heads a multiple of num_kv_heads"):
-        grid_kv_splits(1, 6, 4, torch.bfloat16, 8, CPU)
+        grid_kv_splits(1, 6, 4, torch.bfloat16, 8, CPU, head_dim=64)
+    with pytest.raises(InvalidInputError, match="head_dim: expected a positive int, got 0"):
+        grid_kv_splits(1, 8, 2, torch.bfloat16, 8, CPU, head_dim=0)
     b = make_batch([1, 1], [3, 4], 4, 2, 32, torch.float32)
     with pytest.raises(InvalidInputError, match="max_kv_splits: expected a positive int"):
         run_decode(b, 0, torch.ones(2, dtype=torch.int32))

@@ -153,7 +153,8 @@ class TritonBackend(StaticGraphBackend):
 
     def _grid_splits(self, bs: int) -> int:
         pool = self.kv_pool
-        return grid_kv_splits(bs, self.num_q_heads, pool.num_kv_heads, pool.dtype, self.max_kv_splits, pool.device)
+        return grid_kv_splits(bs, self.num_q_heads, pool.num_kv_heads, pool.dtype, self.max_kv_splits, pool.device,
+                              head_dim=pool.head_dim)  # fmt: skip
 
     def _alloc_graph_buffers(self, buffers: StaticBuffers, max_bs: int, max_num_tokens: int) -> None:
         context = self.req_to_token_pool.max_context_len

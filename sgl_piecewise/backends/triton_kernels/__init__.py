@@ -9,12 +9,13 @@ Without a GPU, run them under ``TRITON_INTERPRET=1`` (set before import).
 Decode: the scratch's split axis is the grid's, which depends on the batch
 size (small batches split keys more to fill the card)::
 
-    S = grid_kv_splits(bs, Hq, Hkv, q.dtype, DEFAULT_MAX_KV_SPLITS, q.device)
-    logits = torch.empty(bs, Hq, S, Dv, dtype=torch.float32, device=dev)
+    S = grid_kv_splits(bs, Hq, Hkv, q.dtype, DEFAULT_MAX_KV_SPLITS, q.device, head_dim=D)
+    logits = torch.empty(bs, Hq, S, D, dtype=torch.float32, device=dev)
     lse = torch.empty(bs, Hq, S, dtype=torch.float32, device=dev)
+    counts = torch.zeros(bs, Hq, dtype=torch.int32, device=dev)  # every launch leaves it zero
     splits = choose_num_kv_splits(kv_lens, DEFAULT_MAX_KV_SPLITS, torch.empty_like(kv_lens))
-    decode_attention(q, k_cache, v_cache, out, kv_indptr, kv_indices, logits, lse,
-                     splits, DEFAULT_MAX_KV_SPLITS, head_dim ** -0.5)
+    decode_attention(q, k_cache, v_cache, out, kv_indptr, kv_indices, logits, lse, counts,
+                     splits, DEFAULT_MAX_KV_SPLITS, D ** -0.5)
 """
 
 from sgl_piecewise.backends.triton_kernels.decode import (

@@ -86,11 +86,14 @@ class DecodeLaunch:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    # Batch-aware split axis (grid_kv_splits): splits stop being added once
-    # the grid has this many stage-1 programs per SM. 2 was best from batch 1
-    # (8 kv heads: up to 33 splits) to 128 (1 split); 4 lost 15% at bs 1 /
-    # 16k keys. None: always max_kv_splits.
-    programs_per_sm: Optional[int] = 2
+    # Batch-aware split axis (grid_kv_splits): the most splits that keep the
+    # grid within this many programs per SM, so that every program of the
+    # launch is resident at once (a second wave cost up to 20%). None: as many
+    # as the SM's shared memory holds (resident_programs).
+    programs_per_sm: Optional[int] = None
+    # False: the split axis is always max_kv_splits (sweeps that fix the
+    # split counts themselves).
+    cap_splits: bool = True
 
     def __post_init__(self) -> None:
         pow2 = lambda n: isinstance(n, int) and n > 0 and n & (n - 1) == 0  # noqa: E731
@@ -103,6 +106,8 @@ class DecodeLaunch:
             raise InvalidInputError(f"DecodeLaunch: expected num_stages >= 1, got {self.num_stages!r}")
         if self.programs_per_sm is not None:
             check_positive_int("DecodeLaunch.programs_per_sm", self.programs_per_sm)
+        if not isinstance(self.cap_splits, bool):
+            raise InvalidInputError(f"DecodeLaunch: expected cap_splits a bool, got {self.cap_splits!r}")
 
 
 DEFAULT_DECODE_LAUNCH = DecodeLaunch()
@@ -383,6 +388,38 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Shared memory of an SM where torch does not report it (torch < 2.5): an
+# H100's. Only the split count, so speed, depends on it.
+_FALLBACK_SMEM_PER_SM = 228 * 1024
+# At most this many programs per SM: the most the measurements (below) support.
+MAX_RESIDENT_PROGRAMS = 4
+
+
+@functools.lru_cache(maxsize=16)
+def _smem_per_sm(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_multiprocessor", _FALLBACK_SMEM_PER_SM)
+
+
+def resident_programs(launch: DecodeLaunch, head_dim: int, v_head_dim: int, dtype: torch.dtype,
+                      smem_per_sm: int) -> int:  # fmt: skip
+    """Decode programs one SM holds at once, estimated from shared memory:
+    each pipeline stage buffers a key tile and a value tile. Between 1 and
+    :data:`MAX_RESIDENT_PROGRAMS`.
+
+    On an H100 this gives 4 at head_dim 64 and 2 at 128. Against the
+    earlier rule (the fewest splits for two programs per SM),
+    `benchmarks/bench_decode_layers.py` measured the decode attention of
+    head_dim 64 (0.5b, 1b) and 128 (Llama-3-8B) at batch 1, 8, 32 and 1k
+    and 4k keys: up to 17% faster at batch 8 and 32 (Llama-3-8B, batch 32,
+    4k keys: 245 -> 206 us a layer), at most 0.8 us (7%) slower elsewhere
+    at head_dim 64 and 1.7 us (3%) at 128."""
+    tile_keys = launch.block_n * launch.num_stages
+    per_program = tile_keys * (triton.next_power_of_2(head_dim) + triton.next_power_of_2(v_head_dim))
+    per_program *= torch.empty((), dtype=dtype).element_size()
+    return max(1, min(MAX_RESIDENT_PROGRAMS, smem_per_sm // per_program))
+
+
 @functools.lru_cache(maxsize=1024)
 def grid_kv_splits(
     bs: int,
@@ -392,18 +429,23 @@ def grid_kv_splits(
     max_kv_splits: int,
     device: torch.device,
     launch: Optional[DecodeLaunch] = None,
+    *,
+    head_dim: int,
+    v_head_dim: Optional[int] = None,
 ) -> int:
-    """Split axis of the stage-1 grid (and of the scratch it writes) for a
-    batch of ``bs``: the fewest splits that give ``launch.programs_per_sm``
-    programs per SM, at most ``max_kv_splits``.
+    """Split axis of the grid (and of the scratch it writes) for a batch of
+    ``bs``: the most splits that keep the grid within
+    ``launch.programs_per_sm`` programs per SM (default
+    :func:`resident_programs`), at least 1, at most ``max_kv_splits``.
 
     A small batch needs many splits to occupy the card (bs 1 with 8 kv heads
-    has 8 programs per split); a large one fills it without, and every extra
-    split costs a partial write and a merge. ``bs`` is fixed per captured
-    graph, so this host-side choice is graph-safe; requests' own counts
-    (``num_kv_splits``) are clamped to it on the device. Off CUDA (Triton's
-    interpreter) there is no SM count to fill: ``max_kv_splits``.
-    ``launch=None``: :func:`default_decode_launch`.
+    has 8 programs per split); a large one fills it without, and programs
+    past what the SMs hold at once wait for a second wave. ``bs`` is fixed
+    per captured graph, so this host-side choice is graph-safe; requests'
+    own counts (``num_kv_splits``) are clamped to it on the device. Off CUDA
+    (Triton's interpreter) there is no SM count to fill: ``max_kv_splits``.
+    ``launch=None``: :func:`default_decode_launch`; ``v_head_dim=None``:
+    ``head_dim``.
     """
     check_positive_int("max_kv_splits", max_kv_splits)
     if bs < 0 or num_kv_heads <= 0 or num_q_heads % num_kv_heads:
@@ -411,12 +453,15 @@ def grid_kv_splits(
             f"grid_kv_splits: expected bs >= 0 and num_q_heads a multiple of num_kv_heads > 0, "
             f"got bs={bs}, num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads}"
         )
+    check_positive_int("head_dim", head_dim)
+    v_head_dim = head_dim if v_head_dim is None else check_positive_int("v_head_dim", v_head_dim)
     launch = launch or default_decode_launch(dtype)
-    if launch.programs_per_sm is None or device.type != "cuda":
+    if not launch.cap_splits or device.type != "cuda":
         return max_kv_splits
+    per_sm = launch.programs_per_sm or resident_programs(launch, head_dim, v_head_dim, dtype, _smem_per_sm(device))
     group = num_q_heads // num_kv_heads
     head_programs = num_kv_heads * triton.cdiv(group, decode_block_h(group, dtype))
-    wanted = triton.cdiv(_num_sms(device) * launch.programs_per_sm, max(bs, 1) * head_programs)
+    wanted = (_num_sms(device) * per_sm) // (max(bs, 1) * head_programs)
     return max(1, min(max_kv_splits, wanted))
 
 
@@ -508,7 +553,8 @@ class DecodePlan:
         rows, num_q_heads, dv = check_attention_args("decode_attention", "rows", q, k_cache, v_cache, out)
         bs = check_num_rows("decode_attention", rows, num_rows)
         # grid_kv_splits checks max_kv_splits.
-        splits = grid_kv_splits(bs, num_q_heads, k_cache.shape[1], q.dtype, max_kv_splits, q.device, launch)
+        splits = grid_kv_splits(bs, num_q_heads, k_cache.shape[1], q.dtype, max_kv_splits, q.device, launch,
+                                head_dim=k_cache.shape[2], v_head_dim=dv)  # fmt: skip
         _check_scratch(bs, num_q_heads, dv, splits, max_kv_splits, attn_logits, attn_lse, merge_counts)
         check_new_kv("decode_attention", rows, bs, k_cache, v_cache, new_k, new_v, out_cache_loc)
         check_last_dim_contiguous(
