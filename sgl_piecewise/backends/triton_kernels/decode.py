@@ -56,16 +56,15 @@ DECODE_MAX_BLOCK_H = 64
 # Split boundaries are multiples of this (SGLang's MIN_BLOCK_KV), so splits
 # start on whole 32-key tiles.
 SPLIT_GRANULE = 32
-# The split-count rule and launch settings below come from
-# `benchmarks/bench_decode_kernel.py --sweep` on an H200 (docs/BENCHMARKS.md):
-# splits 1-128 x six launch settings at batch 1/32/128, context 1k/4k/16k.
+# The launch settings below come from `benchmarks/bench_decode_kernel.py
+# --sweep` on an H200 (docs/BENCHMARKS.md): splits 1-128 x six launch settings
+# at batch 1/32/128, context 1k/4k/16k; the split counts from
+# `benchmarks/bench_decode_layers.py` on an H100.
 #
-# choose_num_kv_splits: one split per this many keys. At batch 1 the best
-# counts were 8, 16-32 and 32 splits for 1k, 4k and 16k keys; fewer keys a
-# split leave too little loop to amortise the q load and the merge. Since the
-# merge loads eight splits at once, 64 keys a split beat 128 at 1k keys and
-# batch 1 and 8 and tied at 4k (0.5b and 1b shapes, head_dim 64, on an H100:
-# `benchmarks/bench_decode_layers.py`).
+# choose_num_kv_splits: one split per this many keys. Fewer keys a split leave
+# too little loop to amortise the q load and the merge; since the merge loads
+# eight splits at once, 64 beat 128 at 1k keys and batch 1 and 8 and tied at
+# 4k (head_dim 64).
 DEFAULT_TOKENS_PER_SPLIT = 64
 # A suggested scratch size for callers; the grid rarely uses it all
 # (grid_kv_splits caps it by the batch size).
@@ -142,7 +141,7 @@ def _merge_splits(part_ptr, lse_ptr, req, heads, mask_h, offs_dv, mask_dv, kv_le
     L1 (``.cg``): other programs wrote the partials during this launch.
 
     One split per iteration would make the merge a chain of dependent L2
-    round trips (eight at 1024 keys); a chunk's partials are loaded at once."""
+    round trips, one per split; a chunk's partials are loaded at once."""
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
@@ -388,17 +387,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Shared memory of an SM where torch does not report it (torch < 2.5): an
-# H100's. Only the split count, so speed, depends on it.
-_FALLBACK_SMEM_PER_SM = 228 * 1024
-# At most this many programs per SM: the most the measurements (below) support.
+# At most this many programs per SM: what an H100 holds at head_dim 64, and
+# the most that `benchmarks/bench_decode_layers.py` measured to help.
 MAX_RESIDENT_PROGRAMS = 4
 
 
 @functools.lru_cache(maxsize=16)
 def _smem_per_sm(device: torch.device) -> int:
-    props = torch.cuda.get_device_properties(device)
-    return getattr(props, "shared_memory_per_multiprocessor", _FALLBACK_SMEM_PER_SM)
+    return torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
 
 
 def resident_programs(launch: DecodeLaunch, head_dim: int, v_head_dim: int, dtype: torch.dtype,
