@@ -244,6 +244,16 @@ def test_decode_merges_more_splits_than_one_merge_chunk():
         assert_close(out, ref, torch.float32)
 
 
+def test_decode_merges_one_split_per_load_for_the_widest_head_tile():
+    # 64 query heads on one kv head in bf16: a 64-row head tile of 128-wide
+    # values fills the merge's chunk alone (merge_block_s 1: a wider chunk
+    # spills registers on sm_90).
+    assert dec.merge_block_s(64, 128) == 1
+    b = make_batch([1, 1], [200, 70], 64, 1, 128, torch.bfloat16)
+    out = run_decode(b, 4, torch.tensor([4, 3], dtype=torch.int32))
+    assert_close(out, decode_reference(b), torch.bfloat16)
+
+
 @pytest.mark.parametrize("block_n,num_warps,num_stages", [(32, 4, 2), (64, 4, 3), (128, 8, 2)])
 def test_decode_launch_settings_change_speed_not_answers(block_n, num_warps, num_stages):
     # Key tiles wider than some splits and than some requests' keys.
@@ -253,9 +263,8 @@ def test_decode_launch_settings_change_speed_not_answers(block_n, num_warps, num
     assert_close(out, decode_reference(b), torch.bfloat16)
 
 
-def test_grid_splits_fill_the_card_in_one_wave(monkeypatch):
+def test_grid_splits_are_the_most_within_the_programs_per_sm(monkeypatch):
     monkeypatch.setattr(dec, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(dec, "_smem_per_sm", lambda device: 228 * 1024)
     dec.grid_kv_splits.cache_clear()
     try:
         cuda = torch.device("cuda")
@@ -263,16 +272,16 @@ def test_grid_splits_fill_the_card_in_one_wave(monkeypatch):
         def grid(bs, max_splits=64, dtype=torch.bfloat16, hq=32, hkv=8, head_dim=128, launch=None):
             return grid_kv_splits(bs, hq, hkv, dtype, max_splits, cuda, launch, head_dim=head_dim)
 
-        # 64-key tiles, 3 stages: 96 KiB of K/V tiles a program at head_dim
-        # 128, so 2 programs an SM = 264: 8 programs per split at bs 1, 256 at
-        # bs 32 (one split, not two: the second would need a second wave).
-        assert dec.resident_programs(DecodeLaunch(), 128, 128, torch.bfloat16, 228 * 1024) == 2
+        # head_dim 128: 2 programs an SM = 264: 8 programs per split at bs 1,
+        # 256 at bs 32 (one split: a second would pass 264).
+        assert dec.default_programs_per_sm(128, 128) == 2 and dec.default_programs_per_sm(64, 64) == 4
+        assert dec.default_programs_per_sm(64, 128) == 2
         assert [grid(1), grid(32), grid(33), grid(128)] == [33, 1, 1, 1]
         assert grid(1, max_splits=16) == 16
         # head_dim 64: 4 programs an SM = 528; at 1 kv head and bs 33, 528 // 33 = 16.
         assert grid(32, head_dim=64) == 2 and grid(8, head_dim=64) == 8
         assert grid(33, hq=8, hkv=1, head_dim=64) == 16
-        # An explicit count overrides the estimate; cap_splits=False: the maximum.
+        # An explicit count overrides the default; cap_splits=False: the maximum.
         assert grid(32, head_dim=64, launch=DecodeLaunch(programs_per_sm=1)) == 1
         assert grid(32, launch=DecodeLaunch(cap_splits=False)) == 64
         # Wide groups take several programs per kv head (up to 64 heads each).

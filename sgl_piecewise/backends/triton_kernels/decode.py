@@ -86,9 +86,8 @@ class DecodeLaunch:
     num_warps: int = 4
     num_stages: int = 3
     # Batch-aware split axis (grid_kv_splits): the most splits that keep the
-    # grid within this many programs per SM, so that every program of the
-    # launch is resident at once (a second wave cost up to 20%). None: as many
-    # as the SM's shared memory holds (resident_programs).
+    # grid within this many programs per SM. None: default_programs_per_sm of
+    # the head size.
     programs_per_sm: Optional[int] = None
     # False: the split axis is always max_kv_splits (sweeps that fix the
     # split counts themselves).
@@ -367,8 +366,8 @@ def choose_num_kv_splits(
 def merge_block_s(block_h: int, block_dv: int) -> int:
     """Splits the merge loads at once: as many as keep a chunk of partials
     (``[BLOCK_H, BLOCK_S, BLOCK_DV]`` fp32) at 8192 values, 64 registers a
-    thread at 4 warps; at least 2, at most 8."""
-    return max(2, min(8, MERGE_CHUNK_VALUES // (block_h * block_dv)))
+    thread at 4 warps; at least 1, at most 8."""
+    return max(1, min(8, MERGE_CHUNK_VALUES // (block_h * block_dv)))
 
 
 def decode_block_h(group: int, dtype: torch.dtype) -> int:
@@ -387,33 +386,18 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# At most this many programs per SM: what an H100 holds at head_dim 64, and
-# the most that `benchmarks/bench_decode_layers.py` measured to help.
-MAX_RESIDENT_PROGRAMS = 4
+def default_programs_per_sm(head_dim: int, v_head_dim: int) -> int:
+    """Programs per SM the split axis fills by default: 4 for heads of at most
+    64 values, 2 for wider ones.
 
-
-@functools.lru_cache(maxsize=16)
-def _smem_per_sm(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
-
-
-def resident_programs(launch: DecodeLaunch, head_dim: int, v_head_dim: int, dtype: torch.dtype,
-                      smem_per_sm: int) -> int:  # fmt: skip
-    """Decode programs one SM holds at once, estimated from shared memory:
-    each pipeline stage buffers a key tile and a value tile. Between 1 and
-    :data:`MAX_RESIDENT_PROGRAMS`.
-
-    On an H100 this gives 4 at head_dim 64 and 2 at 128. Against the
-    earlier rule (the fewest splits for two programs per SM),
-    `benchmarks/bench_decode_layers.py` measured the decode attention of
-    head_dim 64 (0.5b, 1b) and 128 (Llama-3-8B) at batch 1, 8, 32 and 1k
-    and 4k keys: up to 17% faster at batch 8 and 32 (Llama-3-8B, batch 32,
-    4k keys: 245 -> 206 us a layer), at most 0.8 us (7%) slower elsewhere
-    at head_dim 64 and 1.7 us (3%) at 128."""
-    tile_keys = launch.block_n * launch.num_stages
-    per_program = tile_keys * (triton.next_power_of_2(head_dim) + triton.next_power_of_2(v_head_dim))
-    per_program *= torch.empty((), dtype=dtype).element_size()
-    return max(1, min(MAX_RESIDENT_PROGRAMS, smem_per_sm // per_program))
+    Measured, not derived: on an H100 (`benchmarks/bench_decode_layers.py`,
+    batch 1, 8 and 32, 1k and 4k keys) 4 was the faster of 2 and 4 for the
+    0.5b and 1b attention (head_dim 64) and 2 for Llama-3-8B's (128). Against
+    the earlier rule, the fewest splits for two programs per SM, this was up
+    to 17% faster at batch 8 and 32 (Llama-3-8B, batch 32, 4k keys: 245 ->
+    206 us a layer) and at most 0.8 us (7%) slower elsewhere at head_dim 64,
+    1.7 us (3%) at 128."""
+    return 4 if max(head_dim, v_head_dim) <= 64 else 2
 
 
 @functools.lru_cache(maxsize=1024)
@@ -432,11 +416,11 @@ def grid_kv_splits(
     """Split axis of the grid (and of the scratch it writes) for a batch of
     ``bs``: the most splits that keep the grid within
     ``launch.programs_per_sm`` programs per SM (default
-    :func:`resident_programs`), at least 1, at most ``max_kv_splits``.
+    :func:`default_programs_per_sm`), at least 1, at most ``max_kv_splits``.
 
     A small batch needs many splits to occupy the card (bs 1 with 8 kv heads
-    has 8 programs per split); a large one fills it without, and programs
-    past what the SMs hold at once wait for a second wave. ``bs`` is fixed
+    has 8 programs per split); a large one fills it without, and every
+    extra split costs a partial write and a share of the merge. ``bs`` is fixed
     per captured graph, so this host-side choice is graph-safe; requests'
     own counts (``num_kv_splits``) are clamped to it on the device. Off CUDA
     (Triton's interpreter) there is no SM count to fill: ``max_kv_splits``.
@@ -454,7 +438,7 @@ def grid_kv_splits(
     launch = launch or default_decode_launch(dtype)
     if not launch.cap_splits or device.type != "cuda":
         return max_kv_splits
-    per_sm = launch.programs_per_sm or resident_programs(launch, head_dim, v_head_dim, dtype, _smem_per_sm(device))
+    per_sm = launch.programs_per_sm or default_programs_per_sm(head_dim, v_head_dim)
     group = num_q_heads // num_kv_heads
     head_programs = num_kv_heads * triton.cdiv(group, decode_block_h(group, dtype))
     wanted = (_num_sms(device) * per_sm) // (max(bs, 1) * head_programs)
