@@ -44,7 +44,7 @@ MAX_KV_SPLITS = 64
 
 def parse_launch(text: str) -> DecodeLaunch:
     """``"64/4/3/2"`` -> DecodeLaunch(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2);
-    ``"64/4/3/auto"``: programs_per_sm=None (what the SM's shared memory holds)."""
+    ``"64/4/3/auto"``: programs_per_sm=None (the kernel's default_programs_per_sm)."""
     parts = text.split("/")
     if len(parts) != 4 or not all(p.isdigit() for p in parts[:3]) or not (parts[3].isdigit() or parts[3] == "auto"):
         raise argparse.ArgumentTypeError(f"expected block_n/num_warps/num_stages/programs_per_sm|auto, got {text!r}")
