@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from functools import partial
 
 import torch
 import torch._dynamo
-from common import SHAPES, free_batch, graph_step_fn, step_fn, time_paths  # noqa: E402 (benchmarks/ is the folder)
+from common import SHAPES, free_batch, graph_step_fn, step_fn, time_paths, write_json  # noqa: E402 (benchmarks/ is the folder)
 from suite import build, step_batch
 from suite_profile import hop_host_us_per_layer
 
@@ -82,9 +81,7 @@ def main(argv=None) -> dict:
         gc.collect()  # the backend's model, pools and graphs, before the next one's
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "backend_hops.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, "backend_hops.json", result)
     return result
 
 

@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import time
 from typing import Callable
 
 import torch
-from common import graph_us_per_layer  # noqa: E402 (benchmarks/ is the script's folder)
+from common import graph_us_per_layer, write_json  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.backends.triton_kernels.decode import (
     DEFAULT_DECODE_LAUNCH,
@@ -107,10 +106,8 @@ def main() -> None:
                            launch=launch_name(launch), us_per_layer=graph_us_per_layer(run, layers))  # fmt: skip
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    os.makedirs(args.out, exist_ok=True)
     info = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"), rows=rows)
-    with open(os.path.join(args.out, "bench_decode_layers.json"), "w") as f:
-        json.dump(info, f, indent=1)
+    write_json(args.out, "bench_decode_layers.json", info)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ from functools import partial
 import torch
 import torch._dynamo
 import torch._inductor.config as inductor_config
-from common import SHAPES, free_batch, graph_step_fn, median_ms, step_fn, time_paths  # noqa: E402 (the folder)
+from common import SHAPES, free_batch, graph_step_fn, median_ms, step_fn, time_paths, write_json  # noqa: E402 (the folder)
 from suite import build, step_batch
 
 from sgl_piecewise.compile import CompiledModel, CompileOptions
@@ -109,9 +108,7 @@ def main(argv=None) -> dict:
             row["default_vs_on_logits_maxdiff"] = logits_maxdiff(runner, shape, graphs, bs, args.batches)
             result["decode"][bs] = row
             print("decode", bs, json.dumps(row), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"inductor_option_{args.shape}.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, f"inductor_option_{args.shape}.json", result)
     return result
 
 

@@ -18,14 +18,12 @@ not required. Writes ``speculative.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import sys
 import time
 
 import torch
-from common import QWEN_05B  # noqa: E402 (benchmarks/ is the script's folder)
+from common import QWEN_05B, write_json  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.drafts import parse_draft_spec
 from sgl_piecewise.models import ModelConfig, build_random_model, load_model
@@ -94,9 +92,7 @@ def main(argv=None) -> dict:
             print(f"bs {bs:3d} draft {str(spec):16s} acceptance {run['acceptance_rate']:.2f} "
                   f"plain {run['plain_tokens_per_s']:9.1f} tok/s speculative {run['speculative_tokens_per_s']:9.1f} "
                   f"tok/s ({run['speedup']:.2f}x) identical {run['identical_tokens']}", flush=True)  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "speculative.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, "speculative.json", result)
     return result
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
+import os
 import statistics
 import sys
 import time
@@ -65,6 +67,16 @@ SHAPES: Dict[str, dict] = {
     ),  # fmt: skip
 }
 QWEN_05B = SHAPES["0.5b"]
+
+
+def write_json(folder: str, name: str, result: object) -> str:
+    """Write ``result`` to ``folder/name`` as indented JSON (the folder made
+    if missing); the file's path."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
 
 
 def step_times_ms(fn: Callable[[], object], iters: int) -> List[float]:

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import os
 import time
 import types
 from functools import partial
 
 import suite
 import torch
-from common import free_batch, graph_step_fn, host_ms, step_fn, timed  # noqa: E402 (benchmarks/ is the script's folder)
+from common import free_batch, graph_step_fn, host_ms, step_fn, timed, write_json  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.backends.triton_kernels import decode as decode_kernels
 from sgl_piecewise.compile import CompiledModel, compiled_model, piece_graphs
@@ -109,9 +107,7 @@ def main() -> None:
             results[f"{kind}_{size}"] = {"host_us": host, "components": rows}
             free_batch(runner, batch)
     if cli.out:
-        os.makedirs(cli.out, exist_ok=True)
-        with open(os.path.join(cli.out, "profile_step_host.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(cli.out, "profile_step_host.json", results)
 
 
 if __name__ == "__main__":
