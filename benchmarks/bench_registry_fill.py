@@ -6,7 +6,9 @@ whole-model graphs (``build_decode_registry``), the fill of one decode
 step's sources as it runs (planned: each source checked to copy as it is,
 then the plan of the sizes) and the checked path that any other fill takes
 (each source resolved, checked and planned anew), in alternating rounds,
-median µs per fill. Runs on a CPU (``--device cpu``, the default) or CUDA.
+median µs per fill. Each batch size is padded to the whole-model graphs'
+next capture size (3 to 4, 30 to 32), as a replay pads it, so the padded
+tails are written too. Runs on a CPU (``--device cpu``, the default) or CUDA.
 
     python benchmarks/bench_registry_fill.py --out results/
 """
@@ -14,17 +16,18 @@ median µs per fill. Runs on a CPU (``--device cpu``, the default) or CUDA.
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import bisect
 import platform
 import statistics
 import sys
 import time
 
 import torch
+from common import write_json  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.runners.buffer_registry import FillContext
 from sgl_piecewise.runners.input_registries import build_decode_registry
+from sgl_piecewise.runners.whole_model import default_capture_sizes
 
 
 def sources(bs: int, device: str) -> dict:
@@ -61,24 +64,26 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--bs", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--bs", type=int, nargs="+", default=[1, 3, 8, 30, 32])
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args()
     result = {"device": args.device, "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d", time.gmtime()), "argv": sys.argv[1:], "us_per_fill": {}}  # fmt: skip
+    sizes = default_capture_sizes(max(args.bs))
     for bs in args.bs:
-        registry = build_decode_registry(max(args.bs), args.device, seq_len_fill_value=1)
-        paths = fill_paths(registry, sources(bs, args.device), FillContext.uniform(bs, bs))
+        padded = sizes[bisect.bisect_left(sizes, bs)]
+        registry = build_decode_registry(sizes[-1], args.device, seq_len_fill_value=1)
+        paths = fill_paths(registry, sources(bs, args.device), FillContext.uniform(bs, padded))
         samples = {name: [] for name in paths}
         for fill in paths.values():
             per_fill_us(fill, 200)  # warm
         for _ in range(args.rounds):
             for name, fill in paths.items():
                 samples[name].append(per_fill_us(fill))
-        result["us_per_fill"][bs] = {name: statistics.median(v) for name, v in samples.items()}
-        print(f"bs {bs:3d}  " + "  ".join(f"{k} {v:6.1f} us" for k, v in result["us_per_fill"][bs].items()), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    json.dump(result, open(os.path.join(args.out, "registry_fill.json"), "w"), indent=1)
+        result["us_per_fill"][bs] = {"padded_bs": padded, **{name: statistics.median(v) for name, v in samples.items()}}
+        times = "  ".join(f"{k} {v:6.1f} us" for k, v in result["us_per_fill"][bs].items() if k != "padded_bs")
+        print(f"bs {bs:3d} (padded to {padded:3d})  {times}", flush=True)
+    write_json(args.out, "registry_fill.json", result)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
+from sgl_piecewise.memory import DUMMY_SLOT
+from sgl_piecewise.runners import buffer_registry
 from sgl_piecewise.runners.buffer_registry import (
     CudaGraphBufferRegistry,
     FillContext,
@@ -367,21 +370,91 @@ def test_property_a_planned_fill_writes_what_the_checked_fill_writes(sizes, pois
 
 
 # ---- grouped copy ------------------------------------------------------------
-def test_one_foreach_copy_per_dtype_pair(monkeypatch):
-    real, calls = torch._foreach_copy_, []
+class _Ops(TorchDispatchMode):
+    """Records every aten op run inside, with its tensors' dtypes and numbers."""
 
-    def recording(dsts, srcs, *args, **kw):
-        calls.append(sorted((str(d.dtype), str(s.dtype)) for d, s in zip(dsts, srcs)))
-        return real(dsts, srcs, *args, **kw)
+    def __init__(self):
+        super().__init__()
+        self.ops = []
 
-    monkeypatch.setattr(torch, "_foreach_copy_", recording)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("raw, padded", [(3, 4), (4, 4), (0, 8)])
+def test_a_planned_fill_is_one_foreach_copy_per_dtype_and_nothing_else(raw, padded):
+    # Tails and num_token_non_padded are copied from the registry's constants
+    # in the heads' grouped copies: no fill_ per tail, no launch per hook.
     reg = decode_()
-    reg.fill_from(_decode_sources(3), FillContext.uniform(3, 4))
-    # int64 <- int64: input_ids, positions, out_cache_loc, req_pool_indices;
-    # int32 <- int32: seq_lens, seq_lens_cpu, extend_seq_lens (all on the CPU here).
-    pair32, pair64 = ("torch.int32",) * 2, ("torch.int64",) * 2
-    assert sorted(calls) == [[pair32] * 3, [pair64] * 4]
-    assert (reg.stats.foreach_copies, reg.stats.per_tensor_fallbacks) == (2, 0)
+    sources = _decode_sources(raw)
+    reg.fill_from(sources, FillContext.uniform(raw, padded))  # plans these sizes
+    with _Ops() as seen:
+        reg.fill_from(sources, FillContext.uniform(raw, padded))
+    assert [func for func, _ in seen.ops] == [torch.ops.aten._foreach_copy_.default] * 2
+    copies = {dsts[0].dtype: len(dsts) for _, (dsts, _srcs) in seen.ops}
+    # Heads with rows: input_ids, positions, out_cache_loc, req_pool_indices
+    # (int64); seq_lens, seq_lens_cpu, extend_seq_lens (int32). Tails: all but
+    # input_ids's. Then num_token_non_padded (int32).
+    heads64, heads32 = (4, 3) if raw else (0, 0)
+    tails64, tails32 = (3, 3) if raw < padded else (0, 0)
+    assert copies == {I64: heads64 + tails64, I32: heads32 + tails32 + 1}
+    assert (reg.stats.foreach_copies, reg.stats.per_tensor_fallbacks) == (4, 0)
+    assert int(reg.get_slot("num_token_non_padded").buffer) == raw
+    assert reg.get_slot("out_cache_loc").buffer[raw:padded].eq(DUMMY_SLOT).all()
+
+
+def test_a_tail_too_large_for_a_constant_is_filled_in_place(monkeypatch):
+    monkeypatch.setattr(buffer_registry, "_MAX_CONSTANT_NUMEL", 2)
+    reg = reg_()
+    zero, sentinel = slot_(reg, "zero", P.ZERO), slot_(reg, "sentinel", P.FILL_SENTINEL)
+    for raw in (6, 5):  # tails of 2 rows (copied from constants), then of 3 (filled in place)
+        scramble(zero), scramble(sentinel)
+        src = {"zero": rand(raw), "sentinel": rand(raw)}
+        reg.fill_from(src, ctx_(raw, MAX_BS))
+        tail = MAX_BS - raw
+        assert zero.buffer.tolist() == src["zero"].tolist() + [0] * tail
+        assert sentinel.buffer.tolist() == src["sentinel"].tolist() + [-7] * tail
+
+
+def test_a_bound_buffer_that_is_not_contiguous_gets_its_tail_in_place():
+    reg = reg_()
+    strided = torch.zeros(2 * MAX_BS, dtype=I64)[::2]
+    slot = slot_(reg, policy=P.FILL_SENTINEL, bind=strided)
+    src = rand(3)
+    reg.fill_from({"x": src}, ctx_(3, 6))
+    assert strided[:3].tolist() == src.tolist() and strided[3:6].tolist() == [-7] * 3
+    assert slot.buffer.data_ptr() == strided.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(axis="bs"), "expected axis='none'"),
+        (dict(copy_from_fb=True), "copy_from_fb=False"),
+        (dict(post_fill=lambda *a: None), "no post_fill"),
+    ],
+)
+def test_value_from_sizes_is_for_a_whole_slot_written_by_nothing_else(kw, match):
+    args = dict(axis="none", copy_from_fb=False, value_from_sizes=lambda ctx: ctx.raw_bs)
+    args.update(kw)
+    axis = args.pop("axis")
+    shape = rows if axis == "bs" else (lambda bs, nt: ())
+    with bad(match):
+        reg_().register_slot("v", shape, I32, axis, **args)
+    with bad("value_from_sizes: expected a callable, got 3", InvalidTypeError):
+        reg_().register_slot("v", lambda bs, nt: (), I32, "none", copy_from_fb=False, value_from_sizes=3)
+
+
+def test_value_from_sizes_is_written_by_the_planned_and_the_checked_fill():
+    reg = reg_()
+    value = reg.register_slot("v", lambda bs, nt: (2,), I32, "none", copy_from_fb=False,
+                              value_from_sizes=lambda ctx: 10 * ctx.raw_bs + ctx.padded_bs)  # fmt: skip
+    slot_(reg, "x", dtype=I32)
+    reg.fill_from({"x": rand(3, I32)}, ctx_(3, 5))  # planned
+    assert value.buffer.tolist() == [35, 35]
+    reg.fill_from({"x": rand(2, torch.int16)}, ctx_(2, 4))  # a widening cast: the checked path
+    assert value.buffer.tolist() == [24, 24]
 
 
 def test_foreach_failure_falls_back_to_per_tensor_copies(monkeypatch, caplog):

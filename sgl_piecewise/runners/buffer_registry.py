@@ -20,12 +20,16 @@ One ``fill_from(batch, ctx)``:
    all before writing, so a rejected fill leaves every buffer as it was;
 2. resets the padded tail ``[raw, padded)`` of each copied slot by its policy;
 3. copies every head ``[:raw]`` with one ``torch._foreach_copy_`` per
-   (device, dst dtype, src dtype) group, per tensor if that call raises;
+   (device, dst dtype, src dtype) group, per tensor if that call raises,
+   and writes the ``value_from_sizes`` slots;
 4. runs the ``post_fill(slot, batch, ctx)`` hooks in registration order.
 
 Steps 2 and 3 are the same for every fill of one set of sizes, so the
 registry plans them once per set (:class:`_FillPlan`: the views to copy
-into, grouped, and the tails to reset). A fill whose every source copies as
+into, grouped). The plan copies the tails and the sized values from
+constants the registry keeps, in the same grouped copies as the heads: a
+replay's fill is one copy per (device, dtype), however it is padded, where
+a ``fill_`` per tail would add a launch each. A fill whose every source copies as
 it is (the usual step: the slot's dtype and device, the raw rows' shape)
 runs the plan after checking only that; any other fill (a cast, a missing
 source, an error to report) takes the checked path of steps 1-3, which
@@ -59,6 +63,7 @@ from sgl_piecewise.runners.graph_slot import (  # noqa: F401 (AXES, check_count:
     PadValue,
     PostFill,
     ShapeFn,
+    SizedValue,
     SliceFn,
     SourceFn,
     canonical_device,
@@ -90,12 +95,21 @@ class _Fill(NamedTuple):
     padded: int
 
 
+class _CopyGroup(NamedTuple):
+    """One ``torch._foreach_copy_`` of a planned fill: the batch's sources
+    into the heads, then constants into the tails and sized values."""
+
+    dsts: List[torch.Tensor]  # the heads' views, then the constants' destinations
+    which: Tuple[int, ...]  # per head, the index of its source in the plan's sources
+    constants: List[torch.Tensor]  # the rest's sources: registry-owned constants
+
+
 class _FillPlan(NamedTuple):
     """A fill of one set of sizes whose sources copy as they are."""
 
-    sources: Tuple[Tuple[GraphSlot, Optional[int]], ...]  # every copied slot, rows of its source (None: all)
-    groups: Tuple[Tuple[List[torch.Tensor], Tuple[int, ...]], ...]  # per copy group: views, indexes of sources
-    tails: Tuple[Tuple[torch.Tensor, PadValue], ...]  # padded tails and the value each gets
+    sources: Tuple[Tuple[GraphSlot, Tuple[int, ...]], ...]  # every copied slot, the shape of its source
+    groups: Tuple[_CopyGroup, ...]
+    fills: Tuple[Tuple[torch.Tensor, PadValue], ...]  # writes no constant serves: view, value
 
 
 def _poison_value(dtype: torch.dtype) -> PadValue:
@@ -164,19 +178,32 @@ def _tail_value(slot: GraphSlot, poison_tails: bool) -> Optional[PadValue]:
 
 
 def _usual_sources(plan: _FillPlan, batch: Any) -> Optional[List[torch.Tensor]]:
-    """Every copied slot's source, if each copies as it is; else None."""
+    """Every copied slot's source, if each copies as it is (``copies_as_is``,
+    against the plan's shapes); else None. Runs per replay: lean on purpose."""
     sources = []
-    for slot, rows in plan.sources:
-        src = _source(slot, batch)
-        if not copies_as_is(src, slot.buffer, rows):
+    mapping = isinstance(batch, Mapping)
+    for slot, shape in plan.sources:
+        if slot.source_fn is not None:
+            src = slot.source_fn(batch)
+        else:
+            src = batch.get(slot.name) if mapping else getattr(batch, slot.name, None)
+        if type(src) is not torch.Tensor or src.dtype != slot.dtype or src.shape != shape or src.device != slot.device:
             return None
         sources.append(src)
     return sources
 
 
+def _value_key(value: PadValue) -> Tuple[type, Any]:
+    """A dict key for a pad value: NaN equals itself here, and 1, 1.0 and True differ."""
+    return type(value), ("nan" if value != value else value)
+
+
 # Plans kept per registry: one per set of sizes filled, bounded against a
 # caller that fills ever new raw counts.
 _MAX_PLANS = 1024
+# The largest constant (elements) a registry keeps to copy pad values from;
+# a tail larger than this is written with fill_ instead.
+_MAX_CONSTANT_NUMEL = 1 << 18
 
 
 class CudaGraphBufferRegistry:
@@ -206,6 +233,9 @@ class CudaGraphBufferRegistry:
         self.stats = RegistryStats()
         self._slots: Dict[str, GraphSlot] = {}
         self._plans: Dict[Tuple[int, int, int, int], _FillPlan] = {}  # by the sizes of a FillContext
+        # Flat tensors holding one pad value each, by (device, dtype, value):
+        # tails copy from their prefixes within the fill's grouped copies.
+        self._constants: Dict[Tuple[torch.device, torch.dtype, Tuple[type, Any]], torch.Tensor] = {}
 
     # ---- declaration ------------------------------------------------------
     def register_slot(
@@ -224,10 +254,11 @@ class CudaGraphBufferRegistry:
         copy_from_fb: bool = True,
         bind: Optional[torch.Tensor] = None,
         when_missing: MissingSource = MissingSource.ERROR,
+        value_from_sizes: Optional[SizedValue] = None,
     ) -> GraphSlot:
         """Declare a slot; allocate its buffer, or adopt ``bind`` (same storage, no copy)."""
         slot = GraphSlot(name, shape_fn, dtype, axis, device, padding_policy, pad_value, post_fill,
-                         slice_fn, source_fn, copy_from_fb, bind, when_missing)  # fmt: skip
+                         slice_fn, source_fn, copy_from_fb, bind, when_missing, value_from_sizes)  # fmt: skip
         return self.register(slot)
 
     def register(self, slot: GraphSlot) -> GraphSlot:
@@ -332,10 +363,10 @@ class CudaGraphBufferRegistry:
         if sources is None:
             self._fill_checked(batch_or_sources, ctx)
         else:
-            for tail, value in plan.tails:
-                tail.fill_(value)
-            for dsts, which in plan.groups:
-                self._copy_group(dsts, [sources[i] for i in which])
+            for view, value in plan.fills:
+                view.fill_(value)
+            for group in plan.groups:
+                self._copy_group(group.dsts, [sources[i] for i in group.which] + group.constants)
         for slot in self._slots.values():
             if slot.post_fill is not None:
                 slot.post_fill(slot, batch_or_sources, ctx)
@@ -355,34 +386,74 @@ class CudaGraphBufferRegistry:
                 dsts.append(f.slot.buffer if f.slot.axis == "none" else f.slot.buffer[: f.raw])
                 srcs.append(f.src)
         self._copy_grouped(dsts, srcs)
+        for slot in self._slots.values():
+            if slot.value_from_sizes is not None:
+                slot.buffer.fill_(slot.value_from_sizes(ctx))
 
     def _fill_plan(self, ctx: FillContext) -> _FillPlan:
         """Steps 2 and 3 for sources that copy as they are, planned once per
-        set of sizes: what :meth:`_fill_checked` would write for them."""
+        set of sizes: what :meth:`_fill_checked` would write for them. Tails
+        and sized values are copied from registry-owned constants within the
+        same grouped copies as the heads, so a fill of any sizes launches one
+        copy per (device, dtype) and nothing else."""
         key = (ctx.raw_bs, ctx.padded_bs, ctx.raw_num_tokens, ctx.padded_num_tokens)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        sources, tails = [], []
-        groups: Dict[Tuple[torch.device, torch.dtype], Tuple[list, list]] = {}
+        sources, fills = [], []
+        # Per (device, dtype): head views, their sources' indexes, then the
+        # constants' destinations and the constants.
+        groups: Dict[Tuple[torch.device, torch.dtype], Tuple[list, list, list, list]] = {}
+
+        def group(dst: torch.Tensor) -> Tuple[list, list, list, list]:
+            return groups.setdefault((dst.device, dst.dtype), ([], [], [], []))
+
+        def write(view: torch.Tensor, value: PadValue) -> None:
+            constant = self._constant_like(view, value)
+            if constant is None:
+                fills.append((view, value))
+            else:
+                group(view)[2].append(view)
+                group(view)[3].append(constant)
+
         for slot in self._slots.values():
+            if slot.value_from_sizes is not None:
+                write(slot.buffer, slot.value_from_sizes(ctx))
             if not slot.copy_from_fb:
                 continue
             raw, padded = (None, None) if slot.axis == "none" else ctx.counts(slot.axis)
             dst = slot.buffer if raw is None else slot.buffer[:raw]
             if dst.numel():
-                group = groups.setdefault((dst.device, dst.dtype), ([], []))
-                group[0].append(dst)
-                group[1].append(len(sources))
-            sources.append((slot, raw))
+                heads, which, _, _ = group(dst)
+                heads.append(dst)
+                which.append(len(sources))
+            sources.append((slot, dst.shape))
             tail = _tail_value(slot, self.poison_tails) if raw is not None and raw < padded else None
             if tail is not None:
-                tails.append((slot.buffer[raw:padded], tail))
-        plan = _FillPlan(tuple(sources), tuple((d, tuple(i)) for d, i in groups.values()), tuple(tails))
+                write(slot.buffer[raw:padded], tail)
+        planned = tuple(_CopyGroup(h + d, tuple(w), c) for h, w, d, c in groups.values())
+        plan = _FillPlan(tuple(sources), planned, tuple(fills))
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[key] = plan
         return plan
+
+    def _constant_like(self, view: torch.Tensor, value: PadValue) -> Optional[torch.Tensor]:
+        """A registry-owned tensor shaped like ``view`` whose every element is
+        ``value``, to copy from; None for a view that is not contiguous (a
+        bound buffer's) or larger than ``_MAX_CONSTANT_NUMEL``."""
+        numel = view.numel()
+        if not view.is_contiguous() or numel > _MAX_CONSTANT_NUMEL:
+            return None
+        key = (view.device, view.dtype, _value_key(value))
+        constant = self._constants.get(key)
+        if constant is None or constant.numel() < numel:
+            # Sized for every row of every slot, so it is rarely made again;
+            # plans made earlier keep the views of the one they took.
+            rows = max(self.max_bs, self.max_num_tokens, numel)
+            constant = torch.full((min(rows, _MAX_CONSTANT_NUMEL),), value, dtype=view.dtype, device=view.device)
+            self._constants[key] = constant
+        return constant[:numel].view(view.shape)
 
     def _check_ctx(self, ctx: FillContext) -> None:
         if not isinstance(ctx, FillContext):

@@ -20,6 +20,7 @@ SliceFn = Callable[[torch.Tensor, int, int], torch.Tensor]
 SourceFn = Callable[[Any], Optional[torch.Tensor]]
 PostFill = Callable[["GraphSlot", Any, "FillContext"], None]
 PadValue = Union[bool, int, float]
+SizedValue = Callable[["FillContext"], PadValue]
 
 
 class PaddingPolicy(enum.Enum):
@@ -113,7 +114,10 @@ class GraphSlot:
     mapping). ``slice_fn(buffer, padded_bs, padded_num_tokens)`` overrides the
     view a graph is captured on. ``post_fill(slot, batch, ctx)`` runs after
     every copy of the fill. ``copy_from_fb=False``: fill_from writes the slot
-    only through its hook. ``buffer`` is set by the registry.
+    only through its hook, or, with ``value_from_sizes(ctx)`` (an ``axis="none"``
+    slot), every element gets that value, a function of the fill's sizes
+    alone, written with the fill's grouped copies. ``buffer`` is set by the
+    registry.
     """
 
     name: str
@@ -129,6 +133,7 @@ class GraphSlot:
     copy_from_fb: bool = True
     buffer: Optional[torch.Tensor] = None
     when_missing: MissingSource = MissingSource.ERROR
+    value_from_sizes: Optional[SizedValue] = None
 
     def __post_init__(self) -> None:
         where = f"slot {self.name!r}"
@@ -158,11 +163,23 @@ class GraphSlot:
             raise InvalidInputError(
                 f"{where}: an axis='none' slot has no padded tail: expected padding_policy KEEP_PAD, got {policy.name}"
             )
+        if self.value_from_sizes is not None:
+            self._check_value_from_sizes(where)
         if policy is PaddingPolicy.FILL_ONCE and (self.copy_from_fb or self.post_fill is not None):
             raise InvalidInputError(
                 f"{where}: a FILL_ONCE slot is a constant: expected copy_from_fb=False and "
                 f"no post_fill, got copy_from_fb={self.copy_from_fb}, "
                 f"post_fill={self.post_fill!r}"
+            )
+
+    def _check_value_from_sizes(self, where: str) -> None:
+        if not callable(self.value_from_sizes):
+            raise InvalidTypeError(f"{where}: value_from_sizes: expected a callable, got {self.value_from_sizes!r}")
+        if self.axis != "none" or self.copy_from_fb or self.post_fill is not None:
+            raise InvalidInputError(
+                f"{where}: a value_from_sizes slot is written whole from the fill's sizes: expected "
+                f"axis='none', copy_from_fb=False and no post_fill, got axis={self.axis!r}, "
+                f"copy_from_fb={self.copy_from_fb}, post_fill={self.post_fill!r}"
             )
 
     def slice_for(self, padded_bs: int, padded_num_tokens: int) -> torch.Tensor:

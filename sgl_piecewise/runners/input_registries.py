@@ -12,7 +12,7 @@ Padding invariants (docs/ARCHITECTURE.md, "Graph inputs: the registry"), in both
 * padded ``seq_lens`` (device and host copy) = the backend's fill value;
 * padded ``out_cache_loc`` = ``DUMMY_SLOT``: padded tokens write K/V only there;
 * padded ``positions`` = 0, inside every rotary table;
-* ``num_token_non_padded`` is written by one hook from the fill's sizes, so a
+* ``num_token_non_padded`` is a function of the fill's sizes alone, so a
   capture (which fills its dummies through the same registry) and a replay of
   the same sizes write the same value (upstream SGLang PR 22404).
 """
@@ -30,10 +30,9 @@ from sgl_piecewise.memory import DUMMY_SLOT
 from sgl_piecewise.runners.buffer_registry import (
     CudaGraphBufferRegistry,
     FillContext,
-    GraphSlot,
     MissingSource,
     PaddingPolicy,
-    PostFill,
+    SizedValue,
     canonical_device,
     check_count,
 )
@@ -120,18 +119,19 @@ def num_token_non_padded_for(ctx: FillContext, attn_tp_size: int = 1, attn_tp_ra
     return compute_local_num_token_non_padded(ctx.raw_num_tokens, ctx.padded_num_tokens, attn_tp_size, attn_tp_rank)
 
 
-def num_token_non_padded_hook(attn_tp_size: int = 1, attn_tp_rank: int = 0) -> PostFill:
-    """A ``post_fill`` writing :func:`num_token_non_padded_for` into its slot.
+def num_token_non_padded_value(attn_tp_size: int = 1, attn_tp_rank: int = 0) -> SizedValue:
+    """The ``value_from_sizes`` of the ``num_token_non_padded`` slot:
+    :func:`num_token_non_padded_for` of each fill's sizes.
 
     It reads the sizes, never the batch's own field, so the dummy batch of a
     capture and the real batch of a replay cannot disagree.
     """
     _check_attn_tp(attn_tp_size, attn_tp_rank)
 
-    def write_num_token_non_padded(slot: GraphSlot, batch: Any, ctx: FillContext) -> None:
-        slot.buffer.fill_(num_token_non_padded_for(ctx, attn_tp_size, attn_tp_rank))
+    def local_num_token_non_padded(ctx: FillContext) -> int:
+        return num_token_non_padded_for(ctx, attn_tp_size, attn_tp_rank)
 
-    return write_num_token_non_padded
+    return local_num_token_non_padded
 
 
 # ---- declarations -----------------------------------------------------------
@@ -181,7 +181,7 @@ def _declare_common(declare, seq_len_fill_value: int, attn_tp_size: int, attn_tp
     declare("positions", "tokens", torch.int64, zero)
     declare("out_cache_loc", "tokens", torch.int64, sentinel, DUMMY_SLOT)
     declare("num_token_non_padded", "none", torch.int32, copy_from_fb=False,
-            post_fill=num_token_non_padded_hook(attn_tp_size, attn_tp_rank))  # fmt: skip
+            value_from_sizes=num_token_non_padded_value(attn_tp_size, attn_tp_rank))  # fmt: skip
     declare("seq_lens", "bs", torch.int32, sentinel, seq_len_fill_value)
     # Host copy for the backend's replay hook (seq_lens_cpu), padded alike.
     declare("seq_lens_cpu", "bs", torch.int32, sentinel, seq_len_fill_value, device="cpu")
@@ -210,7 +210,7 @@ def build_decode_registry(
     input_ids [bs*w] int64        tokens   FOREACH_COPY    an earlier step's ids
     positions [bs*w] int64        tokens   ZERO            0
     out_cache_loc [bs*w] int64    tokens   FILL_SENTINEL   DUMMY_SLOT
-    num_token_non_padded [] i32   none     KEEP_PAD        (hook, upstream SGLang PR 22404)
+    num_token_non_padded [] i32   none     KEEP_PAD        (from the sizes, upstream SGLang PR 22404)
     seq_lens, seq_lens_cpu [bs]   bs       FILL_SENTINEL   seq_len_fill_value
     req_pool_indices [bs] int64   bs       ZERO            0
     extend_seq_lens [bs] int32    bs       FILL_SENTINEL   w
