@@ -11,7 +11,8 @@ replays divided by the layers: µs of device time per layer, at each decode
 batch size, each ``tokens_per_split`` (keys per split before another is
 added, ``choose_num_kv_splits``) and each launch setting (``--launch``:
 keys per tile / warps / pipeline stages / programs per SM the split axis
-fills or ``auto``, ``DecodeLaunch``; default: the kernel's own).
+fills or ``auto``, and optionally / splits the merge loads at once,
+``DecodeLaunch``; default: the kernel's own).
 
     python benchmarks/bench_decode_layers.py --out results/
     python benchmarks/bench_decode_layers.py --out results/ --launch 64/4/3/auto 64/4/3/2 64/4/3/4
@@ -43,18 +44,25 @@ MAX_KV_SPLITS = 64
 
 def parse_launch(text: str) -> DecodeLaunch:
     """``"64/4/3/2"`` -> DecodeLaunch(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2);
-    ``"64/4/3/auto"``: programs_per_sm=None (the kernel's default_programs_per_sm)."""
+    ``"64/4/3/auto"``: programs_per_sm=None (the kernel's default_programs_per_sm);
+    a fifth field sets merge_splits (``"64/4/3/auto/2"``)."""
     parts = text.split("/")
-    if len(parts) != 4 or not all(p.isdigit() for p in parts[:3]) or not (parts[3].isdigit() or parts[3] == "auto"):
-        raise argparse.ArgumentTypeError(f"expected block_n/num_warps/num_stages/programs_per_sm|auto, got {text!r}")
+    ok = len(parts) in (4, 5) and all(p.isdigit() for p in parts[:3] + parts[4:])
+    if not ok or not (parts[3].isdigit() or parts[3] == "auto"):
+        raise argparse.ArgumentTypeError(
+            f"expected block_n/num_warps/num_stages/programs_per_sm|auto[/merge_splits], got {text!r}"
+        )
     block_n, warps, stages = map(int, parts[:3])
     per_sm = None if parts[3] == "auto" else int(parts[3])
-    return DecodeLaunch(block_n=block_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
+    merge = int(parts[4]) if len(parts) == 5 else None
+    return DecodeLaunch(block_n=block_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm,
+                        merge_splits=merge)  # fmt: skip
 
 
 def launch_name(launch: DecodeLaunch) -> str:
     per_sm = "auto" if launch.programs_per_sm is None else launch.programs_per_sm
-    return f"{launch.block_n}/{launch.num_warps}/{launch.num_stages}/{per_sm}"
+    merge = "" if launch.merge_splits is None else f"/{launch.merge_splits}"
+    return f"{launch.block_n}/{launch.num_warps}/{launch.num_stages}/{per_sm}{merge}"
 
 
 def step_launches(hq: int, hkv: int, d: int, layers: int, bs: int, context: int, tokens_per_split: int,
@@ -93,8 +101,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--tokens-per-split", type=int, nargs="+", default=[32, 64, 128])
-    p.add_argument("--launch", type=parse_launch, nargs="+", default=[DEFAULT_DECODE_LAUNCH],
-                   help="block_n/num_warps/num_stages/programs_per_sm|auto (default: the kernel's)")  # fmt: skip
+    launch_help = "block_n/num_warps/num_stages/programs_per_sm|auto[/merge_splits]; default: the kernel's"
+    p.add_argument("--launch", type=parse_launch, nargs="+", default=[DEFAULT_DECODE_LAUNCH], help=launch_help)
     args = p.parse_args()
     rows = []
     for shape in args.shapes:

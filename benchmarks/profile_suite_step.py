@@ -21,8 +21,9 @@ from common import free_batch, graph_step_fn, host_ms, median_ms, step_fn  # noq
 from torch.profiler import ProfilerActivity, profile
 
 
-def kernel_table(fn, reps: int = 10, top: int = 25) -> None:
-    """Kernels per call of ``fn`` and their summed device time, largest first."""
+def kernel_rows(fn, reps: int = 10) -> list:
+    """Per kernel of one call of ``fn``: name, launches and µs of device
+    time per call, largest first."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -35,11 +36,18 @@ def kernel_table(fn, reps: int = 10, top: int = 25) -> None:
             count_us = per_kernel.setdefault(e.name[:90], [0, 0.0])
             count_us[0] += 1
             count_us[1] += e.device_time_total
-    total = sum(us for _, us in per_kernel.values()) / reps
-    count = sum(n for n, _ in per_kernel.values()) / reps
-    print(f"  kernels/step {count:.0f}, summed device time/step {total:.1f} us")
-    for name, (n, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]:
-        print(f"  {n / reps:6.1f} x {us / n:7.2f} us = {us / reps:8.1f} us  {name}")
+    rows = [{"kernel": name, "launches": n / reps, "us": us / reps} for name, (n, us) in per_kernel.items()]
+    return sorted(rows, key=lambda row: -row["us"])
+
+
+def kernel_table(fn, reps: int = 10, top: int = 25) -> list:
+    """Print the kernels per call of ``fn`` and their summed device time; the rows."""
+    rows = kernel_rows(fn, reps)
+    print(f"  kernels/step {sum(r['launches'] for r in rows):.0f}, "
+          f"summed device time/step {sum(r['us'] for r in rows):.1f} us")  # fmt: skip
+    for r in rows[:top]:
+        print(f"  {r['launches']:6.1f} x {r['us'] / r['launches']:7.2f} us = {r['us']:8.1f} us  {r['kernel']}")
+    return rows
 
 
 def host_and_wall_ms(run, reps: int = 30) -> tuple:

@@ -1,28 +1,29 @@
 """Where a whole-model decode step's time goes (a script, not a test).
 
-The 0.5b shape of the suite, bf16, ``triton`` attention, context 1024, the
-whole-model graphs recording the model compiled whole. At decode batch 1, 8
-and 32 it times, each alone (median of CUDA-event timings, and the host time
-to enqueue it): the whole step; its parts in order (the registry's fill of
-the graph inputs, the replay hook, the graph's replay, the LM head on a copy
-of the output); and the attention metadata fill of the step's binding three
-ways: the one-launch kernel (``fill_paged_metadata``, what the graph
-records), the torch helpers it replaced (some 25 launches), and those
-helpers recorded as one graph (how replays ran them before). Needs CUDA.
+A shape of the suite (``--shape``, 0.5b by default), bf16, ``triton``
+attention, context 1024, the whole-model graphs recording the model compiled
+whole. At decode batch 1, 8 and 32 it times, each alone (median of
+CUDA-event timings, and the host time to enqueue it): the whole step; its
+parts in order (the registry's fill of the graph inputs, the replay hook,
+the graph's replay, the LM head on a copy of the output); and the attention
+metadata fill of the step's binding three ways: the one-launch kernel
+(``fill_paged_metadata``, what the graph records), the torch helpers it
+replaced (some 25 launches), and those helpers recorded as one graph (how
+replays ran them before). ``--kernels``: also the kernels of one replay
+(torch.profiler), device time per kernel. Needs CUDA.
 
-    python benchmarks/profile_whole_step.py --out results/
+    python benchmarks/profile_whole_step.py --out results/ [--shape 1b] [--kernels]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import types
 
 import suite
 import torch
-from common import free_batch, graph_step_fn, host_ms, median_ms  # noqa: E402 (benchmarks/ is the script's folder)
+from common import free_batch, graph_step_fn, host_ms, median_ms, write_json  # noqa: E402 (benchmarks/ is the script's folder)
+from profile_suite_step import kernel_table  # noqa: E402
 
 from sgl_piecewise.backends.metadata import fill_kv_indices, fill_lengths
 from sgl_piecewise.backends.triton_kernels import choose_num_kv_splits, fill_paged_metadata
@@ -85,8 +86,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--shape", choices=["0.5b", "1b"], default="0.5b")
+    p.add_argument("--kernels", action="store_true", help="also the kernels of one replay (torch.profiler)")
     cli = p.parse_args()
-    args = types.SimpleNamespace(shape="0.5b", device="cuda", backend="triton", context=1024,
+    args = types.SimpleNamespace(shape=cli.shape, device="cuda", backend="triton", context=1024,
                                  decode_bs=cli.decode_bs, extend=[16])  # fmt: skip
     model, runner = suite.build(args)
     compiled = CompiledModel(runner.model, CompileOptions(split_graph=False))
@@ -102,9 +105,16 @@ def main() -> None:
             for name, row in rows[bs].items():
                 print(f"decode bs {bs:3d}  {name:42s} {row['ms']:7.3f} ms  host {row['host_us']:6.1f} us", flush=True)
             free_batch(runner, batch)
-    os.makedirs(cli.out, exist_ok=True)
+        # Last: once torch.profiler has run, later launches in this process
+        # take longer on the host.
+        for bs in cli.decode_bs if cli.kernels else ():
+            batch = suite.step_batch(args, runner, "decode", bs)
+            print(f"decode bs {bs:3d}  kernels of one replay", flush=True)
+            # Through try_replay: the graph reads this batch, not the last capture's.
+            rows[bs]["replay kernels"] = kernel_table(lambda b=batch: graphs.try_replay(b))
+            free_batch(runner, batch)
     info = {"shape": args.shape, "torch": torch.__version__, "card": torch.cuda.get_device_name(), "decode": rows}
-    json.dump(info, open(os.path.join(cli.out, "profile_whole_step_0.5b.json"), "w"), indent=1)
+    write_json(cli.out, f"profile_whole_step_{args.shape}.json", info)
 
 
 if __name__ == "__main__":

@@ -254,11 +254,14 @@ def test_decode_merges_one_split_per_load_for_the_widest_head_tile():
     assert_close(out, decode_reference(b), torch.bfloat16)
 
 
-@pytest.mark.parametrize("block_n,num_warps,num_stages", [(32, 4, 2), (64, 4, 3), (128, 8, 2)])
-def test_decode_launch_settings_change_speed_not_answers(block_n, num_warps, num_stages):
-    # Key tiles wider than some splits and than some requests' keys.
+@pytest.mark.parametrize(
+    "block_n,num_warps,num_stages,merge_splits", [(32, 4, 2, None), (64, 4, 3, 2), (128, 8, 2, 1), (64, 4, 3, 4)]
+)
+def test_decode_launch_settings_change_speed_not_answers(block_n, num_warps, num_stages, merge_splits):
+    # Key tiles wider than some splits and than some requests' keys; merge
+    # chunks narrower than the 3 splits (several chunks) and wider.
     b = make_batch([1] * 4, [1, 70, 129, 300], 8, 2, 64, torch.bfloat16)
-    launch = DecodeLaunch(block_n, num_warps, num_stages, cap_splits=False)
+    launch = DecodeLaunch(block_n, num_warps, num_stages, cap_splits=False, merge_splits=merge_splits)
     out = run_decode(b, 3, torch.tensor([1, 2, 3, 3], dtype=torch.int32), launch)
     assert_close(out, decode_reference(b), torch.bfloat16)
 
@@ -295,7 +298,7 @@ def test_grid_splits_are_the_most_within_the_programs_per_sm(monkeypatch):
 
 def test_bad_launch_settings_and_split_bounds_say_what_was_expected():
     for bad in (dict(block_n=48), dict(block_n=8), dict(num_warps=3), dict(num_stages=0),
-                dict(programs_per_sm=0), dict(cap_splits=1)):  # fmt: skip
+                dict(programs_per_sm=0), dict(cap_splits=1), dict(merge_splits=3), dict(merge_splits=0)):  # fmt: skip
         with pytest.raises(InvalidInputError, match="expected"):
             DecodeLaunch(**bad)
     with pytest.raises(InvalidInputError, match="max_kv_splits: expected a positive int, got 0"):

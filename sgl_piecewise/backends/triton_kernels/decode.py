@@ -92,6 +92,9 @@ class DecodeLaunch:
     # False: the split axis is always max_kv_splits (sweeps that fix the
     # split counts themselves).
     cap_splits: bool = True
+    # Splits the merge loads at once (a power of two). None: merge_block_s
+    # of the head tile.
+    merge_splits: Optional[int] = None
 
     def __post_init__(self) -> None:
         pow2 = lambda n: isinstance(n, int) and n > 0 and n & (n - 1) == 0  # noqa: E731
@@ -106,6 +109,8 @@ class DecodeLaunch:
             check_positive_int("DecodeLaunch.programs_per_sm", self.programs_per_sm)
         if not isinstance(self.cap_splits, bool):
             raise InvalidInputError(f"DecodeLaunch: expected cap_splits a bool, got {self.cap_splits!r}")
+        if self.merge_splits is not None and not pow2(self.merge_splits):
+            raise InvalidInputError(f"DecodeLaunch: expected merge_splits a power of two, got {self.merge_splits!r}")
 
 
 DEFAULT_DECODE_LAUNCH = DecodeLaunch()
@@ -472,7 +477,7 @@ def decode_kernel_meta(
         BLOCK_DV=triton.next_power_of_2(dv),
         BLOCK_H=block_h,
         BLOCK_N=launch.block_n,
-        BLOCK_S=merge_block_s(block_h, triton.next_power_of_2(dv)),
+        BLOCK_S=launch.merge_splits or merge_block_s(block_h, triton.next_power_of_2(dv)),
         GRANULE=SPLIT_GRANULE,
         F32X3=dtype == torch.float32,
         UPCAST=_INTERPRETED and dtype == torch.bfloat16,
