@@ -384,8 +384,8 @@ def test_a_call_that_is_more_than_its_graph_stays_on_dynamo_and_says_why(caplog,
 
 @torch.no_grad()
 def test_token_inputs_are_padded_with_zeros_and_other_dtypes_widened_or_refused():
-    """Inputs laid out as traced take the batched copy, their padded rows
-    zeroed; others the registry's checked fill (a call through Dynamo never
+    """Inputs laid out as traced take the registry's planned fill, their
+    padded rows zeroed; others its checked fill (a call through Dynamo never
     hands over other dtypes, a caller of the module itself may)."""
     model = Toy()
     compiled = CompiledModel(model, _options())

@@ -42,7 +42,6 @@ from sgl_piecewise.runners.buffer_registry import (
     CudaGraphBufferRegistry,
     FillContext,
     PaddingPolicy,
-    copies_as_is,
 )
 from sgl_piecewise.runners.capture import frozen_gc, shared_capture
 
@@ -281,6 +280,8 @@ class PiecewiseModule:
             else []
         )
         self._padded_views: Dict[int, list] = {}
+        self._fill_contexts: Dict[Tuple[int, int], FillContext] = {}  # (tokens, padded) -> its fill's sizes
+        self._token_slots = [(f"input{i}", i) for i, _ in self._token_buffers]  # registry slot, argument index
         self._token_outputs = frozenset(self.token_axis.tensor_outputs)
         self.captured: Set[Tuple[int, int]] = set()  # (graph set, size)
         self.warmed_up = False
@@ -501,18 +502,15 @@ class PiecewiseModule:
 
     def _pad(self, args, n: int, padded: int) -> list:
         """The call's arguments with each token input copied into its static
-        buffer, padded with zeros to ``padded`` rows. Inputs laid out as
-        traced take one batched copy (this runs every step); any other goes
-        through the registry's checked fill, which casts or names the
-        mismatch."""
+        buffer, padded with zeros to ``padded`` rows, by the registry's fill:
+        inputs laid out as traced take its planned fill (one grouped copy per
+        dtype, the zero tails included; this runs every step), any other its
+        checked fill, which casts or names the mismatch."""
         padded_args = list(args)
-        if not all(copies_as_is(args[i], buf, n) for i, buf in self._token_buffers):
-            ctx = FillContext(raw_bs=0, padded_bs=0, raw_num_tokens=n, padded_num_tokens=padded)
-            self.registry.fill_from({f"input{i}": args[i] for i in self.token_axis.tensor_inputs}, ctx)
-        else:
-            torch._foreach_copy_([buf[:n] for _, buf in self._token_buffers], [args[i] for i, _ in self._token_buffers])
-            if padded > n:
-                torch._foreach_zero_([buf[n:padded] for _, buf in self._token_buffers])
+        ctx = self._fill_contexts.get((n, padded))
+        if ctx is None:  # at most one per token count up to the largest capture size
+            ctx = self._fill_contexts[(n, padded)] = FillContext(0, 0, n, padded)
+        self.registry.fill_from({name: args[i] for name, i in self._token_slots}, ctx)
         views = self._padded_views.get(padded)
         if views is None:
             views = self._padded_views[padded] = [buf[:padded] for _, buf in self._token_buffers]
