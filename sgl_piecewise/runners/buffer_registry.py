@@ -121,27 +121,30 @@ def _poison_value(dtype: torch.dtype) -> PadValue:
     return torch.iinfo(dtype).min
 
 
-def _source(slot: GraphSlot, batch: Any) -> Any:
+def _source(slot: GraphSlot, batch: Any, mapping: bool) -> Any:
+    """``slot``'s source in ``batch``: its ``source_fn``'s, else the item
+    (``mapping``: ``isinstance(batch, Mapping)``, asked once per fill) or the
+    attribute of its name, None when absent."""
     if slot.source_fn is not None:
         return slot.source_fn(batch)
-    if isinstance(batch, Mapping):
-        return batch.get(slot.name)
-    return getattr(batch, slot.name, None)
+    return batch.get(slot.name) if mapping else getattr(batch, slot.name, None)
 
 
-def copies_as_is(src: object, buf: torch.Tensor, rows: Optional[int]) -> bool:
-    """Does ``src`` copy into ``buf`` as it is: a tensor of its dtype and
-    device, shaped like its first ``rows`` rows (None: like all of it), so
-    no cast and no broadcast? The usual source, checked without building a
-    message: this runs per input per replay."""
-    if type(src) is not torch.Tensor or src.dtype != buf.dtype or src.device != buf.device:
-        return False
-    return src.shape == (buf.shape if rows is None else (rows, *buf.shape[1:]))
+def copies_as_is(src: object, dtype: torch.dtype, device: torch.device, shape: Tuple[int, ...]) -> bool:
+    """Does ``src`` copy as it is into a view of this dtype, device and
+    shape: a tensor of all three, so no cast and no broadcast? The usual
+    source, checked without building a message: this runs per input per
+    replay."""
+    return type(src) is torch.Tensor and src.dtype == dtype and src.shape == shape and src.device == device
 
 
 def _check_source(slot: GraphSlot, src: object, raw: int) -> None:
     buf = slot.buffer
-    if copies_as_is(src, buf, None if slot.axis == "none" else raw):
+    if slot.axis == "none":
+        want, why = tuple(buf.shape), "the whole buffer"
+    else:
+        want, why = (raw, *buf.shape[1:]), f"raw {slot.axis} count {raw}"
+    if copies_as_is(src, buf.dtype, buf.device, want):
         return
     where = f"slot {slot.name!r}: source"
     if not isinstance(src, torch.Tensor):
@@ -157,10 +160,6 @@ def _check_source(slot: GraphSlot, src: object, raw: int) -> None:
             f"{where}: expected a dtype that casts safely to {buf.dtype} (the same or a narrower "
             f"one of its kind), got {src.dtype}"
         )
-    if slot.axis == "none":
-        want, why = tuple(buf.shape), "the whole buffer"
-    else:
-        want, why = (raw, *buf.shape[1:]), f"raw {slot.axis} count {raw}"
     if tuple(src.shape) != want:
         raise InvalidInputError(f"{where}: expected shape {list(want)} ({why}), got {list(src.shape)}")
 
@@ -179,15 +178,12 @@ def _tail_value(slot: GraphSlot, poison_tails: bool) -> Optional[PadValue]:
 
 def _usual_sources(plan: _FillPlan, batch: Any) -> Optional[List[torch.Tensor]]:
     """Every copied slot's source, if each copies as it is (``copies_as_is``,
-    against the plan's shapes); else None. Runs per replay: lean on purpose."""
+    against the plan's shapes); else None."""
     sources = []
     mapping = isinstance(batch, Mapping)
     for slot, shape in plan.sources:
-        if slot.source_fn is not None:
-            src = slot.source_fn(batch)
-        else:
-            src = batch.get(slot.name) if mapping else getattr(batch, slot.name, None)
-        if type(src) is not torch.Tensor or src.dtype != slot.dtype or src.shape != shape or src.device != slot.device:
+        src = _source(slot, batch, mapping)
+        if not copies_as_is(src, slot.dtype, slot.device, shape):
             return None
         sources.append(src)
     return sources
@@ -376,7 +372,8 @@ class CudaGraphBufferRegistry:
         """Steps 1-3 for any sources: each resolved and checked, with the
         error that names the slot, then tails reset and heads copied."""
         # Check everything first: a rejected fill must not leave half a step behind.
-        plans = (self._plan(slot, batch_or_sources, ctx) for slot in self._slots.values())
+        mapping = isinstance(batch_or_sources, Mapping)
+        plans = (self._plan(slot, batch_or_sources, mapping, ctx) for slot in self._slots.values())
         fills = [f for f in plans if f is not None]
         dsts: List[torch.Tensor] = []
         srcs: List[torch.Tensor] = []
@@ -468,11 +465,11 @@ class CudaGraphBufferRegistry:
                     f"got {size}; run this batch eagerly or build a larger registry"
                 )
 
-    def _plan(self, slot: GraphSlot, batch: Any, ctx: FillContext) -> Optional[_Fill]:
+    def _plan(self, slot: GraphSlot, batch: Any, mapping: bool, ctx: FillContext) -> Optional[_Fill]:
         if not slot.copy_from_fb:
             return None  # written only by its hook; its source is never read
         raw, padded = (0, 0) if slot.axis == "none" else ctx.counts(slot.axis)
-        src = _source(slot, batch)
+        src = _source(slot, batch, mapping)
         if src is None:
             if slot.when_missing is MissingSource.ERROR:
                 raise InvalidInputError(
