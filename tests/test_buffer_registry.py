@@ -446,6 +446,18 @@ def test_value_from_sizes_is_for_a_whole_slot_written_by_nothing_else(kw, match)
         reg_().register_slot("v", lambda bs, nt: (), I32, "none", copy_from_fb=False, value_from_sizes=3)
 
 
+def test_value_from_sizes_that_is_not_a_number_is_refused_before_anything_is_written():
+    reg = reg_()
+    reg.register_slot("v", lambda bs, nt: (), I32, "none", copy_from_fb=False,
+                      value_from_sizes=lambda ctx: torch.tensor(ctx.raw_bs))  # fmt: skip
+    x = slot_(reg, "x", dtype=I32)
+    before = scramble(x)
+    for src in (rand(3, I32), rand(3, torch.int16)):  # a source as it is, and one to cast
+        with bad("slot 'v': value_from_sizes: expected a number, got tensor", InvalidTypeError):
+            reg.fill_from({"x": src}, ctx_(3, 5))
+        assert torch.equal(x.buffer, before)
+
+
 def test_value_from_sizes_is_written_by_the_planned_and_the_checked_fill():
     reg = reg_()
     value = reg.register_slot("v", lambda bs, nt: (2,), I32, "none", copy_from_fb=False,

@@ -189,6 +189,14 @@ def _usual_sources(plan: _FillPlan, batch: Any) -> Optional[List[torch.Tensor]]:
     return sources
 
 
+def _sized_value(slot: GraphSlot, ctx: FillContext) -> PadValue:
+    """``slot.value_from_sizes(ctx)``, checked to be a number."""
+    value = slot.value_from_sizes(ctx)
+    if not isinstance(value, (bool, int, float)):
+        raise InvalidTypeError(f"slot {slot.name!r}: value_from_sizes: expected a number, got {value!r}")
+    return value
+
+
 def _value_key(value: PadValue) -> Tuple[type, Any]:
     """A dict key for a pad value: NaN equals itself here, and 1, 1.0 and True differ."""
     return type(value), ("nan" if value != value else value)
@@ -375,6 +383,7 @@ class CudaGraphBufferRegistry:
         mapping = isinstance(batch_or_sources, Mapping)
         plans = (self._plan(slot, batch_or_sources, mapping, ctx) for slot in self._slots.values())
         fills = [f for f in plans if f is not None]
+        values = [(slot, _sized_value(slot, ctx)) for slot in self._slots.values() if slot.value_from_sizes]
         dsts: List[torch.Tensor] = []
         srcs: List[torch.Tensor] = []
         for f in fills:
@@ -383,9 +392,8 @@ class CudaGraphBufferRegistry:
                 dsts.append(f.slot.buffer if f.slot.axis == "none" else f.slot.buffer[: f.raw])
                 srcs.append(f.src)
         self._copy_grouped(dsts, srcs)
-        for slot in self._slots.values():
-            if slot.value_from_sizes is not None:
-                slot.buffer.fill_(slot.value_from_sizes(ctx))
+        for slot, value in values:
+            slot.buffer.fill_(value)
 
     def _fill_plan(self, ctx: FillContext) -> _FillPlan:
         """Steps 2 and 3 for sources that copy as they are, planned once per
@@ -415,7 +423,7 @@ class CudaGraphBufferRegistry:
 
         for slot in self._slots.values():
             if slot.value_from_sizes is not None:
-                write(slot.buffer, slot.value_from_sizes(ctx))
+                write(slot.buffer, _sized_value(slot, ctx))
             if not slot.copy_from_fb:
                 continue
             raw, padded = (None, None) if slot.axis == "none" else ctx.counts(slot.axis)
