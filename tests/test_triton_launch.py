@@ -188,3 +188,55 @@ def test_triton_s_cache_key_is_hashed_ahead_once_and_is_the_one_triton_computes(
     assert launch._triton_key_ahead is ahead
     launch._wait_for_triton_key()
     assert ahead.done() and ahead.result() == triton_key()
+
+
+def test_kept_positions_drop_what_triton_specialised_into_constants():
+    from sgl_piecewise.backends.triton_kernels.static_launch import kept_positions
+
+    names = ["x", "y", "out", "n", "alpha", "BLOCK"]
+    signature = {"x": "*fp32", "y": "*fp32", "out": "*fp32", "n": "i32", "alpha": "fp32", "BLOCK": "constexpr"}
+    # Every runtime argument kept: the launch passes them as they are.
+    assert kept_positions(names, signature, {(5,): 128}, 5) is None
+    # n == 1 became a constant (keyed by name, by tuple or by index, as Triton versions do).
+    for key in ("n", (3,), 3):
+        assert kept_positions(names, {**signature, "n": "constexpr"}, {key: 1, (5,): 128}, 5) == (0, 1, 2, 4)
+    # A None pointer is a constant too.
+    assert kept_positions(names, {**signature, "y": "constexpr"}, {}, 5) == (0, 2, 3, 4)
+
+
+def _static_launcher_or_skip():
+    from sgl_piecewise.backends.triton_kernels import static_launch
+
+    if static_launch._wrapper_class() is None:
+        pytest.skip("this torch has no static CUDA launcher")
+
+
+@triton.jit
+def _double_plus(x, y, out, n, BLOCK: tl.constexpr):  # launched by the next test alone
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(out + i, 2.0 * tl.load(x + i, mask=m) + tl.load(y + i, mask=m), mask=m)
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_launch_through_torchs_static_launcher_bit_for_bit_and_build_no_triton_launcher():
+    _static_launcher_or_skip()
+    launch = FastLauncher(_double_plus)
+    x, y = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
+    want = 2.0 * x + y  # doubling is exact: one rounding, as in the kernel
+    # 1000, and 1: an integer Triton turns into a constant, which the launch then leaves out.
+    for n in (1000, 1000, 1, 1):
+        out = torch.full_like(x, float("nan"))
+        launch((triton.cdiv(n, 128),), x, y, out, n, BLOCK=128)
+        torch.testing.assert_close(out[:n], want[:n], rtol=0, atol=0)
+        assert out[n:].isnan().all()  # nothing written past n
+    bound_kernels = list(launch._kernels.values())
+    assert len(bound_kernels) == 2 and all(b.static is not None for b in bound_kernels)
+    assert sorted(b.static.kept is None for b in bound_kernels) == [False, True]
+    # Triton loaded neither kernel itself, so it built no C launcher for them.
+    assert all(b.kernel.module is None for b in bound_kernels)
+    # By device address, as the step plans launch.
+    bound = launch.bound((x, y, x, 1000), {"BLOCK": 128})
+    by_address = torch.full_like(x, float("nan"))
+    bound((8,), x.data_ptr(), y.data_ptr(), by_address.data_ptr(), 1000)
+    torch.testing.assert_close(by_address, want, rtol=0, atol=0)

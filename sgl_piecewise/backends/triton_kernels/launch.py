@@ -11,14 +11,18 @@ took an empty kernel's launch from 18 to 14 µs, and a :class:`BoundKernel`
 given device addresses as integers to 6 µs: Triton's launcher then neither
 calls ``data_ptr()`` nor asks the driver about each pointer.
 
-:class:`FastLauncher` launches the first call of each specialisation through
-``JITFunction.run`` and keeps the compiled kernel it returns; later calls
-with the same specialisation key launch that kernel directly through its
-own launcher. The key is computed here, more finely than Triton's (every
-integer and float by value, every tensor by dtype and 16-byte alignment,
-the device), so a reused kernel was always compiled for arguments like the
-ones it gets. :meth:`FastLauncher.bound` hands that kernel to a caller that
-launches it many times with arguments of one specialisation
+:class:`FastLauncher` compiles (or finds) the kernel of the first call of
+each specialisation through ``JITFunction.warmup``, which binds and
+specialises the arguments as a launch does but launches nothing, and keeps
+it; every call with the same specialisation key, the first included,
+launches that kernel directly: through torch's static CUDA launcher where
+it applies (``static_launch.py``: no C launcher to build, less host time a
+launch), else through the kernel's own Triton launcher. The key is
+computed here, more finely than Triton's (every integer and float by
+value, every tensor by dtype and 16-byte alignment, the device), so a
+reused kernel was always compiled for arguments like the ones it gets.
+:meth:`FastLauncher.bound` hands that kernel to a caller that launches it
+many times with arguments of one specialisation
 (``decode.DecodePlan``, and :class:`StepLaunch` for the extend steps).
 
 Anything unexpected (the Triton interpreter, a Triton whose compiled-kernel
@@ -47,6 +51,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from triton.runtime.jit import JITFunction
+
+from sgl_piecewise.backends.triton_kernels.static_launch import StaticKernel, static_kernel
 
 try:  # the launch hooks' home since Triton 3.4
     from triton import knobs as _knobs
@@ -125,24 +131,29 @@ def _active(hook: Any) -> Any:
 
 class BoundKernel:
     """One compiled kernel with its constexprs: ``bound(grid, *args)`` is a
-    launch through the kernel's own compiled launcher and nothing else.
-    Pointer arguments may be given as integers (device addresses): the
-    launcher then skips both the ``data_ptr()`` call and its pointer query
-    per argument. Launch hooks (a profiler's) are called as
-    ``JITFunction.run`` calls them; Triton's default empty hook chains are
-    skipped: building the launch metadata for them and calling them cost
-    more than the rest of the launch."""
+    launch through a compiled launcher and nothing else: torch's static
+    launcher where it applies (``static``, see ``static_launch.py``), else
+    the kernel's own Triton launcher. Pointer arguments may be given as
+    integers (device addresses): the launcher then skips both the
+    ``data_ptr()`` call and its pointer query per argument. Launch hooks (a
+    profiler's) are called as ``JITFunction.run`` calls them, through
+    Triton's launcher; Triton's default empty hook chains are skipped:
+    building the launch metadata for them and calling them cost more than
+    the rest of the launch."""
 
-    def __init__(self, kernel: Any, constexprs: Tuple):
-        self.kernel, self.constexprs = kernel, constexprs
+    def __init__(self, kernel: Any, constexprs: Tuple, static: Optional[StaticKernel] = None):
+        self.kernel, self.constexprs, self.static = kernel, constexprs, static
 
     def __call__(self, grid: Sequence[int], *args: Any) -> None:
-        kernel = self.kernel
         stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-        grid_1 = grid[1] if len(grid) > 1 else 1
-        grid_2 = grid[2] if len(grid) > 2 else 1
         enter, leave = _active(_knobs.runtime.launch_enter_hook), _active(_knobs.runtime.launch_exit_hook)
         hooked = enter is not None or leave is not None
+        if self.static is not None and not hooked:
+            self.static(grid, stream, args)
+            return
+        kernel = self.kernel
+        grid_1 = grid[1] if len(grid) > 1 else 1
+        grid_2 = grid[2] if len(grid) > 2 else 1
         launch_metadata = kernel.launch_metadata(grid, stream, *args, *self.constexprs) if hooked else None
         kernel.run(grid[0], grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,
                    enter, leave, *args, *self.constexprs)  # fmt: skip
@@ -199,17 +210,28 @@ class FastLauncher:
         if ahead is not None:
             with contextlib.suppress(CancelledError):  # cancelled only while the interpreter exits
                 ahead.result()  # compiling in the background: Triton finds it once done
-        kernel = self.fn[grid](*args, **meta)
+        # Compiled (or found) without a launch, then launched through a
+        # BoundKernel: Triton would build its C launcher for the launch.
+        kernel = self.fn.warmup(*args, grid=grid, **meta)
         constexprs = self._constexpr_values(len(args), meta)
-        usable = constexprs is not None and kernel is not None and hasattr(kernel, "packed_metadata")
-        if usable:
-            if len(self._kernels) >= self.max_entries:
-                self._kernels.clear()
-            self._kernels[key] = BoundKernel(kernel, constexprs)
-            if self.variants is not None:
-                self._compile_ahead(args, meta)
-        else:
+        if constexprs is None or kernel is None or not hasattr(kernel, "packed_metadata"):
             self.fast = False
+            self.fn[grid](*args, **meta)
+            return
+        if len(self._kernels) >= self.max_entries:
+            self._kernels.clear()
+        bound = BoundKernel(kernel, constexprs, static_kernel(kernel, len(args), key[0]))
+        self._kernels[key] = bound
+        try:
+            bound(grid, *args)
+        except Exception as exc:  # the static launcher refused it (it launched nothing): Triton's, for good
+            if bound.static is None:
+                raise
+            logger.debug("static launch of %s failed, using Triton's launcher: %s", kernel.name, exc)
+            bound.static = None
+            bound(grid, *args)
+        if self.variants is not None:
+            self._compile_ahead(args, meta)
 
     def _compile_ahead(self, args: Sequence[Any], meta: Meta) -> None:
         """Compile, on the background threads, this launch's kernel under
