@@ -24,6 +24,7 @@ from torch import nn
 
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 from sgl_piecewise.models.config import ModelConfig
+from sgl_piecewise.models.layers import float32_logits
 from sgl_piecewise.models.loader import build_random_model
 
 DRAFT_KINDS = ("self", "self-layers", "random")
@@ -66,7 +67,7 @@ class LayerSkipDraft(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return float32_logits(hidden, self.lm_head.weight)
 
 
 def random_draft_model(target_config: ModelConfig, *, dtype=torch.float32, device="cpu", seed: int = 1) -> nn.Module:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from sgl_piecewise.models.config import ModelConfig
-from sgl_piecewise.models.layers import DecoderLayer, Embedding, Linear, RMSNorm, RotaryEmbedding
+from sgl_piecewise.models.layers import DecoderLayer, Embedding, Linear, RMSNorm, RotaryEmbedding, float32_logits
 
 
 class LlamaModel(nn.Module):
@@ -68,4 +68,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H] -> logits [N, vocab]`` float32."""
-        return self.lm_head(hidden).float()
+        return float32_logits(hidden, self.lm_head.weight)
