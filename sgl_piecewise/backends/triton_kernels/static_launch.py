@@ -2,14 +2,15 @@
 
 Triton launches a compiled kernel through a C launcher that it generates
 per kernel signature and builds with the host's C compiler the first time
-it sees that signature (0.38 s for a 16-argument kernel on the H100 host
-measured, docs/BENCHMARKS.md; cached on disk after). A cold start builds one
-per kernel we launch. Inductor launches the kernels it compiles through a
-launcher built into torch instead (``torch._C._StaticCudaLauncher``): it
-loads the kernel's cubin and calls ``cuLaunchKernel`` with the arguments
-packed by a type string. :func:`static_kernel` hands one of our compiled
-kernels to it, so our kernels need no C compiler either, and a launch
-costs less host time (3.8-4.0 against 4.9-5.0 µs for that kernel).
+it sees that signature (0.38-0.39 s for a 16-argument kernel on the H100
+hosts measured, docs/BENCHMARKS.md; cached on disk after). A cold start
+builds one per kernel we launch. Inductor launches the kernels it compiles
+through a launcher built into torch instead
+(``torch._C._StaticCudaLauncher``): it loads the kernel's cubin and calls
+``cuLaunchKernel`` with the arguments packed by a type string.
+:func:`static_kernel` hands one of our compiled kernels to it, so our
+kernels need no C compiler either, and a launch costs about 1 µs less host
+time (6.1-7.8 against 7.1-8.8 µs for that kernel through ``BoundKernel``).
 
 Where it does not apply, :func:`static_kernel` returns None and the caller
 keeps Triton's launcher: a torch without the static launcher, ROCm, a
