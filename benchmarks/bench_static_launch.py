@@ -43,6 +43,8 @@ def _sixteen_args(a, b, c, d, e, f, g, h, i, out, n, s1, s2, s3, s4, s5, BLOCK: 
 
 
 def launch_us(launch, reps: int = 2000) -> float:
+    """Median host µs of ``launch``, back to back as a step issues its
+    launches (``common.host_ms`` synchronises after every call instead)."""
     for _ in range(100):
         launch()
     torch.cuda.synchronize()
