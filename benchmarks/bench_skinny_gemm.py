@@ -2,15 +2,16 @@
 no split-K (a script, not a test).
 
 For each weight shape of the suite's two models and M = 1 / 8 / 32 rows,
-``F.linear`` (cuBLAS) and a Triton kernel that gives each program a band of
-output columns and the whole reduction, over a sweep of its launch
-settings. Each time is one linear of a CUDA graph that runs the layer's
-linear over 24 copies of its weight in turn (as a step reads each layer's
-weights once: no copy stays in L2), median of CUDA-event timings of the
-graph. Prints the best setting per shape, its time against cuBLAS's, and the
+``F.linear`` (cuBLAS, and cuBLASLt by torch's preference) and a Triton
+kernel that gives each program a band of output columns and the whole
+reduction, over a sweep of its launch settings (``--no-triton``: none).
+Each time is one linear of a CUDA graph that runs the layer's linear over
+24 copies of its weight in turn (as a step reads each layer's weights
+once: no copy stays in L2), median of CUDA-event timings of the graph.
+Prints the best setting per shape, its time against cuBLAS's, and the
 copy-rate floor of the weight read.
 
-    python benchmarks/bench_skinny_gemm.py --out results/
+    python benchmarks/bench_skinny_gemm.py --out results/ [--no-triton]
 """
 
 from __future__ import annotations
@@ -87,7 +88,18 @@ def graph_ms(step) -> float:
     return median_ms(graph.replay, 5, 30) / COPIES
 
 
-def sweep(name, m, rate) -> dict:
+def cublaslt_ms(x, ws, bs) -> float:
+    """``F.linear`` captured with torch's cuBLASLt preference (its own
+    heuristics; another set of kernels, split-K or not), restored after."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return graph_ms(lambda i: F.linear(x, ws[i], bs[i]))
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def sweep(name, m, rate, triton_sweep: bool = True) -> dict:
     k, n, has_bias = SHAPES[name]
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(COPIES)]
     bs = [torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None for _ in range(COPIES)]
@@ -95,6 +107,9 @@ def sweep(name, m, rate) -> dict:
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     want = F.linear(x, ws[0], bs[0])
     row = {"cublas_ms": graph_ms(lambda i: F.linear(x, ws[i], bs[i])), "floor_ms": 1e3 * n * k * 2 / rate}
+    row["cublaslt_ms"] = cublaslt_ms(x, ws, bs)
+    if not triton_sweep:
+        return row
     best = None
     for config in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 6)):
         try:
@@ -115,6 +130,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--m", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    p.add_argument("--no-triton", action="store_true", help="cuBLAS and cuBLASLt only, no Triton sweep")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rate = copy_rate()
@@ -122,12 +138,10 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%d", time.gmtime()), "copy_rate_Bps": rate, "rows": {}}  # fmt: skip
     for name in args.shapes:
         for m in args.m:
-            row = sweep(name, m, rate)
+            row = sweep(name, m, rate, triton_sweep=not args.no_triton)
             result["rows"][f"{name} m={m}"] = row
-            us = {k: 1e3 * row[k] for k in ("cublas_ms", "triton_ms", "floor_ms")}
-            print(f"{name:14s} m={m:3d} cublas {us['cublas_ms']:6.2f} us  triton {us['triton_ms']:6.2f} us "
-                  f"({row['triton_ms'] / row['cublas_ms']:.2f}x) {row['triton_config']}  floor {us['floor_ms']:5.2f} us"
-                  f"  err {row['triton_max_err']:.3g}", flush=True)  # fmt: skip
+            us = {k: f"{1e3 * v:6.2f}" for k, v in row.items() if k.endswith("_ms")}
+            print(f"{name:14s} m={m:3d} µs {us}", {k: v for k, v in row.items() if not k.endswith("_ms")}, flush=True)
     json.dump(result, open(os.path.join(args.out, "skinny_gemm.json"), "w"), indent=1)
 
 
