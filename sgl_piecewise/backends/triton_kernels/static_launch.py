@@ -36,8 +36,8 @@ logger = logging.getLogger("sgl_piecewise.triton")
 
 @functools.lru_cache(maxsize=None)
 def _wrapper_class() -> Any:
-    """torch's Python wrapper of its static launcher (its module was renamed
-    in torch 2.10), or None."""
+    """torch's Python wrapper of its static launcher (found under either
+    name its module has had across torch releases), or None."""
     if torch.version.cuda is None:
         return None
     for module in ("static_triton_launcher", "static_cuda_launcher"):
