@@ -69,6 +69,19 @@ SHAPES: Dict[str, dict] = {
 QWEN_05B = SHAPES["0.5b"]
 
 
+NO_INDUCTOR_AUTOTUNE_HELP = (
+    "Inductor keeps each kernel's first launch setting instead of timing them all at its first launch "
+    "(torch._inductor.config.triton.autotune_pointwise = False)"
+)
+
+
+def turn_off_inductor_autotune() -> None:
+    """See ``NO_INDUCTOR_AUTOTUNE_HELP``: for the scripts' ``--no-inductor-autotune``."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.triton.autotune_pointwise = False
+
+
 def write_json(folder: str, name: str, result: object) -> str:
     """Write ``result`` to ``folder/name`` as indented JSON (the folder made
     if missing); the file's path."""

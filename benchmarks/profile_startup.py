@@ -43,7 +43,7 @@ from collections import Counter
 
 import suite
 import torch
-from common import timed  # noqa: E402 (benchmarks/ is the script's folder)
+from common import NO_INDUCTOR_AUTOTUNE_HELP, timed, turn_off_inductor_autotune  # noqa: E402 (benchmarks/ is the script's folder)
 from triton.runtime.jit import JITFunction
 
 from sgl_piecewise.backends import triton_backend
@@ -79,7 +79,10 @@ def main() -> None:
     p.add_argument("--no-compile-ahead", action="store_true")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--no-hash-ahead", action="store_true")
+    p.add_argument("--no-inductor-autotune", action="store_true", help=NO_INDUCTOR_AUTOTUNE_HELP)
     cli = p.parse_args()
+    if cli.no_inductor_autotune:
+        turn_off_inductor_autotune()
     if cli.no_compile_ahead:
         extend._launch_extend.variants = None
     if cli.no_hash_ahead:
@@ -115,6 +118,7 @@ def main() -> None:
     info = {
         "shape": args.shape, "torch": torch.__version__, "card": torch.cuda.get_device_name(),
         "compile_ahead": not cli.no_compile_ahead, "hash_ahead": not cli.no_hash_ahead,
+        "inductor_autotune": not cli.no_inductor_autotune,
         "from_saved_compile": counters.compiles_loaded > 0,
         "seconds": round(seconds, 3), "first_size_seconds": round(first, 3), "other_sizes_seconds": round(others, 3),
         "phases_seconds": {k: round(v / 1e9, 3) for k, v in totals.items()},
@@ -130,6 +134,7 @@ def main() -> None:
     os.makedirs(cli.out, exist_ok=True)
     name = "profile_startup_0.5b" + ("_no_compile_ahead" if cli.no_compile_ahead else "")
     name += "_no_hash_ahead" if cli.no_hash_ahead else ""
+    name += "_no_inductor_autotune" if cli.no_inductor_autotune else ""
     name += "_from_saved_compile.json" if info["from_saved_compile"] else ".json"
     json.dump(info, open(os.path.join(cli.out, name), "w"), indent=1)
 

@@ -22,7 +22,15 @@ import types
 
 import suite
 import torch
-from common import free_batch, graph_step_fn, host_ms, median_ms, write_json  # noqa: E402 (benchmarks/ is the script's folder)
+from common import (  # noqa: E402 (benchmarks/ is the script's folder)
+    NO_INDUCTOR_AUTOTUNE_HELP,
+    free_batch,
+    graph_step_fn,
+    host_ms,
+    median_ms,
+    turn_off_inductor_autotune,
+    write_json,
+)
 from profile_suite_step import kernel_table  # noqa: E402
 
 from sgl_piecewise.backends.metadata import fill_kv_indices, fill_lengths
@@ -88,7 +96,10 @@ def main() -> None:
     p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--shape", choices=["0.5b", "1b"], default="0.5b")
     p.add_argument("--kernels", action="store_true", help="also the kernels of one replay (torch.profiler)")
+    p.add_argument("--no-inductor-autotune", action="store_true", help=NO_INDUCTOR_AUTOTUNE_HELP)
     cli = p.parse_args()
+    if cli.no_inductor_autotune:
+        turn_off_inductor_autotune()
     args = types.SimpleNamespace(shape=cli.shape, device="cuda", backend="triton", context=1024,
                                  decode_bs=cli.decode_bs, extend=[16])  # fmt: skip
     model, runner = suite.build(args)
@@ -113,7 +124,8 @@ def main() -> None:
             # Through try_replay: the graph reads this batch, not the last capture's.
             rows[bs]["replay kernels"] = kernel_table(lambda b=batch: graphs.try_replay(b))
             free_batch(runner, batch)
-    info = {"shape": args.shape, "torch": torch.__version__, "card": torch.cuda.get_device_name(), "decode": rows}
+    info = {"shape": args.shape, "torch": torch.__version__, "card": torch.cuda.get_device_name(),
+            "inductor_autotune": not cli.no_inductor_autotune, "decode": rows}  # fmt: skip
     write_json(cli.out, f"profile_whole_step_{args.shape}.json", info)
 
 
