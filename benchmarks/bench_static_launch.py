@@ -22,13 +22,12 @@ Both launches must write the same values (checked).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 import triton
 import triton.language as tl
-from common import write_json  # noqa: E402 (benchmarks/ is the script's folder)
+from common import host_ms, write_json  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.backends.triton_kernels.launch import BoundKernel
 from sgl_piecewise.backends.triton_kernels.static_launch import static_kernel
@@ -40,21 +39,6 @@ def _sixteen_args(a, b, c, d, e, f, g, h, i, out, n, s1, s2, s3, s4, s5, BLOCK: 
     m = offs < n
     v = tl.load(a + offs, mask=m) + tl.load(b + offs, mask=m) * s1 + s2 + s3 + s4 + s5
     tl.store(out + offs, v + SHIFT, mask=m)
-
-
-def launch_us(launch, reps: int = 2000) -> float:
-    """Median host µs of ``launch``, back to back as a step issues its
-    launches (``common.host_ms`` synchronises after every call instead)."""
-    for _ in range(100):
-        launch()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter_ns()
-        launch()
-        times.append(time.perf_counter_ns() - start)
-    torch.cuda.synchronize()
-    return statistics.median(times) / 1e3
 
 
 def main() -> None:
@@ -88,7 +72,8 @@ def main() -> None:
     result["launch_us"] = {name: [] for name in through}
     for _ in range(2):
         for name, bound in through.items():
-            result["launch_us"][name].append(launch_us(lambda b=bound: b((8,), *addresses, *ints)))
+            launch = lambda b=bound: b((8,), *addresses, *ints)  # noqa: E731
+            result["launch_us"][name].append(1e3 * host_ms(launch, reps=2000, warmup=100, sync_each=False))
     print(result)
     print("wrote", write_json(args.out, "static_launch.json", result))
 

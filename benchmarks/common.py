@@ -111,10 +111,12 @@ def step_times_ms(fn: Callable[[], object], iters: int) -> List[float]:
     return times
 
 
-def host_ms(run: Callable[[], object], reps: int = 30) -> float:
+def host_ms(run: Callable[[], object], reps: int = 30, warmup: int = 5, sync_each: bool = True) -> float:
     """Median host time of one ``run`` in ms: the time to enqueue it, the
-    device synchronised after each call, outside the timing."""
-    for _ in range(5):
+    device synchronised after each call, outside the timing
+    (``sync_each=False``: calls back to back, as a step issues its
+    launches, synchronised once after them)."""
+    for _ in range(warmup):
         run()
     torch.cuda.synchronize()
     times = []
@@ -122,7 +124,9 @@ def host_ms(run: Callable[[], object], reps: int = 30) -> float:
         start = time.perf_counter()
         run()
         times.append(1e3 * (time.perf_counter() - start))
-        torch.cuda.synchronize()
+        if sync_each:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
     return statistics.median(times)
 
 
