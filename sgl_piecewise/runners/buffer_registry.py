@@ -383,7 +383,7 @@ class CudaGraphBufferRegistry:
         mapping = isinstance(batch_or_sources, Mapping)
         plans = (self._plan(slot, batch_or_sources, mapping, ctx) for slot in self._slots.values())
         fills = [f for f in plans if f is not None]
-        values = [(slot, _sized_value(slot, ctx)) for slot in self._slots.values() if slot.value_from_sizes]
+        values = [(slot, _sized_value(slot, ctx)) for slot in self._slots.values() if slot.value_from_sizes is not None]
         dsts: List[torch.Tensor] = []
         srcs: List[torch.Tensor] = []
         for f in fills:
@@ -418,8 +418,9 @@ class CudaGraphBufferRegistry:
             if constant is None:
                 fills.append((view, value))
             else:
-                group(view)[2].append(view)
-                group(view)[3].append(constant)
+                _, _, dsts, constants = group(view)
+                dsts.append(view)
+                constants.append(constant)
 
         for slot in self._slots.values():
             if slot.value_from_sizes is not None:
