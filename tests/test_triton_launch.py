@@ -197,9 +197,11 @@ def test_kept_positions_drop_what_triton_specialised_into_constants():
     signature = {"x": "*fp32", "y": "*fp32", "out": "*fp32", "n": "i32", "alpha": "fp32", "BLOCK": "constexpr"}
     # Every runtime argument kept: the launch passes them as they are.
     assert kept_positions(names, signature, {(5,): 128}, 5) is None
-    # n == 1 became a constant (keyed by name, by tuple or by index, as Triton versions do).
+    # n == 1 became a constant (keyed by name, by tuple or by index, as Triton versions do),
+    # typed "constexpr" in the signature (newer Tritons) or only listed among the constants.
     for key in ("n", (3,), 3):
         assert kept_positions(names, {**signature, "n": "constexpr"}, {key: 1, (5,): 128}, 5) == (0, 1, 2, 4)
+        assert kept_positions(names, signature, {key: 1, (5,): 128}, 5) == (0, 1, 2, 4)
     # A None pointer is a constant too.
     assert kept_positions(names, {**signature, "y": "constexpr"}, {}, 5) == (0, 2, 3, 4)
 
