@@ -42,3 +42,18 @@ def test_gpu_bf16_logits_are_the_float32_sum_unrounded(rows):
 def test_gpu_float32_models_keep_linear_bit_for_bit():
     hidden, weight = torch.randn(5, 64, device="cuda"), torch.randn(300, 64, device="cuda")
     torch.testing.assert_close(float32_logits(hidden, weight), F.linear(hidden, weight), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "hidden, want",
+    [
+        (torch.zeros(3, 16), "expected shape [*, 32], got [3, 16]"),  # another width
+        (torch.zeros(32), "expected shape [*, 32], got [32]"),  # no row axis
+        (torch.zeros(3, 32, dtype=torch.float64), "expected dtype torch.float32, got torch.float64"),
+    ],
+)
+def test_hidden_states_that_do_not_fit_the_head_are_refused_by_name(hidden, want):
+    from sgl_piecewise.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=r"hidden: " + want.replace("[", r"\[").replace("*", r"\*")):
+        float32_logits(hidden, torch.zeros(100, 32))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_piecewise.checks import check_tensor
 from sgl_piecewise.models import fused_ops
 from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
 from sgl_piecewise.ops import unified_attention
@@ -53,7 +54,9 @@ def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     a step at 32 rows of Qwen2.5's 152k vocabulary, 4 µs at one row, on an
     H100, docs/BENCHMARKS.md). Both accumulate in float32; this one skips the
     rounding to half precision. Elsewhere (CPU has no such matmul), linear
-    and the conversion."""
+    and the conversion. ``hidden`` must match the weight's width, dtype and
+    device."""
+    check_tensor("hidden", hidden, shape=(None, weight.shape[1]), dtype=weight.dtype, device=weight.device)
     if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype:
         return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
     return F.linear(hidden, weight).float()
