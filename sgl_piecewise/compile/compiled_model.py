@@ -5,6 +5,7 @@ former process's compile without Dynamo (``precompiled.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import re
@@ -25,6 +26,7 @@ from sgl_piecewise.compile.token_guards import (
     size_oblivious_tracing,
 )
 from sgl_piecewise.errors import UnsupportedModeError
+from sgl_piecewise.regions import tracing_regions
 
 logger = logging.getLogger("sgl_piecewise.compile")
 
@@ -119,7 +121,7 @@ class CompiledModel:
                 start_inductor_workers()  # up by the time the trace's pieces compile
         self.backend.call = (self.model, args) if _direct_calls_on(self.options) else None
         try:
-            with size_oblivious_tracing():
+            with size_oblivious_tracing(), self._regions():
                 return self.compiled(*args)
         except torch._dynamo.exc.Unsupported as exc:  # raised while tracing, never on a traced call
             raise UnsupportedModeError(
@@ -129,6 +131,14 @@ class CompiledModel:
             ) from exc
         finally:
             self.backend.call = None
+
+    def _regions(self):
+        """A layer's code traced once, not once per layer (``regions.py``),
+        where later calls skip Dynamo: Dynamo guards a stamped-out region's
+        constants only at the trace, not per call, so a call through Dynamo
+        would miss a later layer's changed attribute; without Dynamo, the
+        model's attributes are read at the compile anyway."""
+        return tracing_regions() if _direct_calls_on(self.options) else contextlib.nullcontext()
 
     def _look_up(self, args) -> tuple:
         """(the saved compile to call, or None; the key to save under, or None)."""

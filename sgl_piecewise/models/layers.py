@@ -24,6 +24,7 @@ from sgl_piecewise.checks import check_tensor
 from sgl_piecewise.models import fused_ops
 from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
 from sgl_piecewise.ops import unified_attention
+from sgl_piecewise.regions import repeated_region
 
 
 def _eager_fused(x: torch.Tensor) -> bool:
@@ -174,16 +175,23 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype, device=device)
         self.o_proj = Linear(self.q_size, h, bias=config.o_proj_bias, dtype=dtype, device=device)
 
+    def project_qkv(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> tuple:
+        """``x [T, H]`` -> q and k rotated as one ``[T, Hq + Hkv, D]`` tensor,
+        and v ``[T, Hkv, D]``: one fused rotary kernel instead of one each,
+        and the same arithmetic per element."""
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = rotary(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        return qk, v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def attend(self, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Paged attention of this layer (the custom op): ``[T, Hq * D]``."""
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
+        o = unified_attention(q, k, v, layer_id=self.layer_id, scale=self.scaling)  # [T, Hq, D]
+        return o.reshape(-1, self.q_size)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         # x: [T, H]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k rotate as one [T, Hq + Hkv, D] tensor: one fused kernel
-        # instead of one each, and the same arithmetic per element.
-        qk = rotary(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        o = unified_attention(q, k, v, layer_id=self.layer_id, scale=self.scaling)  # [T, Hq, D]
-        return self.o_proj(o.reshape(-1, self.q_size))  # [T, H]
+        return self.o_proj(self.attend(*self.project_qkv(positions, x, rotary)))  # [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -198,6 +206,16 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config, dtype, device)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        # x: [T, H]
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary)
+        # x: [T, H]. The attention call names its layer, so it stays outside
+        # the two regions, which every layer shares (regions.py).
+        qk, v = self._before_attention(positions, x, rotary)
+        return self._after_attention(self.self_attn.attend(qk, v), x)
+
+    @repeated_region
+    def _before_attention(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> tuple:
+        return self.self_attn.project_qkv(positions, self.input_layernorm(x), rotary)
+
+    @repeated_region
+    def _after_attention(self, attn_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.o_proj(attn_out)
         return x + self.mlp(self.post_attention_layernorm(x))
