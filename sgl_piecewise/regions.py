@@ -31,20 +31,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import threading
 from typing import Callable, Iterator, TypeVar
 
 import torch
 
 F = TypeVar("F", bound=Callable)
 
-_regions_on = False  # True inside tracing_regions()
+# ``on``: inside tracing_regions() on this thread. Per thread: another
+# thread's trace (a model compiled with Dynamo's guards kept) is not switched.
+_state = threading.local()
 
 
 @torch.compiler.assume_constant_result
 def _tracing_regions() -> bool:
     """Read by Dynamo as a constant, with no guard on it: a guard on a global
     would keep the graph from being called without Dynamo (``direct_call.py``)."""
-    return _regions_on
+    return getattr(_state, "on", False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,15 +77,14 @@ def repeated_region(fn: F) -> F:
 def tracing_regions() -> Iterator[bool]:
     """Trace marked regions once each inside this block, where torch can
     (yields whether it does); a no-op elsewhere."""
-    global _regions_on
-    if not regions_available() or _regions_on:
-        yield _regions_on
+    if not regions_available() or _tracing_regions():
+        yield _tracing_regions()
         return
     import torch._dynamo
 
-    _regions_on = True
+    _state.on = True
     try:
         with torch._dynamo.config.patch(inline_invoke_subgraph=True):
             yield True
     finally:
-        _regions_on = False
+        _state.on = False

@@ -2,6 +2,8 @@
 its attention calls traced once and stamped out for the other layers, the
 backend given the same flat graph as without regions, on the CPU."""
 
+import threading
+
 import pytest
 import torch
 
@@ -118,7 +120,7 @@ def test_tracing_regions_switches_the_marked_functions_only_inside(monkeypatch):
 
     @regions.repeated_region
     def add_one(x):
-        calls.append(regions._regions_on)
+        calls.append(regions._tracing_regions())
         return x + 1
 
     x = torch.arange(3.0)
@@ -126,7 +128,19 @@ def test_tracing_regions_switches_the_marked_functions_only_inside(monkeypatch):
     with regions.tracing_regions() as on:
         assert on == regions.regions_available()
         assert torch.equal(add_one(x), x + 1)  # eager inside too: the region wrapper runs it as is
-    assert calls == [False, on] and regions._regions_on is False
+    assert calls == [False, on] and regions._tracing_regions() is False
     monkeypatch.setattr(regions, "regions_available", lambda: False)
     with regions.tracing_regions() as on:
-        assert on is False and regions._regions_on is False
+        assert on is False and regions._tracing_regions() is False
+
+
+@needs_reuse
+def test_the_switch_is_per_thread():
+    """A trace on another thread (a model that keeps Dynamo's guards) is not switched."""
+    seen = []
+    with regions.tracing_regions() as on:
+        other = threading.Thread(target=lambda: seen.append(regions._tracing_regions()))
+        other.start()
+        other.join()
+        assert on and regions._tracing_regions()
+    assert seen == [False]
