@@ -3,9 +3,10 @@ which Dynamo can trace once and stamp out for every other layer.
 
 A model's layers run the same code on their own weights, and Dynamo traces
 every call again: 2.6 s for the 24 layers of the suite's 0.5b shape on a
-CPU, 1.3 s with regions (docs/BENCHMARKS.md). A function marked ``@repeated_region`` is, while
-``tracing_regions()`` is active (``CompiledModel`` enters it around its
-trace) and the installed torch can reuse a traced region, called through
+CPU, 1.3 s with regions (docs/BENCHMARKS.md). A function marked
+``@repeated_region`` is, while ``tracing_regions()`` is active
+(``CompiledModel`` enters it around its trace) and the installed torch can
+reuse a traced region, called through
 ``torch.compiler.nested_compile_region``: Dynamo traces its first call,
 stamps that trace out for every later call whose inputs match it (the same
 shapes, dtypes and modules of the same structure; weights are inputs), and
