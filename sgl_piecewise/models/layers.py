@@ -161,7 +161,10 @@ class GatedMLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Fused QKV projection, rotary, paged attention (the custom op), output projection."""
+    """Fused QKV projection and rotary (``project_qkv``), paged attention (the
+    custom op, ``attend``) and the output projection ``o_proj``, which
+    ``DecoderLayer`` calls in turn: the attention call between its two
+    repeated regions."""
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype, device):
         super().__init__()
@@ -188,10 +191,6 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         o = unified_attention(q, k, v, layer_id=self.layer_id, scale=self.scaling)  # [T, Hq, D]
         return o.reshape(-1, self.q_size)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        # x: [T, H]
-        return self.o_proj(self.attend(*self.project_qkv(positions, x, rotary)))  # [T, H]
 
 
 class DecoderLayer(nn.Module):
