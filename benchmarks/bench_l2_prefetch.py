@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from common import free_batch, graph_step_fn, median_ms, write_json  # noqa: E402 (benchmarks/ is the script's folder)
+from common import free_batch, graph_step_fn, graph_us_per_layer, median_ms, write_json  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.compile import CompiledModel, CompileOptions
 from sgl_piecewise.models import layers
@@ -147,7 +147,7 @@ def model_with_join(self, input_ids, positions):
     return self.norm(x)
 
 
-def gemm_bound(model) -> dict:
+def gemm_bound() -> dict:
     first = weights(0)
     result = {}
     for rows in (1, 32):
@@ -156,16 +156,7 @@ def gemm_bound(model) -> dict:
             copies = [weight.clone() for _ in range(24)]
             row = {}
             for label, seq in (("cold", copies), ("warm", [weight] * 24)):
-
-                def run(seq=seq, x=x):
-                    for w in seq:
-                        F.linear(x, w)
-
-                run()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    run()
-                row[label] = 1e3 * median_ms(graph.replay, 10, 50) / 24
+                row[label] = graph_us_per_layer(lambda seq=seq, x=x: [F.linear(x, w) for w in seq], len(seq))
             result[f"{name}, {rows} rows"] = row
             print("gemm", name, rows, {k: round(v, 2) for k, v in row.items()}, flush=True)
     return result
@@ -183,7 +174,7 @@ def main() -> None:
     STATE.model, STATE.stream = model, torch.cuda.Stream()
     STATE.flag, STATE.sink = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
     result = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": cli.shape,
-              "gemm_us": gemm_bound(model)}  # fmt: skip
+              "gemm_us": gemm_bound()}  # fmt: skip
     layers.DecoderLayer.forward = layer_with_prefetches
     type(model.model).forward = model_with_join
     compiled = CompiledModel(model, CompileOptions(split_graph=False))
