@@ -37,6 +37,8 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
+from sgl_piecewise.errors import InvalidTypeError
+
 F = TypeVar("F", bound=Callable)
 
 # ``on``: inside tracing_regions() on this thread. Per thread: another
@@ -64,6 +66,8 @@ def regions_available() -> bool:
 
 def repeated_region(fn: F) -> F:
     """Mark ``fn`` as a region repeated with the same code in every layer."""
+    if not callable(fn):
+        raise InvalidTypeError(f"repeated_region: expected a function or method, got {fn!r}")
     # Wrapped once, at import: every call then names the same region.
     region = torch.compiler.nested_compile_region(fn)
 

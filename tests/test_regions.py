@@ -12,6 +12,7 @@ from sgl_piecewise import regions
 from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.compile import CompiledModel, CompileOptions
 from sgl_piecewise.compile import backend as compile_backend
+from sgl_piecewise.errors import InvalidTypeError
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.testing import random_batch
 
@@ -144,3 +145,8 @@ def test_the_switch_is_per_thread():
         other.join()
         assert on and regions._tracing_regions()
     assert seen == [False]
+
+
+def test_marking_what_is_not_a_function_is_refused_by_name():
+    with pytest.raises(InvalidTypeError, match="repeated_region: expected a function or method, got 3"):
+        regions.repeated_region(3)
