@@ -2,7 +2,8 @@
 no split-K (a script, not a test).
 
 For each weight shape of the suite's two models and M = 1 / 8 / 32 rows,
-``F.linear`` (cuBLAS, and cuBLASLt by torch's preference) and a Triton
+``F.linear`` (cuBLAS, and cuBLASLt by torch's preference), cuBLAS with the
+weight stored ``[in, out]`` instead of ``nn.Linear``'s ``[out, in]``, and a Triton
 kernel that gives each program a band of output columns and the whole
 reduction, over a sweep of its launch settings (``--no-triton``: none).
 Each time is one linear of a CUDA graph that runs the layer's linear over
@@ -99,6 +100,13 @@ def cublaslt_ms(x, ws, bs) -> float:
         torch.backends.cuda.preferred_blas_library(before)
 
 
+def in_out_ms(x, ws, bs) -> float:
+    """cuBLAS with each weight stored ``[in, out]`` (out contiguous): the
+    other operand layout, for which cuBLAS picks among other kernels."""
+    wts = [w.t().contiguous() for w in ws]
+    return graph_ms(lambda i: torch.mm(x, wts[i]) if bs[i] is None else torch.addmm(bs[i], x, wts[i]))
+
+
 def sweep(name, m, rate, triton_sweep: bool = True) -> dict:
     k, n, has_bias = SHAPES[name]
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(COPIES)]
@@ -108,6 +116,7 @@ def sweep(name, m, rate, triton_sweep: bool = True) -> dict:
     want = F.linear(x, ws[0], bs[0])
     row = {"cublas_ms": graph_ms(lambda i: F.linear(x, ws[i], bs[i])), "floor_ms": 1e3 * n * k * 2 / rate}
     row["cublaslt_ms"] = cublaslt_ms(x, ws, bs)
+    row["cublas_in_out_ms"] = in_out_ms(x, ws, bs)
     if not triton_sweep:
         return row
     best = None
