@@ -25,14 +25,11 @@ in docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import time
 
 import torch
 import triton
 import triton.language as tl
-from common import copy_rate, graph_us_per_layer  # noqa: E402 (benchmarks/ is the script's folder)
+from common import card_info, copy_rate, graph_us_per_layer, measure_rows, write_json  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.backends.triton_kernels.decode import grid_kv_splits
 
@@ -107,16 +104,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     args = p.parse_args()
     rate = copy_rate()
-    rows = []
-    for shape in SHAPES:
-        for bs in args.decode_bs:
-            rows.append(measure(shape, bs, args.context, rate))
-            print(json.dumps(rows[-1]), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    info = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                copy_rate_Bps=rate, date=time.strftime("%Y-%m-%d"), rows=rows)  # fmt: skip
-    with open(os.path.join(args.out, "bench_decode_read.json"), "w") as f:
-        json.dump(info, f, indent=1)
+    rows = measure_rows(lambda shape, bs: measure(shape, bs, args.context, rate), SHAPES, args.decode_bs)
+    info = card_info(copy_rate_Bps=rate, rows=rows)
+    write_json(args.out, "bench_decode_read.json", info)
 
 
 if __name__ == "__main__":

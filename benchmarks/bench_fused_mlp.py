@@ -20,16 +20,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
-import time
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from common import graph_us_per_layer  # noqa: E402 (benchmarks/ is the script's folder)
+from common import best_launch, card_info, graph_us_per_layer, measure_rows, write_json  # noqa: E402 (benchmarks/ is the script's folder)
 
 # name: (hidden, intermediate, layers)
 SHAPES = {"0.5b": (896, 4864, 24), "1b": (2048, 8192, 16)}
@@ -130,19 +126,6 @@ def split_k(x, w, out, scratch, launch) -> None:
     )  # fmt: skip
 
 
-def best_launch(make_run: Callable, launches: list, layers: int) -> Optional[dict]:
-    """The fastest of ``launches`` (settings Triton cannot compile are skipped)."""
-    best = None
-    for launch in launches:
-        try:
-            us = graph_us_per_layer(make_run(launch), layers)
-        except Exception:  # a setting past the card's shared memory or registers
-            continue
-        if best is None or us < best["us_per_layer"]:
-            best = {"us_per_layer": us, "launch": list(launch)}
-    return best
-
-
 def measure(shape: str, rows: int) -> dict:
     hidden, ffn, layers = SHAPES[shape]
     dev, bf16 = torch.device("cuda"), torch.bfloat16
@@ -183,16 +166,9 @@ def main() -> None:
     p.add_argument("--out", required=True, help="folder for bench_fused_mlp.json")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     args = p.parse_args()
-    rows = []
-    for shape in SHAPES:
-        for n in args.rows:
-            rows.append(measure(shape, n))
-            print(json.dumps(rows[-1]), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    info = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=time.strftime("%Y-%m-%d"), rows=rows)  # fmt: skip
-    with open(os.path.join(args.out, "bench_fused_mlp.json"), "w") as f:
-        json.dump(info, f, indent=1)
+    rows = measure_rows(measure, SHAPES, args.rows)
+    info = card_info(rows=rows)
+    write_json(args.out, "bench_fused_mlp.json", info)
 
 
 if __name__ == "__main__":

@@ -30,15 +30,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
-import time
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from common import graph_us_per_layer  # noqa: E402 (benchmarks/ is the script's folder)
+from common import best_launch, card_info, graph_us_per_layer, measure_rows, write_json  # noqa: E402 (benchmarks/ is the script's folder)
 
 # name: (hidden, qkv width, intermediate, layers)
 SHAPES = {"0.5b": (896, 1152, 4864, 24), "1b": (2048, 3072, 8192, 16)}
@@ -134,18 +131,6 @@ def every_layer(x, d, h, norm_ws, ws, bs, out, gated, scale_after):
                                    for g, w, b in zip(norm_ws, ws, bs)]  # fmt: skip
 
 
-def best(make_run, layers: int) -> dict:
-    found = None
-    for launch in LAUNCHES:
-        try:
-            us = graph_us_per_layer(make_run(launch), layers)
-        except Exception:  # a setting past the card's shared memory or registers
-            continue
-        if found is None or us < found["us_per_layer"]:
-            found = {"us_per_layer": us, "launch": list(launch)}
-    return found
-
-
 def measure(shape: str, rows: int) -> dict:
     hidden, qkv_width, ffn, layers = SHAPES[shape]
     dev, bf16 = torch.device("cuda"), torch.bfloat16
@@ -180,7 +165,7 @@ def measure(shape: str, rows: int) -> dict:
     for variant, scale_after in (("norm_first", False), ("scale_after", True)):
         for part, ws, bs, out, gated in (("qkv", qkv_ws, qkv_bs, qkv_out, False),
                                          ("gate_up", gate_up_ws, [None] * layers, act, True)):  # fmt: skip
-            found = best(every_layer(x, d, h, norm_ws, ws, bs, out, gated, scale_after), layers)
+            found = best_launch(every_layer(x, d, h, norm_ws, ws, bs, out, gated, scale_after), LAUNCHES, layers)
             norm_linear(x, d, h, norm_ws[0], ws[0], bs[0], out, gated, scale_after, found["launch"])
             ref = ref_qkv if part == "qkv" else ref_act
             found["maxdiff"] = float((out.float() - ref.float()).abs().max())
@@ -198,16 +183,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = p.parse_args()
-    rows = []
-    for shape in args.shapes:
-        for n in args.rows:
-            rows.append(measure(shape, n))
-            print(json.dumps(rows[-1]), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    info = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=time.strftime("%Y-%m-%d"), rows=rows)  # fmt: skip
-    with open(os.path.join(args.out, "bench_norm_linear.json"), "w") as f:
-        json.dump(info, f, indent=1)
+    rows = measure_rows(measure, args.shapes, args.rows)
+    info = card_info(rows=rows)
+    write_json(args.out, "bench_norm_linear.json", info)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -92,6 +92,25 @@ def write_json(folder: str, name: str, result: object) -> str:
     return path
 
 
+def measure_rows(measure: Callable[[str, int], dict], shapes, sizes) -> List[dict]:
+    """``measure(shape, size)`` for every shape and size, each row printed
+    as JSON as it comes."""
+    rows = []
+    for shape in shapes:
+        for size in sizes:
+            rows.append(measure(shape, size))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def card_info(**extra) -> dict:
+    """The card, torch and Triton versions and today's date, then ``extra``."""
+    import triton
+
+    return dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d"), **extra)  # fmt: skip
+
+
 def step_times_ms(fn: Callable[[], object], iters: int) -> List[float]:
     """``iters`` timings of ``fn`` in ms: CUDA events on a GPU, wall time otherwise."""
     times = []
@@ -150,6 +169,21 @@ def graph_us_per_layer(run: Callable[[], object], layers: int) -> float:
     with torch.cuda.graph(graph):
         run()
     return 1e3 * median_ms(graph.replay, 5, 40) / layers
+
+
+def best_launch(make_run: Callable, launches: list, layers: int) -> Optional[dict]:
+    """The fastest of ``launches`` by :func:`graph_us_per_layer` of
+    ``make_run(launch)``; settings Triton cannot compile (past the card's
+    shared memory or registers) are skipped. None if none compiled."""
+    best = None
+    for launch in launches:
+        try:
+            us = graph_us_per_layer(make_run(launch), layers)
+        except Exception:
+            continue
+        if best is None or us < best["us_per_layer"]:
+            best = {"us_per_layer": us, "launch": list(launch)}
+    return best
 
 
 def time_paths(paths: Dict[str, Callable[[], Callable]], rounds: int = 6, iters: int = 5) -> dict:
