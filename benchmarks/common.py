@@ -149,10 +149,37 @@ def host_ms(run: Callable[[], object], reps: int = 30, warmup: int = 5, sync_eac
     return statistics.median(times)
 
 
+# A card that idles for a few milliseconds lowers its clocks, and takes about
+# 10 ms of work to raise them again: a whole-model decode step right after
+# 50 ms of idleness took 1.2-1.4x its time in a run of steps on an H100
+# (`bench_idle_clocks.py`, docs/BENCHMARKS.md). Timings follow at least this
+# much wall time of the timed function's own work.
+STEADY_CLOCKS_S = 0.025
+
+
+def keep_busy(fn: Callable[[], object], seconds: float = STEADY_CLOCKS_S) -> None:
+    """On a GPU, call ``fn`` until ``seconds`` of wall time have passed (at
+    least once), so the card's clocks are up when the timing starts; then
+    synchronise. Off a GPU, nothing.
+
+    The calls are not synchronised one by one: a step whose host part is
+    short queues more than ``seconds`` of device work (a whole-model decode
+    step with 145-330 µs of host time: 75-170 steps)."""
+    if not torch.cuda.is_available():
+        return
+    end = time.perf_counter() + seconds
+    fn()
+    while time.perf_counter() < end:
+        fn()
+    torch.cuda.synchronize()
+
+
 def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
-    """Median time of ``fn`` in ms: CUDA events on a GPU, wall time otherwise."""
+    """Median time of ``fn`` in ms: CUDA events on a GPU, wall time otherwise;
+    after ``warmup`` calls and, on a GPU, :func:`keep_busy`."""
     for _ in range(warmup):
         fn()
+    keep_busy(fn)
     return statistics.median(step_times_ms(fn, iters))
 
 
@@ -193,6 +220,9 @@ def time_paths(paths: Dict[str, Callable[[], Callable]], rounds: int = 6, iters:
     The paths' steps are timed in ``rounds`` interleaved rounds of ``iters``
     each, not one path after the other: the host's load drifts over seconds,
     and interleaved, a drift falls on every path alike, so their ratios hold.
+    In each round a path's timed steps follow :func:`keep_busy` of its own
+    steps: after a host-bound path (eager) the card has idled and lowered
+    its clocks, and the next path's first steps would run slower.
     """
     result, runs, ref = {}, {}, None
 
@@ -219,6 +249,7 @@ def time_paths(paths: Dict[str, Callable[[], Callable]], rounds: int = 6, iters:
         for _ in range(rounds):
             for name in list(runs):
                 try:
+                    keep_busy(runs[name])
                     samples[name] += step_times_ms(runs[name], iters)
                 except Exception as e:
                     failed(name, e)
