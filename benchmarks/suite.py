@@ -30,8 +30,9 @@ backend (``--backend``) and measures, in this order:
   ``piecewise``, ``whole_model``, ``whole_model_pieces``, and the ``floor``
   (docs/BENCHMARKS.md defines it);
 * where the time goes: CUDA kernels per layer in one whole-model replay
-  (torch.profiler) and the host time of the attention between pieces, per
-  layer (``hop_us_per_layer``).
+  (torch.profiler, after every timing: a profiler slows the launches that
+  follow it in the process) and the host time of the attention between
+  pieces, per layer (``hop_us_per_layer``).
 
 Writes ``suite_<shape>.json`` (``startup_<shape>.json`` with
 ``--startup-only``). A failing path is recorded with its error and the rest
@@ -189,14 +190,25 @@ def decode_rows(args, model, runner, piecewise, whole, ceilings, hf) -> dict:
             row["floor"] = decode_floor_ms(read_bytes, kv_bytes_per_token(model.config), bs, args.context,
                                            ceilings["copy_rate_Bps"])  # fmt: skip
         row["hop_us_per_layer"] = hop_host_us_per_layer(piecewise, runner, batch)
-        if args.device == "cuda":
-            for name, graphs in whole.items():  # the graph's own kernels, per layer
-                graph = graphs.captured_graph(batch.forward_mode, graphs.padded_bs(batch))
-                row[f"{name}_kernels_per_layer"] = kernels_per_replay(graph.replay) / model.config.num_hidden_layers
         rows[bs] = row
         print("decode", bs, json.dumps(row), flush=True)
         free_batch(runner, batch)
     return rows
+
+
+def add_kernel_counts(args, model, runner, whole, rows: dict) -> None:
+    """Each decode row's CUDA kernels per layer in one replay of each
+    whole-model graph (torch.profiler). Run after every timing: once a
+    profiler has run, later launches in the process are slower (a graph
+    replay's host time rose from 6 to 61 µs on an H100, docs/BENCHMARKS.md)."""
+    if args.device != "cuda":
+        return
+    for bs, row in rows.items():
+        batch = step_batch(args, runner, "decode", bs)
+        for name, graphs in whole.items():
+            graph = graphs.captured_graph(batch.forward_mode, graphs.padded_bs(batch))
+            row[f"{name}_kernels_per_layer"] = kernels_per_replay(graph.replay) / model.config.num_hidden_layers
+        free_batch(runner, batch)
 
 
 def extend_rows(args, model, runner, piecewise, ceilings) -> dict:
@@ -236,6 +248,7 @@ def run(args) -> None:
     hf = None if args.skip_hf else hf_model(args)
     info["decode"] = decode_rows(args, model, runner, piecewise.compiled, whole, ceilings, hf)
     info["extend"] = extend_rows(args, model, runner, piecewise.compiled, ceilings)
+    add_kernel_counts(args, model, runner, whole, info["decode"])
     torch._dynamo.reset()  # reduce-overhead's last graphs
     info["counters"] = counters.as_dict()
     json.dump(info, open(os.path.join(args.out, f"suite_{args.shape}.json"), "w"), indent=1)
