@@ -119,9 +119,10 @@ class CompiledModel:
             self._marked = True
             if self.options.piece_compiler == "inductor" and args[0].is_cuda:
                 start_inductor_workers()  # up by the time the trace's pieces compile
-        self.backend.call = (self.model, args) if _direct_calls_on(self.options) else None
+        direct = _direct_calls_on(self.options)
+        self.backend.call = (self.model, args) if direct else None
         try:
-            with size_oblivious_tracing(), self._regions():
+            with size_oblivious_tracing(), _regions(direct):
                 return self.compiled(*args)
         except torch._dynamo.exc.Unsupported as exc:  # raised while tracing, never on a traced call
             raise UnsupportedModeError(
@@ -131,14 +132,6 @@ class CompiledModel:
             ) from exc
         finally:
             self.backend.call = None
-
-    def _regions(self):
-        """A layer's code traced once, not once per layer (``regions.py``),
-        where later calls skip Dynamo: Dynamo guards a stamped-out region's
-        constants only at the trace, not per call, so a call through Dynamo
-        would miss a later layer's changed attribute; without Dynamo, the
-        model's attributes are read at the compile anyway."""
-        return tracing_regions() if _direct_calls_on(self.options) else contextlib.nullcontext()
 
     def _look_up(self, args) -> tuple:
         """(the saved compile to call, or None; the key to save under, or None)."""
@@ -213,6 +206,15 @@ def _direct_calls_on(options: CompileOptions) -> bool:
     """Can a call of a model compiled with ``options`` skip Dynamo? Only
     piecewise graphs check each new set of weights against the trace."""
     return options.split_graph and options.cudagraphs and not options.dynamo_guards
+
+
+def _regions(direct_calls: bool):
+    """A layer's code traced once, not once per layer (``regions.py``),
+    where later calls skip Dynamo (``direct_calls``): Dynamo guards a
+    stamped-out region's constants only at the trace, not per call, so a
+    call through Dynamo would miss a later layer's changed attribute;
+    without Dynamo, the model's attributes are read at the compile anyway."""
+    return tracing_regions() if direct_calls else contextlib.nullcontext()
 
 
 class _DirectCall:
