@@ -157,20 +157,25 @@ def host_ms(run: Callable[[], object], reps: int = 30, warmup: int = 5, sync_eac
 STEADY_CLOCKS_S = 0.025
 
 
-def keep_busy(fn: Callable[[], object], seconds: float = STEADY_CLOCKS_S) -> None:
+def keep_busy(fn: Callable[[], object], seconds: float = STEADY_CLOCKS_S, sync_each: bool = False) -> None:
     """On a GPU, call ``fn`` until ``seconds`` of wall time have passed (at
     least once), so the card's clocks are up when the timing starts; then
     synchronise. Off a GPU, nothing.
 
-    The calls are not synchronised one by one: a step whose host part is
-    short queues more than ``seconds`` of device work (a whole-model decode
-    step with 145-330 µs of host time: 75-170 steps)."""
+    ``sync_each=False``: the calls are not synchronised one by one, so a
+    step whose host part is short queues more than ``seconds`` of device
+    work (a whole-model decode step with 145-330 µs of host time: 75-170
+    steps). ``sync_each=True``: each call is synchronised, as the timed
+    steps are."""
     if not torch.cuda.is_available():
         return
     end = time.perf_counter() + seconds
-    fn()
-    while time.perf_counter() < end:
+    while True:
         fn()
+        if sync_each:
+            torch.cuda.synchronize()
+        if time.perf_counter() >= end:
+            break
     torch.cuda.synchronize()
 
 
@@ -213,16 +218,18 @@ def best_launch(make_run: Callable, launches: list, layers: int) -> Optional[dic
     return best
 
 
-def time_paths(paths: Dict[str, Callable[[], Callable]], rounds: int = 6, iters: int = 5) -> dict:
+def time_paths(
+    paths: Dict[str, Callable[[], Callable]], rounds: int = 6, iters: int = 5, warm_up: Callable = keep_busy
+) -> dict:
     """Median ms of each path (a factory of its step), and its max |logit
     difference| to the first path; a failing path records its error.
 
     The paths' steps are timed in ``rounds`` interleaved rounds of ``iters``
     each, not one path after the other: the host's load drifts over seconds,
     and interleaved, a drift falls on every path alike, so their ratios hold.
-    In each round a path's timed steps follow :func:`keep_busy` of its own
-    steps: after a host-bound path (eager) the card has idled and lowered
-    its clocks, and the next path's first steps would run slower.
+    In each round a path's timed steps follow ``warm_up`` (:func:`keep_busy`)
+    of its own steps: after a host-bound path (eager) the card has idled and
+    lowered its clocks, and the next path's first steps would run slower.
     """
     result, runs, ref = {}, {}, None
 
@@ -249,7 +256,7 @@ def time_paths(paths: Dict[str, Callable[[], Callable]], rounds: int = 6, iters:
         for _ in range(rounds):
             for name in list(runs):
                 try:
-                    keep_busy(runs[name])
+                    warm_up(runs[name])
                     samples[name] += step_times_ms(runs[name], iters)
                 except Exception as e:
                     failed(name, e)

@@ -9,7 +9,13 @@ the graph's replay, the LM head on a copy of the output); and the attention
 metadata fill of the step's binding three ways: the one-launch kernel
 (``fill_paged_metadata``, what the graph records), the torch helpers it
 replaced (some 25 launches), and those helpers recorded as one graph (how
-replays ran them before). ``--kernels``: also the kernels of one replay
+replays ran them before). Then the step's phases as the card and the host
+see them, over synchronised steps after a warm-up: CUDA events at the
+step's start, just before and after the graph's replay and at its end
+(``before graph`` is what the card waits for the host), and the host's
+time to the replay's launch and to the step's last launch. ``--cprofile``:
+also cProfile's top functions over 500 whole steps (host time; the profiler
+slows each call, so shares matter, not sums). ``--kernels``: also the kernels of one replay
 (torch.profiler), device time per kernel. Needs CUDA.
 
     python benchmarks/profile_whole_step.py --out results/ [--shape 1b] [--kernels]
@@ -18,6 +24,11 @@ replays ran them before). ``--kernels``: also the kernels of one replay
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
 import types
 
 import suite
@@ -27,6 +38,7 @@ from common import (  # noqa: E402 (benchmarks/ is the script's folder)
     free_batch,
     graph_step_fn,
     host_ms,
+    keep_busy,
     median_ms,
     turn_off_inductor_autotune,
     write_json,
@@ -90,12 +102,71 @@ def parts(runner, graphs, batch) -> dict:
     }
 
 
+class MarkedGraph:
+    """A captured graph whose replay records a CUDA event just before and
+    just after it, and the host's clock at its launch."""
+
+    def __init__(self, graph):
+        self.graph, self.marks = graph, []
+
+    def replay(self):
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        host = time.perf_counter()
+        before.record()
+        self.graph.replay()
+        after.record()
+        self.marks.append((host, before, after))
+
+
+def step_phases(runner, graphs, batch, steps: int = 100) -> dict:
+    """Medians over ``steps`` synchronised steps: ms on the card before the
+    graph, of the graph, after it; µs of host time to the replay's launch
+    and to the step's end (its last launch)."""
+    key = (ForwardMode.DECODE, graphs.padded_bs(batch))
+    graph = graphs._graphs[key]
+    marked = graphs._graphs[key] = MarkedGraph(graph)
+    run = graph_step_fn(runner, graphs, batch)
+    try:
+        keep_busy(run, sync_each=True)
+        marked.marks.clear()
+        spans = []
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            host = time.perf_counter()
+            start.record()
+            run()
+            end.record()
+            host_end = time.perf_counter()
+            end.synchronize()
+            host_replay, before, after = marked.marks[-1]
+            spans.append((start.elapsed_time(before), before.elapsed_time(after), after.elapsed_time(end),
+                          1e6 * (host_replay - host), 1e6 * (host_end - host)))  # fmt: skip
+    finally:
+        graphs._graphs[key] = graph
+    names = ("before graph ms", "graph ms", "after graph ms", "host to replay us", "host to end us")
+    return {name: statistics.median(span[i] for span in spans) for i, name in enumerate(names)}
+
+
+def host_profile(run, steps: int = 500, top: int = 30) -> str:
+    """cProfile's ``top`` functions by own time over ``steps`` synchronised steps."""
+    profile = cProfile.Profile()
+    for _ in range(steps):
+        profile.enable()
+        run()
+        profile.disable()
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--shape", choices=["0.5b", "1b"], default="0.5b")
     p.add_argument("--kernels", action="store_true", help="also the kernels of one replay (torch.profiler)")
+    p.add_argument("--cprofile", action="store_true", help="also cProfile's top functions of the step (host)")
     p.add_argument("--no-inductor-autotune", action="store_true", help=NO_INDUCTOR_AUTOTUNE_HELP)
     cli = p.parse_args()
     if cli.no_inductor_autotune:
@@ -115,6 +186,11 @@ def main() -> None:
                         for name, fn in parts(runner, graphs, batch).items()}  # fmt: skip
             for name, row in rows[bs].items():
                 print(f"decode bs {bs:3d}  {name:42s} {row['ms']:7.3f} ms  host {row['host_us']:6.1f} us", flush=True)
+            rows[bs]["step phases"] = step_phases(runner, graphs, batch)
+            print(f"decode bs {bs:3d}  step phases {rows[bs]['step phases']}", flush=True)
+            if cli.cprofile:
+                rows[bs]["cprofile"] = host_profile(graph_step_fn(runner, graphs, batch))
+                print(rows[bs]["cprofile"], flush=True)
             free_batch(runner, batch)
         # Last: once torch.profiler has run, later launches in this process
         # take longer on the host.
