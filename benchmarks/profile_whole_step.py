@@ -13,7 +13,9 @@ replays ran them before). Then the step's phases as the card and the host
 see them, over synchronised steps after a warm-up: CUDA events at the
 step's start, just before and after the graph's replay and at its end
 (``before graph`` is what the card waits for the host), and the host's
-time to the replay's launch and to the step's last launch. ``--cprofile``:
+time to the replay's launch and to the step's last launch. ``--host-parts``: also
+the host time of each part inside the step (a ``perf_counter`` timer around
+each, about 0.3 µs a call). ``--cprofile``:
 also cProfile's top functions over 500 whole steps (host time; the profiler
 slows each call, so shares matter, not sums). ``--kernels``: also the kernels of one replay
 (torch.profiler), device time per kernel. Needs CUDA.
@@ -24,6 +26,7 @@ slows each call, so shares matter, not sums). ``--kernels``: also the kernels of
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import pstats
@@ -40,6 +43,7 @@ from common import (  # noqa: E402 (benchmarks/ is the script's folder)
     host_ms,
     keep_busy,
     median_ms,
+    timed,
     turn_off_inductor_autotune,
     write_json,
 )
@@ -49,8 +53,9 @@ from sgl_piecewise.backends.metadata import fill_kv_indices, fill_lengths
 from sgl_piecewise.backends.triton_kernels import choose_num_kv_splits, fill_paged_metadata
 from sgl_piecewise.compile import CompiledModel, CompileOptions
 from sgl_piecewise.forward import ForwardMode
-from sgl_piecewise.runners import CudaGraphRunner
-from sgl_piecewise.runners.buffer_registry import FillContext
+from sgl_piecewise.runner import ModelRunner
+from sgl_piecewise.runners import CudaGraphRunner, whole_model
+from sgl_piecewise.runners.buffer_registry import CudaGraphBufferRegistry, FillContext
 from sgl_piecewise.runners.capture import shared_capture
 from sgl_piecewise.runners.whole_model import default_capture_sizes
 
@@ -147,6 +152,32 @@ def step_phases(runner, graphs, batch, steps: int = 100) -> dict:
     return {name: statistics.median(span[i] for span in spans) for i, name in enumerate(names)}
 
 
+def host_parts(runner, graphs, batch, steps: int = 200) -> dict:
+    """µs of host time per step in each part of a whole-model step, over
+    ``steps`` synchronised steps (the parts nest as indented)."""
+    totals, calls = collections.Counter(), collections.Counter()
+    components = [
+        (CudaGraphRunner, "try_replay", "try_replay"),
+        (vars(whole_model), "why_eager", "  why_eager"),
+        (CudaGraphRunner, "replay", "  replay"),
+        (CudaGraphBufferRegistry, "fill_from", "    registry fill"),
+        (type(runner.backend), "init_forward_metadata_replay_cuda_graph", "    replay hook"),
+        (torch.cuda.CUDAGraph, "replay", "    CUDAGraph.replay"),
+        (ModelRunner, "last_token_logits", "LM head"),
+    ]
+    run = graph_step_fn(runner, graphs, batch)
+    with timed(components, totals, calls):
+        keep_busy(run, sync_each=True)
+        totals.clear()
+        start = time.perf_counter_ns()
+        for _ in range(steps):
+            run()
+            torch.cuda.synchronize()
+        step_ns = (time.perf_counter_ns() - start) / steps
+    parts = {label: totals[label] / steps / 1e3 for _, _, label in components}
+    return {"step, host and device": step_ns / 1e3, **parts}
+
+
 def host_profile(run, steps: int = 500, top: int = 30) -> str:
     """cProfile's ``top`` functions by own time over ``steps`` synchronised steps."""
     profile = cProfile.Profile()
@@ -166,6 +197,7 @@ def main() -> None:
     p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--shape", choices=["0.5b", "1b"], default="0.5b")
     p.add_argument("--kernels", action="store_true", help="also the kernels of one replay (torch.profiler)")
+    p.add_argument("--host-parts", action="store_true", help="also the host time of each part of the step")
     p.add_argument("--cprofile", action="store_true", help="also cProfile's top functions of the step (host)")
     p.add_argument("--no-inductor-autotune", action="store_true", help=NO_INDUCTOR_AUTOTUNE_HELP)
     cli = p.parse_args()
@@ -188,6 +220,9 @@ def main() -> None:
                 print(f"decode bs {bs:3d}  {name:42s} {row['ms']:7.3f} ms  host {row['host_us']:6.1f} us", flush=True)
             rows[bs]["step phases"] = step_phases(runner, graphs, batch)
             print(f"decode bs {bs:3d}  step phases {rows[bs]['step phases']}", flush=True)
+            if cli.host_parts:
+                rows[bs]["host parts us"] = host_parts(runner, graphs, batch)
+                print(f"decode bs {bs:3d}  host parts {rows[bs]['host parts us']}", flush=True)
             if cli.cprofile:
                 rows[bs]["cprofile"] = host_profile(graph_step_fn(runner, graphs, batch))
                 print(rows[bs]["cprofile"], flush=True)
