@@ -183,10 +183,9 @@ class StaticGraphBackend(AttentionBackend):
         # A new graph over these inputs: its caller says again whether it holds
         # the fill. Other runners' graphs of this size read other inputs and
         # keep what they said (two whole-model runners over one backend).
-        key, inputs = _graph_fill(forward_mode, bs, req_pool_indices, seq_lens)
-        held = self._caller_graph_fills.get(key)
+        held = self._caller_graph_fills.get(_graph_key(forward_mode, bs))
         if held is not None:
-            held.discard(_addresses(inputs))
+            held.discard((req_pool_indices.data_ptr(), seq_lens.data_ptr()))
         self.init_forward_metadata_replay_cuda_graph(
             bs,
             req_pool_indices,
@@ -224,9 +223,9 @@ class StaticGraphBackend(AttentionBackend):
         # "restore max_seq_len_q after replay" exception upstream SGLang needed for draft extend (PR 26665) does
         # not arise). The capture's spec_info carries the real mask kind, so
         # tree-masked verify delegates to replay like every other mode.
-        key, inputs = _graph_fill(forward_mode, bs, req_pool_indices, seq_lens)
-        if not self._filled_by_caller_graph(key, inputs):
-            self._fill_bound(key, meta, inputs, spec_info)
+        key = _graph_key(forward_mode, bs)
+        if not self._filled_by_caller_graph(key, req_pool_indices, seq_lens):
+            self._fill_bound(key, meta, _graph_inputs(bs, req_pool_indices, seq_lens), spec_info)
         self._begin_step(meta)
         self.forward_metadata = meta
 
@@ -246,17 +245,18 @@ class StaticGraphBackend(AttentionBackend):
         meta = self._graph_metadata.get((forward_mode, bs))
         if meta is None or not self.fill_on_device or not can_record_fill(seq_lens.device, meta.masked):
             return False
-        key, inputs = _graph_fill(forward_mode, bs, req_pool_indices, seq_lens)
-        self._caller_graph_fills.setdefault(key, set()).add(_addresses(inputs))
+        addresses = (req_pool_indices.data_ptr(), seq_lens.data_ptr())
+        self._caller_graph_fills.setdefault(_graph_key(forward_mode, bs), set()).add(addresses)
         return True
 
-    def _filled_by_caller_graph(self, key, inputs: Tuple[torch.Tensor, ...]) -> bool:
-        """Whether a caller's graph fills this binding from exactly ``inputs``
-        (``fill_in_graph``); never while capturing, when the fill is being recorded."""
+    def _filled_by_caller_graph(self, key, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> bool:
+        """Whether a caller's graph fills this binding from the first rows of
+        exactly these tensors, by where they lie (``fill_in_graph``); never
+        while capturing, when the fill is being recorded."""
         ptrs = self._caller_graph_fills.get(key)
         if ptrs is None or torch.cuda.is_current_stream_capturing():
             return False
-        return _addresses(inputs) in ptrs
+        return (req_pool_indices.data_ptr(), seq_lens.data_ptr()) in ptrs
 
     def _begin_step(self, meta: LengthMetadata) -> None:
         """A binding serves step after step: drop the host state a subclass
@@ -376,13 +376,13 @@ class StaticGraphBackend(AttentionBackend):
         return meta
 
 
-def _graph_fill(forward_mode: ForwardMode, bs: int, req_pool_indices, seq_lens) -> tuple:
-    """The key of the graph binding of ``(forward_mode, bs)``'s fill, and the
-    inputs it fills from: the first ``bs`` rows of each."""
-    return ("graph", forward_mode, bs), (req_pool_indices[:bs], seq_lens[:bs])
+def _graph_key(forward_mode: ForwardMode, bs: int) -> tuple:
+    """The key of the graph binding of ``(forward_mode, bs)``'s fill."""
+    return ("graph", forward_mode, bs)
 
 
-def _addresses(inputs: Tuple[torch.Tensor, torch.Tensor]) -> Tuple[int, int]:
-    """Where a fill's two inputs lie: a caller's offer to hold the fill in
-    its graph is kept by them (``fill_in_graph``)."""
-    return inputs[0].data_ptr(), inputs[1].data_ptr()
+def _graph_inputs(bs: int, req_pool_indices, seq_lens) -> tuple:
+    """What the binding of ``bs`` requests fills from: the first ``bs`` rows
+    of each (a view starts where its tensor does, so a caller's graph that
+    holds the fill is known by the two tensors' addresses)."""
+    return req_pool_indices[:bs], seq_lens[:bs]

@@ -133,6 +133,9 @@ class CudaGraphRunner:
         self._static: Dict[GraphKey, ForwardBatch] = {}  # the batch each graph reads
         self._graphs: Dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._outputs: Dict[GraphKey, torch.Tensor] = {}  # hidden [bs * w, H] in the pool
+        # (mode, real bs, padded bs) -> its fill's sizes: immutable, built once
+        # rather than before every replay.
+        self._fill_contexts: Dict[Tuple[ForwardMode, int, int], FillContext] = {}
         self.capture_core = capture if capture is not None else shared_capture(model_runner.device)
         self.capture_seconds = 0.0
         model_runner.step_graphs = self
@@ -262,7 +265,10 @@ class CudaGraphRunner:
                 f"replay: expected a captured {layout.label} size >= {bs} "
                 f"({self.capture_bs if self._static else 'none captured'}), got {padded_bs}"
             )
-        self.registries[mode].fill_from(batch, FillContext.uniform(bs, padded_bs, layout.width))
+        ctx = self._fill_contexts.get((mode, bs, padded_bs))
+        if ctx is None:
+            ctx = self._fill_contexts[(mode, bs, padded_bs)] = FillContext.uniform(bs, padded_bs, layout.width)
+        self.registries[mode].fill_from(batch, ctx)
         static = self._static[key]
         spec = graph_spec(layout, batch, bs, padded_bs, self._seq_len_fill, static.device)
         seq_lens_sum = batch.seq_lens_sum + self._seq_len_fill * (padded_bs - bs)
