@@ -8,18 +8,20 @@ after a host-bound one (the eager model keeps the card idle most of its
 ``--decode-bs``, with the suite's batch (``--context`` tokens a request),
 this times the whole-model decode step (metadata, graph replay, LM head):
 
-* ``alone``: ``common.time_paths`` of the step by itself;
+* ``alone_sync_warmup``: ``common.time_paths`` of the step by itself, each
+  round's steps after ``common.keep_busy``'s warm-up of synchronised steps
+  (the suite's way);
+* ``alone_queued_warmup``: the same after a warm-up of steps queued back to
+  back without synchronising (the suite's way before);
 * ``with_eager``: ``common.time_paths`` of the eager step and this one,
   interleaved as the suite interleaves its paths;
 * ``after_idle_<N>ms``: one step after the host slept N ms with the card
   idle (median, min and max of 20);
-* ``steps_after_50ms_idle``: 12 steps in a row after 50 ms idle.
+* ``steps_after_50ms_idle``: 12 steps in a row after 50 ms idle;
+* medians of windows of a long run: ``run_after_idle`` (400 synchronised
+  steps after 50 ms idle) and ``run_after_queued_warmup`` (60 after a
+  queued warm-up).
 
-Which warm-up makes a timing steady: ``alone`` warms up with
-``common.keep_busy``'s queued steps (the suite's way); ``alone_sync_warmup``
-with steps synchronised one by one, as the timed ones are. Then medians of
-windows of a long run: ``run_after_idle`` (400 synchronised steps after
-50 ms idle) and ``run_after_queued_warmup`` (60 after ``keep_busy``).
 ``--clocks``: ``nvidia-smi`` samples the SM clock, power and the reasons
 the clock is held down every 20 ms, and each phase gets its samples' median.
 
@@ -136,11 +138,11 @@ def measure(runner, model, whole, bs: int, context: int, clocks: ClockLog) -> di
     batch = make_batch(runner, sp.ForwardMode.DECODE, [context - 1] * bs, [1] * bs)
     whole_step = lambda: graph_step_fn(runner, whole, batch)  # noqa: E731 (time_paths takes factories)
     row = {"bs": bs}
-    with clocks.phase(f"bs{bs} alone"):
-        row["alone"] = time_paths({"whole_model": whole_step})["whole_model"]
+    with clocks.phase(f"bs{bs} alone_queued_warmup"):
+        queued = functools.partial(keep_busy, sync_each=False)
+        row["alone_queued_warmup"] = time_paths({"whole_model": whole_step}, warm_up=queued)["whole_model"]
     with clocks.phase(f"bs{bs} alone_sync_warmup"):
-        synced = functools.partial(keep_busy, sync_each=True)
-        row["alone_sync_warmup"] = time_paths({"whole_model": whole_step}, warm_up=synced)["whole_model"]
+        row["alone_sync_warmup"] = time_paths({"whole_model": whole_step})["whole_model"]
     with clocks.phase(f"bs{bs} with_eager"):
         row["with_eager"] = time_paths({"eager": lambda: step_fn(runner, model, batch), "whole_model": whole_step})
     run = whole_step()
@@ -154,7 +156,7 @@ def measure(runner, model, whole, bs: int, context: int, clocks: ClockLog) -> di
         with clocks.phase(f"bs{bs} run_after_idle"):
             row["run_after_idle"] = windows(step_times_ms(run, RUN_WINDOWS[-1][1]))
         with clocks.phase(f"bs{bs} queued warm-up"):
-            keep_busy(run)
+            keep_busy(run, sync_each=False)
         with clocks.phase(f"bs{bs} run_after_queued_warmup"):
             row["run_after_queued_warmup"] = windows(step_times_ms(run, 60))
     free_batch(runner, batch)

@@ -153,20 +153,22 @@ def host_ms(run: Callable[[], object], reps: int = 30, warmup: int = 5, sync_eac
 # 10 ms of work to raise them again: a whole-model decode step right after
 # 50 ms of idleness took 1.2-1.4x its time in a run of steps on an H100
 # (`bench_idle_clocks.py`, docs/BENCHMARKS.md). Timings follow at least this
-# much wall time of the timed function's own work.
+# much wall time of the timed function's own work, each call synchronised as
+# the timed ones are: after 75-170 steps queued without synchronising, the
+# next synchronised whole-model steps ran slower (0.5b bs 32: 2.07 ms for the
+# first 10 against 1.47 for the next 40), so the timing measured the burst.
 STEADY_CLOCKS_S = 0.025
 
 
-def keep_busy(fn: Callable[[], object], seconds: float = STEADY_CLOCKS_S, sync_each: bool = False) -> None:
+def keep_busy(fn: Callable[[], object], seconds: float = STEADY_CLOCKS_S, sync_each: bool = True) -> None:
     """On a GPU, call ``fn`` until ``seconds`` of wall time have passed (at
     least once), so the card's clocks are up when the timing starts; then
     synchronise. Off a GPU, nothing.
 
-    ``sync_each=False``: the calls are not synchronised one by one, so a
-    step whose host part is short queues more than ``seconds`` of device
-    work (a whole-model decode step with 145-330 µs of host time: 75-170
-    steps). ``sync_each=True``: each call is synchronised, as the timed
-    steps are."""
+    ``sync_each=True``: each call is synchronised, as the timed steps are.
+    ``sync_each=False``: the calls are queued back to back, so a step whose
+    host part is short queues more than ``seconds`` of device work (a
+    whole-model decode step with 145-330 µs of host time: 75-170 steps)."""
     if not torch.cuda.is_available():
         return
     end = time.perf_counter() + seconds
