@@ -185,7 +185,7 @@ class StaticGraphBackend(AttentionBackend):
         # keep what they said (two whole-model runners over one backend).
         held = self._caller_graph_fills.get(_graph_key(forward_mode, bs))
         if held is not None:
-            held.discard((req_pool_indices.data_ptr(), seq_lens.data_ptr()))
+            held.discard(_addresses(req_pool_indices, seq_lens))
         self.init_forward_metadata_replay_cuda_graph(
             bs,
             req_pool_indices,
@@ -245,7 +245,7 @@ class StaticGraphBackend(AttentionBackend):
         meta = self._graph_metadata.get((forward_mode, bs))
         if meta is None or not self.fill_on_device or not can_record_fill(seq_lens.device, meta.masked):
             return False
-        addresses = (req_pool_indices.data_ptr(), seq_lens.data_ptr())
+        addresses = _addresses(req_pool_indices, seq_lens)
         self._caller_graph_fills.setdefault(_graph_key(forward_mode, bs), set()).add(addresses)
         return True
 
@@ -256,7 +256,7 @@ class StaticGraphBackend(AttentionBackend):
         ptrs = self._caller_graph_fills.get(key)
         if ptrs is None or torch.cuda.is_current_stream_capturing():
             return False
-        return (req_pool_indices.data_ptr(), seq_lens.data_ptr()) in ptrs
+        return _addresses(req_pool_indices, seq_lens) in ptrs
 
     def _begin_step(self, meta: LengthMetadata) -> None:
         """A binding serves step after step: drop the host state a subclass
@@ -382,7 +382,13 @@ def _graph_key(forward_mode: ForwardMode, bs: int) -> tuple:
 
 
 def _graph_inputs(bs: int, req_pool_indices, seq_lens) -> tuple:
-    """What the binding of ``bs`` requests fills from: the first ``bs`` rows
-    of each (a view starts where its tensor does, so a caller's graph that
-    holds the fill is known by the two tensors' addresses)."""
+    """What the binding of ``bs`` requests fills from: the first ``bs`` rows of each."""
     return req_pool_indices[:bs], seq_lens[:bs]
+
+
+def _addresses(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> Tuple[int, int]:
+    """Where a fill's two inputs lie: a caller's offer to hold the fill in
+    its graph is kept by them (``fill_in_graph``). The first ``bs`` rows a
+    binding fills from start where their tensors do, so the tensors' own
+    addresses serve, with no slice taken before every replay."""
+    return req_pool_indices.data_ptr(), seq_lens.data_ptr()
