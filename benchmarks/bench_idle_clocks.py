@@ -1,10 +1,11 @@
 """A whole-model decode step right after the card idled (a script, not a
 test).
 
-A GPU that idles for a few milliseconds lowers its clocks; the next steps
-run slower until they are back up. A benchmark that times a fast path right
+A step right after the card idled for a few milliseconds runs slower, and
+the next steps recover (the card's clocks, or the host's: ``--clocks``
+tells whether the SM clock moved). A benchmark that times a fast path right
 after a host-bound one (the eager model keeps the card idle most of its
-13 ms step) measures part of that climb. For the suite's shape and each
+13 ms step) measures part of that recovery. For the suite's shape and each
 ``--decode-bs``, with the suite's batch (``--context`` tokens a request),
 this times the whole-model decode step (metadata, graph replay, LM head):
 

@@ -149,10 +149,11 @@ def host_ms(run: Callable[[], object], reps: int = 30, warmup: int = 5, sync_eac
     return statistics.median(times)
 
 
-# A card that idles for a few milliseconds lowers its clocks, and takes about
-# 10 ms of work to raise them again: a whole-model decode step right after
-# 50 ms of idleness took 1.2-1.4x its time in a run of steps on an H100
-# (`bench_idle_clocks.py`, docs/BENCHMARKS.md). Timings follow at least this
+# A step right after the card idled runs slower, and about 10 ms of work
+# brings it back: a whole-model decode step right after 50 ms of idleness
+# took 1.2-1.4x its time in a run of steps on H100s (`bench_idle_clocks.py`,
+# docs/BENCHMARKS.md; one card read 345 MHz idle, another kept 1980 MHz, so
+# the host may share the cause). Timings follow at least this
 # much wall time of the timed function's own work, each call synchronised as
 # the timed ones are: after 75-170 steps queued without synchronising, the
 # next synchronised whole-model steps ran slower (0.5b bs 32: 2.07 ms for the

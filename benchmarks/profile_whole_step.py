@@ -20,7 +20,7 @@ also cProfile's top functions over 500 whole steps (host time; the profiler
 slows each call, so shares matter, not sums). ``--kernels``: also the kernels of one replay
 (torch.profiler), device time per kernel. Needs CUDA.
 
-    python benchmarks/profile_whole_step.py --out results/ [--shape 1b] [--kernels]
+    python benchmarks/profile_whole_step.py --out results/ [--shape 1b] [--kernels] [--host-parts] [--cprofile]
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def step_phases(runner, graphs, batch, steps: int = 100) -> dict:
     marked = graphs._graphs[key] = MarkedGraph(graph)
     run = graph_step_fn(runner, graphs, batch)
     try:
-        keep_busy(run, sync_each=True)
+        keep_busy(run)
         marked.marks.clear()
         spans = []
         for _ in range(steps):
@@ -167,7 +167,7 @@ def host_parts(runner, graphs, batch, steps: int = 200) -> dict:
     ]
     run = graph_step_fn(runner, graphs, batch)
     with timed(components, totals, calls):
-        keep_busy(run, sync_each=True)
+        keep_busy(run)
         totals.clear()
         start = time.perf_counter_ns()
         for _ in range(steps):
