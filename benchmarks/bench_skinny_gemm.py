@@ -1,11 +1,15 @@
-"""Linear layers at decode batch sizes: cuBLAS against a Triton kernel with
-no split-K (a script, not a test).
+"""Linear layers at decode batch sizes: cuBLAS against Triton kernels (a
+script, not a test).
 
 For each weight shape of the suite's two models and M = 1 / 8 / 32 rows,
 ``F.linear`` (cuBLAS, and cuBLASLt by torch's preference), cuBLAS with the
 weight stored ``[in, out]`` instead of ``nn.Linear``'s ``[out, in]``, and a Triton
 kernel that gives each program a band of output columns and the whole
 reduction, over a sweep of its launch settings (``--no-triton``: none).
+``--split-k`` adds a Triton kernel that also splits the reduction across
+programs, in one launch: the program of a column band that finishes last
+sums the bands' partial results in split order (so the result does not
+depend on which finished first), adds the bias and writes the output.
 Each time is one linear of a CUDA graph that runs the layer's linear over
 24 copies of its weight in turn (as a step reads each layer's weights
 once: no copy stays in L2), median of CUDA-event timings of the graph.
@@ -51,6 +55,64 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _split_k_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm,
+                    stride_wn, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # Grid (column bands, splits of K). part: fp32 [splits, M, N]; count: one
+    # arrival count per band, 0 between launches.
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    k_end = tl.minimum(split * k_per_split + k_per_split, K)
+    for k in range(split * k_per_split, k_end, BLOCK_K):
+        kk = k + ks
+        x = tl.load(x_rows + kk[None, :], mask=(rows[:, None] < M) & (kk[None, :] < k_end), other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=(cols[:, None] < N) & (kk[None, :] < k_end), other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    mask_out = (rows[:, None] < M) & (cols[None, :] < N)
+    if SPLIT:
+        tile = rows[:, None] * N + cols[None, :]
+        tl.store(part_ptr + split * M * N + tile, acc, mask=mask_out)
+        # Partials stored before the count (barrier, release-acquire
+        # increment); the last program of the band sums them and resets it.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived != num_splits - 1:
+            return
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in range(0, num_splits):
+            acc += tl.load(part_ptr + s * M * N + tile, mask=mask_out, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+
+
+def split_k_linear(x, w, b, out, scratch, block_n, block_k, split_k, warps, stages):
+    """``out = F.linear(x, w, b)`` in one launch of ``_split_k_kernel``, the
+    reduction split ``split_k`` ways (fewer where K is short); ``scratch``:
+    (fp32 partials of at least ``split_k * M * N``, zeroed int32 counts of at
+    least one per band)."""
+    m, k = x.shape
+    n = w.shape[0]
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, k_per_split))
+    part, count = scratch
+    _split_k_kernel[grid](
+        x, w, b if b is not None else w, out, part, count, m, n, k, k_per_split, x.stride(0), w.stride(0),
+        out.stride(0), HAS_BIAS=b is not None, SPLIT=grid[1] > 1, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
 
 
 def triton_linear(x, w, b, out, block_n, block_k, warps, stages):
@@ -107,7 +169,37 @@ def in_out_ms(x, ws, bs) -> float:
     return graph_ms(lambda i: torch.mm(x, wts[i]) if bs[i] is None else torch.addmm(bs[i], x, wts[i]))
 
 
-def sweep(name, m, rate, triton_sweep: bool = True) -> dict:
+def best_setting(name, m, run, configs, want, out) -> tuple:
+    """(ms, config, max |out - want|) of the fastest config that runs; each
+    config checked on weight copy 0 first."""
+    best = None
+    for config in configs:
+        try:
+            run(0, config)
+            err = float((out.float() - want.float()).abs().max())
+            ms = graph_ms(lambda i, c=config: run(i, c))
+        except Exception as e:  # out of shared memory or registers: not a candidate
+            print(f"  skip {name} m={m} {config}: {type(e).__name__}", file=sys.stderr)
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, config, err)
+    return best
+
+
+def split_k_configs(k: int) -> list:
+    """(block_n, block_k, split_k, warps, stages); of the split counts that
+    give the same number of splits (a short K gives fewer than asked), only
+    the first."""
+    configs, seen = [], set()
+    for block_n, block_k, split_k, stages in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8, 16), (3, 4)):
+        splits = triton.cdiv(k, triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k)
+        if (block_n, block_k, splits, stages) not in seen:
+            seen.add((block_n, block_k, splits, stages))
+            configs.append((block_n, block_k, split_k, 4, stages))
+    return configs
+
+
+def sweep(name, m, rate, triton_sweep: bool = True, split_k: bool = False) -> dict:
     k, n, has_bias = SHAPES[name]
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(COPIES)]
     bs = [torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None for _ in range(COPIES)]
@@ -117,20 +209,17 @@ def sweep(name, m, rate, triton_sweep: bool = True) -> dict:
     row = {"cublas_ms": graph_ms(lambda i: F.linear(x, ws[i], bs[i])), "floor_ms": 1e3 * n * k * 2 / rate}
     row["cublaslt_ms"] = cublaslt_ms(x, ws, bs)
     row["cublas_in_out_ms"] = in_out_ms(x, ws, bs)
-    if not triton_sweep:
-        return row
-    best = None
-    for config in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 6)):
-        try:
-            triton_linear(x, ws[0], bs[0], out, *config)
-            err = float((out.float() - want.float()).abs().max())
-            ms = graph_ms(lambda i, c=config: triton_linear(x, ws[i], bs[i], out, *c))
-        except Exception as e:  # out of shared memory or registers: not a candidate
-            print(f"  skip {name} m={m} {config}: {type(e).__name__}", file=sys.stderr)
-            continue
-        if best is None or ms < best[0]:
-            best = (ms, config, err)
-    row.update(triton_ms=best[0], triton_config=best[1], triton_max_err=best[2])
+    if split_k:
+        scratch = (torch.empty(16 * m * n, device="cuda", dtype=torch.float32),
+                   torch.zeros(triton.cdiv(n, 16), device="cuda", dtype=torch.int32))  # fmt: skip
+        run = lambda i, c: split_k_linear(x, ws[i], bs[i], out, scratch, *c)  # noqa: E731
+        best = best_setting(name, m, run, split_k_configs(k), want, out)
+        row.update(split_k_ms=best[0], split_k_config=best[1], split_k_max_err=best[2])
+    if triton_sweep:
+        configs = itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 6))
+        run = lambda i, c: triton_linear(x, ws[i], bs[i], out, *c)  # noqa: E731
+        best = best_setting(name, m, run, configs, want, out)
+        row.update(triton_ms=best[0], triton_config=best[1], triton_max_err=best[2])
     return row
 
 
@@ -139,7 +228,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--m", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    p.add_argument("--no-triton", action="store_true", help="cuBLAS and cuBLASLt only, no Triton sweep")
+    p.add_argument("--no-triton", action="store_true", help="no sweep of the band kernel (no split-K)")
+    p.add_argument("--split-k", action="store_true", help="also sweep the split-K kernel")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rate = copy_rate()
@@ -147,7 +237,7 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%d", time.gmtime()), "copy_rate_Bps": rate, "rows": {}}  # fmt: skip
     for name in args.shapes:
         for m in args.m:
-            row = sweep(name, m, rate, triton_sweep=not args.no_triton)
+            row = sweep(name, m, rate, triton_sweep=not args.no_triton, split_k=args.split_k)
             result["rows"][f"{name} m={m}"] = row
             us = {k: f"{1e3 * v:6.2f}" for k, v in row.items() if k.endswith("_ms")}
             print(f"{name:14s} m={m:3d} µs {us}", {k: v for k, v in row.items() if not k.endswith("_ms")}, flush=True)
