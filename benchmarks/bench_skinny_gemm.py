@@ -6,9 +6,9 @@ For each weight shape of the suite's two models and M = 1 / 8 / 32 rows,
 weight stored ``[in, out]`` instead of ``nn.Linear``'s ``[out, in]``, and a Triton
 kernel that gives each program a band of output columns and the whole
 reduction, over a sweep of its launch settings (``--no-triton``: none).
-``--split-k`` adds a Triton kernel that also splits the reduction across
-programs, in one launch: the program of a column band that finishes last
-sums the bands' partial results in split order (so the result does not
+``--split-k`` adds a sweep of the same kernel splitting the reduction
+across programs, in one launch: the program of a column band that finishes
+last sums the band's partial results in split order (so the result does not
 depend on which finished first), adds the bias and writes the output.
 Each time is one linear of a CUDA graph that runs the layer's linear over
 24 copies of its weight in turn (as a step reads each layer's weights
@@ -16,7 +16,7 @@ once: no copy stays in L2), median of CUDA-event timings of the graph.
 Prints the best setting per shape, its time against cuBLAS's, and the
 copy-rate floor of the weight read.
 
-    python benchmarks/bench_skinny_gemm.py --out results/ [--no-triton]
+    python benchmarks/bench_skinny_gemm.py --out results/ [--no-triton] [--split-k]
 """
 
 from __future__ import annotations
@@ -36,29 +36,7 @@ from common import copy_rate, median_ms  # noqa: E402 (benchmarks/ is the script
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    x_rows = x_ptr + rows[:, None] * stride_xm
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
-    for k in range(0, K, BLOCK_K):
-        kk = k + ks
-        x = tl.load(x_rows + kk[None, :], mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w = tl.load(w_rows + kk[None, :], mask=(cols[:, None] < N) & (kk[None, :] < K), other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
-
-
-@triton.jit
-def _split_k_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm,
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm,
                     stride_wn, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     # Grid (column bands, splits of K). part: fp32 [splits, M, N]; count: one
@@ -99,7 +77,7 @@ def _split_k_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
 
 
 def split_k_linear(x, w, b, out, scratch, block_n, block_k, split_k, warps, stages):
-    """``out = F.linear(x, w, b)`` in one launch of ``_split_k_kernel``, the
+    """``out = F.linear(x, w, b)`` in one launch of ``_linear_kernel``, the
     reduction split ``split_k`` ways (fewer where K is short); ``scratch``:
     (fp32 partials of at least ``split_k * M * N``, zeroed int32 counts of at
     least one per band)."""
@@ -107,8 +85,8 @@ def split_k_linear(x, w, b, out, scratch, block_n, block_k, split_k, warps, stag
     n = w.shape[0]
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, k_per_split))
-    part, count = scratch
-    _split_k_kernel[grid](
+    part, count = scratch if grid[1] > 1 else (out, out)  # one split reads neither
+    _linear_kernel[grid](
         x, w, b if b is not None else w, out, part, count, m, n, k, k_per_split, x.stride(0), w.stride(0),
         out.stride(0), HAS_BIAS=b is not None, SPLIT=grid[1] > 1, BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
@@ -116,14 +94,9 @@ def split_k_linear(x, w, b, out, scratch, block_n, block_k, split_k, warps, stag
 
 
 def triton_linear(x, w, b, out, block_n, block_k, warps, stages):
-    m, k = x.shape
-    n = w.shape[0]
-    block_m = max(16, triton.next_power_of_2(m))
-    _linear_kernel[(triton.cdiv(n, block_n),)](
-        x, w, b if b is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        HAS_BIAS=b is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    """The band kernel: each program a band of output columns and the whole
+    reduction (``_linear_kernel`` with one split, which needs no scratch)."""
+    split_k_linear(x, w, b, out, None, block_n, block_k, 1, warps, stages)
 
 
 SHAPES = {  # name: (in, out, bias)
