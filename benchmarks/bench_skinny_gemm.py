@@ -76,6 +76,18 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
 
 
+# The split-K sweep's bounds, which size its scratch: at most this many
+# splits, bands of at least this many columns.
+MAX_SPLIT_K = 16
+MIN_BLOCK_N = 16
+
+
+def k_per_split(k: int, split_k: int, block_k: int) -> int:
+    """Reduction length of each of ``split_k`` splits, whole ``block_k``
+    tiles; a short K gives fewer splits than asked (``cdiv(k, this)``)."""
+    return triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+
+
 def split_k_linear(x, w, b, out, scratch, block_n, block_k, split_k, warps, stages):
     """``out = F.linear(x, w, b)`` in one launch of ``_linear_kernel``, the
     reduction split ``split_k`` ways (fewer where K is short); ``scratch``:
@@ -83,11 +95,11 @@ def split_k_linear(x, w, b, out, scratch, block_n, block_k, split_k, warps, stag
     least one per band)."""
     m, k = x.shape
     n = w.shape[0]
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k, k_per_split))
+    per_split = k_per_split(k, split_k, block_k)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, per_split))
     part, count = scratch if grid[1] > 1 else (out, out)  # one split reads neither
     _linear_kernel[grid](
-        x, w, b if b is not None else w, out, part, count, m, n, k, k_per_split, x.stride(0), w.stride(0),
+        x, w, b if b is not None else w, out, part, count, m, n, k, per_split, x.stride(0), w.stride(0),
         out.stride(0), HAS_BIAS=b is not None, SPLIT=grid[1] > 1, BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
@@ -164,8 +176,9 @@ def split_k_configs(k: int) -> list:
     give the same number of splits (a short K gives fewer than asked), only
     the first."""
     configs, seen = [], set()
-    for block_n, block_k, split_k, stages in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8, 16), (3, 4)):
-        splits = triton.cdiv(k, triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k)
+    settings = itertools.product((MIN_BLOCK_N, 32, 64), (128, 256), (1, 2, 4, 8, MAX_SPLIT_K), (3, 4))
+    for block_n, block_k, split_k, stages in settings:
+        splits = triton.cdiv(k, k_per_split(k, split_k, block_k))
         if (block_n, block_k, splits, stages) not in seen:
             seen.add((block_n, block_k, splits, stages))
             configs.append((block_n, block_k, split_k, 4, stages))
@@ -183,8 +196,8 @@ def sweep(name, m, rate, triton_sweep: bool = True, split_k: bool = False) -> di
     row["cublaslt_ms"] = cublaslt_ms(x, ws, bs)
     row["cublas_in_out_ms"] = in_out_ms(x, ws, bs)
     if split_k:
-        scratch = (torch.empty(16 * m * n, device="cuda", dtype=torch.float32),
-                   torch.zeros(triton.cdiv(n, 16), device="cuda", dtype=torch.int32))  # fmt: skip
+        scratch = (torch.empty(MAX_SPLIT_K * m * n, device="cuda", dtype=torch.float32),
+                   torch.zeros(triton.cdiv(n, MIN_BLOCK_N), device="cuda", dtype=torch.int32))  # fmt: skip
         run = lambda i, c: split_k_linear(x, ws[i], bs[i], out, scratch, *c)  # noqa: E731
         best = best_setting(name, m, run, split_k_configs(k), want, out)
         row.update(split_k_ms=best[0], split_k_config=best[1], split_k_max_err=best[2])
