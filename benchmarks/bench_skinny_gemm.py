@@ -156,7 +156,8 @@ def in_out_ms(x, ws, bs) -> float:
 
 def best_setting(name, m, run, configs, want, out) -> tuple:
     """(ms, config, max |out - want|) of the fastest config that runs; each
-    config checked on weight copy 0 first."""
+    config checked on weight copy 0 first. (None, None, None) when none runs:
+    the row records that and the sweep goes on."""
     best = None
     for config in configs:
         try:
@@ -168,6 +169,9 @@ def best_setting(name, m, run, configs, want, out) -> tuple:
             continue
         if best is None or ms < best[0]:
             best = (ms, config, err)
+    if best is None:
+        print(f"  no setting of {name} m={m} ran", file=sys.stderr)
+        return None, None, None
     return best
 
 
@@ -225,7 +229,7 @@ def main() -> None:
         for m in args.m:
             row = sweep(name, m, rate, triton_sweep=not args.no_triton, split_k=args.split_k)
             result["rows"][f"{name} m={m}"] = row
-            us = {k: f"{1e3 * v:6.2f}" for k, v in row.items() if k.endswith("_ms")}
+            us = {k: "none ran" if v is None else f"{1e3 * v:6.2f}" for k, v in row.items() if k.endswith("_ms")}
             print(f"{name:14s} m={m:3d} µs {us}", {k: v for k, v in row.items() if not k.endswith("_ms")}, flush=True)
     json.dump(result, open(os.path.join(args.out, "skinny_gemm.json"), "w"), indent=1)
 
