@@ -225,7 +225,7 @@ def test_a_model_built_for_cuda_starts_hashing_triton_s_sources_and_one_for_the_
 
     started = []
     monkeypatch.setattr(launch, "hash_triton_sources_ahead", lambda: started.append(True))
-    for device in ("cpu", torch.device("cpu"), "meta"):
+    for device in ("cpu", torch.device("cpu"), "meta", None):
         loader.hash_triton_sources_while_loading(device)
     assert started == []
     for device in ("cuda", torch.device("cuda", 0)):
@@ -237,6 +237,8 @@ def test_a_model_built_for_cuda_starts_hashing_triton_s_sources_and_one_for_the_
     config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], **TINY})
     build_random_model(config, device="cpu")
     assert devices == ["cpu"]
+    monkeypatch.undo()
+    assert next(build_random_model(config, device=None).parameters()).device.type == "cpu"  # the default device
 
 
 def test_load_model_or_default_without_a_path_gives_the_default_random_model():

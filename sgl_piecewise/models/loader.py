@@ -53,7 +53,11 @@ def hash_triton_sources_while_loading(device: torch.device | str) -> None:
     library (0.3-0.5 s). Started where the backend is built, it was still
     running at a warm start's first launch (docs/BENCHMARKS.md); started
     here, it runs while the weights are read and copied."""
-    if torch.device(device).type != "cuda":
+    try:
+        on_cuda = torch.device(device).type == "cuda"
+    except (TypeError, RuntimeError):  # None (the default device), or no device: the model's allocation decides
+        return
+    if not on_cuda:
         return
     try:
         from sgl_piecewise.backends.triton_kernels.launch import hash_triton_sources_ahead
