@@ -32,7 +32,7 @@ import time
 
 import torch
 from bench_skinny_gemm import SHAPES  # noqa: E402 (benchmarks/ is the script's folder)
-from common import write_json
+from common import cublas_workspaces_kept, host_ms, write_json
 
 from sgl_piecewise.runners import capture as capture_core
 
@@ -48,16 +48,6 @@ def gemm(x, w, b, out) -> None:
 
 
 @contextlib.contextmanager
-def workspaces_kept():
-    free = capture_core.cublas_workspaces_into_pool
-    capture_core.cublas_workspaces_into_pool = lambda: None
-    try:
-        yield
-    finally:
-        capture_core.cublas_workspaces_into_pool = free
-
-
-@contextlib.contextmanager
 def blas_library(name: str):
     before = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library(name)
@@ -65,16 +55,6 @@ def blas_library(name: str):
         yield
     finally:
         torch.backends.cuda.preferred_blas_library(before)
-
-
-def on_stream_us(call, reps: int) -> list:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        call()
-        times.append(1e6 * (time.perf_counter() - start))
-        torch.cuda.synchronize()
-    return times
 
 
 def captured_us(core, call, reps: int) -> tuple:
@@ -103,12 +83,10 @@ def measure(core, name: str, m: int, reps: int) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     call = lambda: gemm(x, w, b, out)  # noqa: E731
-    call()
-    torch.cuda.synchronize()
-    row = {"stream_us": statistics.median(on_stream_us(call, reps))}
+    row = {"stream_us": 1e3 * host_ms(call, reps, warmup=1)}
     ways = {
         "captured": contextlib.nullcontext,
-        "captured_workspace_kept": workspaces_kept,
+        "captured_workspace_kept": cublas_workspaces_kept,
         "captured_cublaslt": lambda: blas_library("cublaslt"),
     }
     for way, setting in ways.items():

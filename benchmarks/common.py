@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import sgl_piecewise as sp
+from sgl_piecewise.runners import capture as capture_core
 from sgl_piecewise.testing import place_requests, release_batch
 
 # Hugging Face config.json dicts of the shapes the benchmarks run.
@@ -389,3 +390,16 @@ def timed(components: list, totals: collections.Counter, calls: collections.Coun
     finally:
         for owner, name, fn in reversed(saved):
             put(owner, name, fn)
+
+
+@contextlib.contextmanager
+def cublas_workspaces_kept():
+    """While inside, a capture does not free cuBLAS's workspaces before it
+    begins (``capture.cublas_workspaces_into_pool`` does nothing): to time
+    what freeing them costs."""
+    free = capture_core.cublas_workspaces_into_pool
+    capture_core.cublas_workspaces_into_pool = lambda: None
+    try:
+        yield
+    finally:
+        capture_core.cublas_workspaces_into_pool = free

@@ -11,8 +11,8 @@ host time, per piece graph captured::
     python benchmarks/profile_capture.py --out results/ [--cache-dir DIR]
 
 ``--keep-cublas-workspaces``: a capture does not free cuBLAS's workspaces
-before it begins (``capture.cublas_workspaces_into_pool`` does nothing), to
-time what freeing them costs. ``--blas cublaslt``: torch's preferred BLAS
+before it begins (``common.cublas_workspaces_kept``), to time what freeing
+them costs. ``--blas cublaslt``: torch's preferred BLAS
 library for the captures.
 
 Needs CUDA.
@@ -21,18 +21,18 @@ Needs CUDA.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 import types
 
 import suite
 import torch
-from common import write_json  # noqa: E402 (benchmarks/ is the script's folder)
+from common import cublas_workspaces_kept, write_json  # noqa: E402 (benchmarks/ is the script's folder)
 from torch.profiler import ProfilerActivity, profile
 
 from sgl_piecewise.compile import CompileOptions, counters
 from sgl_piecewise.runners import PiecewiseCudaGraphRunner
-from sgl_piecewise.runners import capture as capture_core
 
 TOP_OPERATORS = 25
 
@@ -52,9 +52,12 @@ def main() -> None:
     p.add_argument("--keep-cublas-workspaces", action="store_true")
     p.add_argument("--blas", choices=("cublas", "cublaslt"), default="cublas")
     cli = p.parse_args()
-    if cli.keep_cublas_workspaces:
-        capture_core.cublas_workspaces_into_pool = lambda: None
     torch.backends.cuda.preferred_blas_library(cli.blas)
+    with cublas_workspaces_kept() if cli.keep_cublas_workspaces else contextlib.nullcontext():
+        profile_captures(cli)
+
+
+def profile_captures(cli) -> None:
     args = types.SimpleNamespace(shape="0.5b", device="cuda", backend="triton", context=1024,
                                  decode_bs=[1, 8, 32], extend=[16])  # fmt: skip
     model, runner = suite.build(args)
