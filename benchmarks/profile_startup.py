@@ -20,12 +20,6 @@ there (``CompileOptions.cache_dir``; the second process is a warm start).
 ``--no-hash-ahead``: Triton's cache key is computed at the first kernel
 Triton looks up, not on a background thread from the backend's creation on
 (``launch.hash_triton_sources_ahead``).
-``--no-compiler-imports-ahead``: the model's weights are drawn on this
-thread, and torch's compiler modules are imported when the start-up first
-needs them, not while the weights are drawn (``loader.beside_compiler_imports``).
-Besides the start-up (the captures), the model's build and the two together
-are timed: what the imports ahead take out of the start-up, they may add to
-the build.
 Each graph capture is timed too (the pieces', and the metadata fill's per
 size): beginning it, the whole of it, ending it (CUDA's instantiation
 included). Needs CUDA.
@@ -57,7 +51,6 @@ from sgl_piecewise.backends.triton_kernels import extend
 from sgl_piecewise.compile import CompileOptions, counters
 from sgl_piecewise.compile import backend as compile_backend
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
-from sgl_piecewise.models import loader
 from sgl_piecewise.runners import PiecewiseCudaGraphRunner
 from sgl_piecewise.runners.capture import GraphCapture
 
@@ -86,7 +79,6 @@ def main() -> None:
     p.add_argument("--no-compile-ahead", action="store_true")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--no-hash-ahead", action="store_true")
-    p.add_argument("--no-compiler-imports-ahead", action="store_true")
     p.add_argument("--no-inductor-autotune", action="store_true", help=NO_INDUCTOR_AUTOTUNE_HELP)
     cli = p.parse_args()
     if cli.no_inductor_autotune:
@@ -95,13 +87,9 @@ def main() -> None:
         extend._launch_extend.variants = None
     if cli.no_hash_ahead:
         triton_backend.hash_triton_sources_ahead = lambda: None
-    if cli.no_compiler_imports_ahead:
-        loader.beside_compiler_imports = lambda device, produce: produce()
     args = types.SimpleNamespace(shape="0.5b", device="cuda", backend="triton", context=1024,
                                  decode_bs=[1, 8, 32], extend=[16])  # fmt: skip
-    build_start = time.perf_counter()
     model, runner = suite.build(args)
-    build_seconds = time.perf_counter() - build_start
     phases = [
         (compile_backend._CompilePieces, "run", "split module's fake run, piece compiles included"),
         (PieceCompiler, "__call__", "piece compiles"),
@@ -130,8 +118,6 @@ def main() -> None:
     info = {
         "shape": args.shape, "torch": torch.__version__, "card": torch.cuda.get_device_name(),
         "compile_ahead": not cli.no_compile_ahead, "hash_ahead": not cli.no_hash_ahead,
-        "compiler_imports_ahead": not cli.no_compiler_imports_ahead,
-        "build_seconds": round(build_seconds, 3), "build_and_capture_seconds": round(build_seconds + seconds, 3),
         "inductor_autotune": not cli.no_inductor_autotune,
         "from_saved_compile": counters.compiles_loaded > 0,
         "seconds": round(seconds, 3), "first_size_seconds": round(first, 3), "other_sizes_seconds": round(others, 3),
@@ -148,7 +134,6 @@ def main() -> None:
     os.makedirs(cli.out, exist_ok=True)
     name = "profile_startup_0.5b" + ("_no_compile_ahead" if cli.no_compile_ahead else "")
     name += "_no_hash_ahead" if cli.no_hash_ahead else ""
-    name += "_no_compiler_imports_ahead" if cli.no_compiler_imports_ahead else ""
     name += "_no_inductor_autotune" if cli.no_inductor_autotune else ""
     name += "_from_saved_compile.json" if info["from_saved_compile"] else ".json"
     json.dump(info, open(os.path.join(cli.out, name), "w"), indent=1)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 
 import pytest
 import torch
@@ -240,119 +239,6 @@ def test_a_model_built_for_cuda_starts_hashing_triton_s_sources_and_one_for_the_
     assert devices == ["cpu"]
     monkeypatch.undo()
     assert next(build_random_model(config, device=None).parameters()).device.type == "cpu"  # the default device
-
-
-@pytest.fixture
-def compiler_imports(monkeypatch):
-    """Every device counts as CUDA for ``beside_compiler_imports``, and the
-    compiler's imports are a stand-in that records the thread it ran on and
-    waits (up to 10 s) until ``produce`` has started: run one after the other,
-    the two would not meet."""
-    import threading
-
-    from sgl_piecewise.compile import imports_ahead
-    from sgl_piecewise.models import loader
-
-    record = {"import_threads": [], "producing": threading.Event()}
-
-    def import_compiler():
-        record["import_threads"].append(threading.get_ident())
-        record["met"] = record["producing"].wait(10)
-
-    monkeypatch.setattr(loader, "_on_cuda", lambda device: True)
-    monkeypatch.setattr(imports_ahead, "compiler_imported", lambda: False)
-    monkeypatch.setattr(imports_ahead, "import_compiler", import_compiler)
-    return record
-
-
-def test_on_cuda_weights_are_produced_on_a_worker_while_this_thread_imports_the_compiler(compiler_imports):
-    import threading
-
-    from sgl_piecewise.models import loader
-
-    def produce():
-        compiler_imports["producing"].set()
-        return threading.get_ident(), sys.getswitchinterval()
-
-    interval = sys.getswitchinterval()
-    worker, interval_meanwhile = loader.beside_compiler_imports("cuda", produce)
-    assert compiler_imports["import_threads"] == [threading.get_ident()]  # imports on this thread
-    assert worker != threading.get_ident() and compiler_imports["met"]
-    # The GIL changes hands promptly while both run, and as before after.
-    assert interval_meanwhile < interval and sys.getswitchinterval() == interval
-
-
-def test_an_error_while_producing_the_weights_reaches_the_caller_as_raised(compiler_imports):
-    from sgl_piecewise.models import loader
-
-    def produce():
-        compiler_imports["producing"].set()
-        raise InvalidInputError("expected a readable shard, got garbage")
-
-    interval = sys.getswitchinterval()
-    with pytest.raises(InvalidInputError, match="expected a readable shard"):
-        loader.beside_compiler_imports("cuda", produce)
-    assert compiler_imports["met"] and sys.getswitchinterval() == interval
-
-
-def test_weights_drawn_or_read_on_the_worker_are_the_ones_drawn_or_read_here(compiler_imports, llama_dir, monkeypatch):
-    compiler_imports["producing"].set()  # the real draw and read do not say when they start
-    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], **TINY})
-    beside = build_random_model(config, seed=3), load_model(llama_dir)
-    assert len(compiler_imports["import_threads"]) == 2  # both went through the worker
-    monkeypatch.undo()
-    assert _params_equal(beside[0], build_random_model(config, seed=3))
-    assert _params_equal(beside[1], load_model(llama_dir))
-
-
-def test_off_cuda_or_with_the_compiler_imported_the_weights_are_produced_here(monkeypatch):
-    import threading
-
-    from sgl_piecewise.compile import imports_ahead
-    from sgl_piecewise.models import loader
-
-    imports = []
-    monkeypatch.setattr(imports_ahead, "import_compiler", lambda: imports.append(True))
-    for device in ("cpu", "meta", None):
-        assert loader.beside_compiler_imports(device, threading.get_ident) == threading.get_ident()
-    monkeypatch.setattr(loader, "_on_cuda", lambda device: True)
-    monkeypatch.setattr(imports_ahead, "compiler_imported", lambda: True)
-    assert loader.beside_compiler_imports("cuda", threading.get_ident) == threading.get_ident()
-    assert imports == []
-
-
-def test_importing_the_compiler_ahead_imports_every_module_and_only_logs_a_failure(monkeypatch, caplog):
-    import logging
-
-    from sgl_piecewise.compile import imports_ahead
-
-    imports_ahead.import_compiler()
-    assert imports_ahead.compiler_imported()
-    monkeypatch.setattr(imports_ahead, "COMPILER_MODULES", ("torch._inductor.no_such_module",))
-    with caplog.at_level(logging.DEBUG, logger="sgl_piecewise"):
-        imports_ahead.import_compiler()
-    assert not imports_ahead.compiler_imported()
-    assert "not imported ahead: ModuleNotFoundError" in caplog.text
-
-
-@pytest.mark.gpu
-def test_a_model_built_on_cuda_in_a_fresh_process_comes_with_the_compiler_imported_and_the_same_weights():
-    import subprocess
-
-    code = """
-import sys, torch
-from sgl_piecewise.models import ModelConfig, build_random_model
-config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], **%r})
-assert "torch._inductor.select_algorithm" not in sys.modules
-cuda = build_random_model(config, torch.bfloat16, "cuda", seed=4)
-assert "torch._inductor.select_algorithm" in sys.modules
-cpu = build_random_model(config, torch.bfloat16, "cpu", seed=4)
-for (name, a), b in zip(cuda.named_parameters(), cpu.parameters()):
-    assert torch.equal(a.cpu(), b), name
-print("ok")
-""" % (TINY,)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 def test_load_model_or_default_without_a_path_gives_the_default_random_model():

@@ -14,10 +14,8 @@ from __future__ import annotations
 import glob
 import json
 import os
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
-from typing import Callable, Dict, Iterable, List, Optional, Tuple, TypeVar
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -38,12 +36,6 @@ _TIED_HEAD = "lm_head.weight"
 
 INDEX_FILE = "model.safetensors.index.json"
 
-T = TypeVar("T")
-
-# Python's GIL switch interval while the weights load beside the imports (see
-# beside_compiler_imports).
-_SWITCH_INTERVAL_WHILE_LOADING_S = 1e-4
-
 
 def new_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
     """The model class of ``config.architecture``, parameters uninitialised."""
@@ -51,13 +43,6 @@ def new_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | st
         raise InvalidTypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
     hash_triton_sources_while_loading(device)
     return MODEL_CLASSES[config.architecture](config, dtype=dtype, device=device)
-
-
-def _on_cuda(device: torch.device | str | None) -> bool:
-    try:
-        return torch.device(device).type == "cuda"
-    except (TypeError, RuntimeError):  # None (the default device), or no device
-        return False
 
 
 def hash_triton_sources_while_loading(device: torch.device | str) -> None:
@@ -68,65 +53,17 @@ def hash_triton_sources_while_loading(device: torch.device | str) -> None:
     library (0.3-0.5 s). Started where the backend is built, it was still
     running at a warm start's first launch (docs/BENCHMARKS.md); started
     here, it runs while the weights are read and copied."""
-    if not _on_cuda(device):  # None (the default device) included: the model's allocation decides
+    try:
+        on_cuda = torch.device(device).type == "cuda"
+    except (TypeError, RuntimeError):  # None (the default device), or no device: the model's allocation decides
+        return
+    if not on_cuda:
         return
     try:
         from sgl_piecewise.backends.triton_kernels.launch import hash_triton_sources_ahead
     except ImportError:  # no Triton: nothing of ours launches a Triton kernel
         return
     hash_triton_sources_ahead()
-
-
-def beside_compiler_imports(device: torch.device | str | None, produce: Callable[[], T]) -> T:
-    """``produce()`` (the weights read or drawn) on a worker thread while this
-    thread imports torch's compiler modules (``compile/imports_ahead.py``);
-    its result, or its exception.
-
-    Only on CUDA, where graphs are what the model is built for, and only
-    while the compiler is not imported yet: elsewhere ``produce()`` runs
-    here, as before. Reading safetensors and drawing random weights are
-    native work that lets the GIL go, and the imports hold it, so the two
-    overlap (docs/BENCHMARKS.md). ``produce`` runs under this thread's
-    current device and stream, so its copies are ordered as if run here,
-    and must import nothing: imports stay on this thread.
-    """
-    if not _on_cuda(device):
-        return produce()
-    from sgl_piecewise.compile import imports_ahead
-
-    if imports_ahead.compiler_imported():
-        return produce()
-    # The worker takes the GIL back after every native call (~900 for a
-    # 0.5B model's draw), and Python hands it over only after the importing
-    # thread has held it for the switch interval (5 ms by default): on an
-    # H100 host that stretched the draw by 2.3-2.8 s. A short interval makes
-    # the hand-over prompt; it is restored when the weights are in.
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(_SWITCH_INTERVAL_WHILE_LOADING_S)
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix="sgl-piecewise-weights") as pool:
-            produced = pool.submit(_on_this_threads_stream(device, produce))
-            imports_ahead.import_compiler()
-            return produced.result()
-    finally:
-        sys.setswitchinterval(interval)
-
-
-def _on_this_threads_stream(device: torch.device | str, produce: Callable[[], T]) -> Callable[[], T]:
-    """``produce`` to run on another thread under this thread's current
-    device and stream (both are per thread). Before CUDA is initialised
-    there are none to carry: the worker's defaults are the same."""
-    if not torch.cuda.is_initialized():
-        return produce
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    stream = torch.cuda.current_stream(index)
-
-    def on_worker() -> T:
-        with torch.cuda.device(index), torch.cuda.stream(stream):
-            return produce()
-
-    return on_worker
 
 
 def hf_weight_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
@@ -291,9 +228,7 @@ def load_model(
     """Load a Llama or Qwen2 Hugging Face checkpoint directory, eval mode."""
     model_dir = os.fspath(model_dir)
     config = ModelConfig.from_pretrained_dir(model_dir)
-    files = checkpoint_files(model_dir)
-    hash_triton_sources_while_loading(device)  # alongside the read, too
-    tensors = beside_compiler_imports(device, lambda: read_safetensors(files))
+    tensors = read_safetensors(checkpoint_files(model_dir))
     check_hf_weights(config, tensors)
     model = new_model(config, dtype, device)
     params = dict(model.named_parameters())
@@ -320,16 +255,12 @@ def build_random_model(
     model = new_model(config, dtype, device)
     gen = torch.Generator().manual_seed(seed)
     norm_params = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-
-    @torch.no_grad()  # grad mode is per thread: set where this runs
-    def draw() -> None:
+    with torch.no_grad():
         for p in model.parameters():
             if id(p) in norm_params:
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
-
-    beside_compiler_imports(device, draw)
     return model.eval()
 
 
