@@ -278,25 +278,29 @@ def test_functional_attention_becomes_the_out_variant():
     assert "sgl_piecewise.unified_attention" not in seen["targets"]
 
 
-def test_capture_freezes_gc_even_if_others_froze_first_and_nests():
+def test_capture_freezes_gc_even_if_others_froze_first_and_nests(monkeypatch):
     import gc
 
     from sgl_piecewise.runners.capture import frozen_gc
 
+    # Frozen objects that die leave the frozen set (another thread's garbage
+    # may): the count only bounds what a freeze did; thaws are watched instead.
+    thaws = []
+    unfreeze = gc.unfreeze
+    monkeypatch.setattr(gc, "unfreeze", lambda: (thaws.append(True), unfreeze()))
     gc.freeze()  # someone else's freeze (Inductor's compile-worker pool does this)
     try:
         before = gc.get_freeze_count()
         fresh = [[] for _ in range(100)]  # created after that freeze
         with frozen_gc():
-            outer = gc.get_freeze_count()
-            assert outer >= before + len(fresh)  # the capture froze them too
+            assert gc.get_freeze_count() >= before + len(fresh) // 2  # the capture froze them too
             with frozen_gc():
                 pass
-            assert gc.get_freeze_count() == outer  # the inner exit thawed nothing
-        # The outer exit leaves the caller's freeze in place.
-        assert gc.get_freeze_count() >= before
+            assert thaws == []  # the inner exit thawed nothing
+        assert thaws == []  # nor the outer one: the caller's freeze stays in place
+        assert gc.get_freeze_count() >= before // 2
     finally:
-        gc.unfreeze()
+        unfreeze()
 
 
 def test_capture_thaws_on_exit_what_it_froze_when_nothing_was_frozen_before():
