@@ -32,7 +32,7 @@ import time
 
 import torch
 from bench_skinny_gemm import SHAPES  # noqa: E402 (benchmarks/ is the script's folder)
-from common import cublas_workspaces_kept, host_ms, write_json
+from common import blas_library, cublas_workspaces_kept, host_ms, write_json
 
 from sgl_piecewise.runners import capture as capture_core
 
@@ -45,16 +45,6 @@ def gemm(x, w, b, out) -> None:
         torch.mm(x, w.t(), out=out)
     else:
         torch.addmm(b, x, w.t(), out=out)
-
-
-@contextlib.contextmanager
-def blas_library(name: str):
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(name)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
 
 
 def captured_us(core, call, reps: int) -> tuple:

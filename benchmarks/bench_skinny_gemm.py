@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from common import copy_rate, median_ms  # noqa: E402 (benchmarks/ is the script's folder)
+from common import blas_library, copy_rate, median_ms  # noqa: E402 (benchmarks/ is the script's folder)
 
 
 @triton.jit
@@ -139,12 +139,8 @@ def graph_ms(step) -> float:
 def cublaslt_ms(x, ws, bs) -> float:
     """``F.linear`` captured with torch's cuBLASLt preference (its own
     heuristics; another set of kernels, split-K or not), restored after."""
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    try:
+    with blas_library("cublaslt"):
         return graph_ms(lambda i: F.linear(x, ws[i], bs[i]))
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
 
 
 def in_out_ms(x, ws, bs) -> float:

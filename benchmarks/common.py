@@ -403,3 +403,15 @@ def cublas_workspaces_kept():
         yield
     finally:
         capture_core.cublas_workspaces_into_pool = free
+
+
+@contextlib.contextmanager
+def blas_library(name: str):
+    """While inside, torch prefers BLAS library ``name`` ("cublas",
+    "cublaslt"); the preference before is restored after."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
