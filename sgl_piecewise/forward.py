@@ -122,7 +122,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     seq_lens: torch.Tensor  # [bs] int32
-    seq_lens_cpu: torch.Tensor  # [bs] int32, on the host
+    seq_lens_cpu: Optional[torch.Tensor]  # [bs] int32, on the host (None: a graph's static batch that keeps none)
     extend_seq_lens: torch.Tensor  # [bs] int32, new tokens per request
     extend_prefix_lens: torch.Tensor  # [bs] int32, cached tokens before this step
     req_pool_indices: torch.Tensor  # [bs] int64, rows of req_to_token

@@ -409,6 +409,15 @@ def test_composite_serves_only_what_every_member_serves():
     assert composite.supported_modes == ALL_MODES and not composite.supports_cuda_graph
 
 
+def test_composite_replay_reads_host_lengths_where_any_member_does():
+    pools = make_pools()
+    graph_safe = [TorchGraphBackend(pools.req, pools.kv), TorchGraphBackend(pools.req, pools.kv)]
+    assert not CompositeBackend(graph_safe[0], graph_safe[1:]).replay_reads_host_lengths
+    reads = TorchGraphBackend(pools.req, pools.kv)
+    reads.replay_reads_host_lengths = True  # as a backend written for SGLang's hook may
+    assert CompositeBackend(graph_safe[0], [reads]).replay_reads_host_lengths
+
+
 def test_a_capture_takes_back_only_its_own_inputs_offer_to_hold_the_fill(monkeypatch):
     """Two graph runners over one backend, each with its own static inputs,
     offer to hold a size's fill in their graphs (``fill_in_graph``): a

@@ -98,6 +98,14 @@ def test_decode_registry_declares_its_slots():
     assert reg.get_slot("num_token_non_padded").copy_from_fb is False
 
 
+def test_decode_registry_without_host_lengths_has_no_host_slot_and_refuses_to_bind_one():
+    reg = decode_(host_seq_lens=False)
+    assert "seq_lens_cpu" not in reg and "seq_lens" in reg
+    assert all(slot.device.type == "cpu" for slot in reg)  # the registry's device: no host copy declared
+    with bad(r"bind: expected names among .* got \['seq_lens_cpu'\]"):
+        decode_(host_seq_lens=False, bind={"seq_lens_cpu": torch.zeros(MAX_BS, dtype=I32)})
+
+
 def _real_batch(mode, prefix, extend, spec_info=None):
     req_pool, kv_pool = ReqToTokenPool(16, 64), KVPool(256, 1, 1, 4)
     rows_, loc = place_requests(req_pool, kv_pool, prefix, extend)

@@ -17,6 +17,8 @@ import torch
 
 from sgl_piecewise import ForwardMode
 from sgl_piecewise.backends import ReferenceBackend, create_backend
+from sgl_piecewise.backends.metadata import SEQ_LENS_SUM_UNKNOWN
+from sgl_piecewise.backends.torch_graph import TorchGraphBackend
 from sgl_piecewise.compile import CompiledModel, CompileOptions, counters
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
 from sgl_piecewise.models import ModelConfig, build_random_model
@@ -169,6 +171,46 @@ def test_capture_fills_its_dummies_through_the_registry():
     assert static.seq_lens.tolist() == [1] * 4 and static.req_pool_indices.tolist() == [0] * 4
     assert static.out_cache_loc.tolist() == [0] * 4 and static.positions.tolist() == [0] * 4
     assert int(static.num_token_non_padded) == 0
+
+
+def _hook_calls(backend, monkeypatch) -> list:
+    """Every replay hook call's ``(bs, seq_lens_sum, seq_lens_cpu copy or None)``."""
+    calls, original = [], type(backend).init_forward_metadata_replay_cuda_graph
+
+    def spy(self, bs, rows, seq_lens, seq_lens_sum, enc, mode, spec, seq_lens_cpu=None):
+        calls.append((bs, seq_lens_sum, None if seq_lens_cpu is None else seq_lens_cpu.tolist()))
+        return original(self, bs, rows, seq_lens, seq_lens_sum, enc, mode, spec, seq_lens_cpu)
+
+    monkeypatch.setattr(type(backend), "init_forward_metadata_replay_cuda_graph", spy)
+    return calls
+
+
+def test_a_backend_whose_replay_reads_no_host_lengths_gets_none_and_no_host_copy_is_kept(monkeypatch):
+    eager, graphs, runner = _runners("torch")
+    assert graphs.backend.replay_reads_host_lengths is False
+    assert all("seq_lens_cpu" not in registry for registry in runner.registries.values())
+    runner.capture(progress=False)
+    assert runner._static[(ForwardMode.DECODE, 4)].seq_lens_cpu is None
+    calls = _hook_calls(graphs.backend, monkeypatch)
+    _check_fresh_batches(eager, graphs, random.Random("no-host-lengths"), (3,), 1e-4)
+    assert calls == [(4, SEQ_LENS_SUM_UNKNOWN, None)]
+
+
+def test_a_backend_whose_replay_reads_host_lengths_gets_them_padded(monkeypatch):
+    """A backend written for SGLang's hook may read ``seq_lens_cpu`` and
+    ``seq_lens_sum``: the runner keeps the host copy for it, padded like the
+    device lengths, and passes the padded sum."""
+    monkeypatch.setattr(TorchGraphBackend, "replay_reads_host_lengths", True)
+    eager, graphs, runner = _runners("torch")
+    assert all("seq_lens_cpu" in registry for registry in runner.registries.values())
+    runner.capture(progress=False)
+    calls = _hook_calls(graphs.backend, monkeypatch)
+    batch = _decode_batch(graphs, [4, 9, 30], seed=3)
+    graphs.forward_step(batch)
+    fill = graphs.backend.get_cuda_graph_seq_len_fill_value()
+    lengths = batch.seq_lens_cpu.tolist() + [fill]  # padded from 3 to 4 requests
+    assert calls == [(4, sum(lengths), lengths)]
+    _free(graphs, batch)
 
 
 def test_bad_configurations_are_refused_with_the_reason():

@@ -41,6 +41,12 @@ class AttentionBackend(ABC):
     name: str = "abstract"
     supported_modes: FrozenSet[ForwardMode] = ALL_MODES
     supports_cuda_graph: bool = False
+    # Whether the replay hook reads the host lengths it is passed
+    # (``seq_lens_cpu``, ``seq_lens_sum``). SGLang's hook signature passes
+    # them, so a backend written for it may; where False, a graph runner
+    # keeps no host copy of the lengths and passes None and
+    # ``SEQ_LENS_SUM_UNKNOWN`` (a copy and a sum fewer before every replay).
+    replay_reads_host_lengths: bool = True
 
     def __init__(
         self,

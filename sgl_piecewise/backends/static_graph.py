@@ -93,6 +93,7 @@ class StaticGraphBackend(AttentionBackend):
     """
 
     supports_cuda_graph = True
+    replay_reads_host_lengths = False  # key extents live on the device; FlashInfer's plan() reads its indptrs
     fill_on_device = True  # False where the fill also runs host work (FlashInfer's plan())
     eager_steps_bound = False
 

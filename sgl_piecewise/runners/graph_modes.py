@@ -98,6 +98,8 @@ def static_batch(layout: ModeLayout, views: Dict[str, torch.Tensor], bs: int) ->
     per request, except IDLE, whose rows are all padding (no K/V written,
     zero attention output). ``extend_prefix_lens`` is kept true by the
     runner before each run; prefix host values change per step and are not kept.
+    ``seq_lens_cpu`` is None where the registry keeps no host copy: nothing
+    reads it then, and None fails loudly where a stale copy would not.
     """
     w = layout.width
     return ForwardBatch(
@@ -106,7 +108,7 @@ def static_batch(layout: ModeLayout, views: Dict[str, torch.Tensor], bs: int) ->
         input_ids=views["input_ids"],
         positions=views["positions"],
         seq_lens=views["seq_lens"],
-        seq_lens_cpu=views["seq_lens_cpu"],
+        seq_lens_cpu=views.get("seq_lens_cpu"),  # None: the registry keeps no host copy
         extend_seq_lens=views["extend_seq_lens"],
         extend_prefix_lens=torch.empty_like(views["seq_lens"]),
         req_pool_indices=views["req_pool_indices"],

@@ -172,8 +172,10 @@ def _declarer(reg: CudaGraphBufferRegistry, bind: Optional[Mapping], names: Tupl
     return declare
 
 
-def _declare_common(declare, seq_len_fill_value: int, attn_tp_size: int, attn_tp_rank: int) -> None:
-    """The slots every runner's graphs read, with the padding invariants of docs/ARCHITECTURE.md."""
+def _declare_common(declare, seq_len_fill_value: int, attn_tp_size: int, attn_tp_rank: int,
+                    host_seq_lens: bool = True) -> None:  # fmt: skip
+    """The slots every runner's graphs read, with the padding invariants of
+    docs/ARCHITECTURE.md; ``seq_lens_cpu`` only with ``host_seq_lens``."""
     sentinel, zero = PaddingPolicy.FILL_SENTINEL, PaddingPolicy.ZERO
     # Padded rows still go through the embedding: their ids must be in the
     # vocabulary, and an earlier step's ids (or the initial zeros) are.
@@ -183,8 +185,8 @@ def _declare_common(declare, seq_len_fill_value: int, attn_tp_size: int, attn_tp
     declare("num_token_non_padded", "none", torch.int32, copy_from_fb=False,
             value_from_sizes=num_token_non_padded_value(attn_tp_size, attn_tp_rank))  # fmt: skip
     declare("seq_lens", "bs", torch.int32, sentinel, seq_len_fill_value)
-    # Host copy for the backend's replay hook (seq_lens_cpu), padded alike.
-    declare("seq_lens_cpu", "bs", torch.int32, sentinel, seq_len_fill_value, device="cpu")
+    if host_seq_lens:  # host copy for the backend's replay hook, padded alike
+        declare("seq_lens_cpu", "bs", torch.int32, sentinel, seq_len_fill_value, device="cpu")
     # A padded request reads (never writes) req_to_token row 0: harmless.
     declare("req_pool_indices", "bs", torch.int64, zero)
 
@@ -198,6 +200,7 @@ def build_decode_registry(
     attn_tp_size: int = 1,
     attn_tp_rank: int = 0,
     with_accept_lengths: bool = False,
+    host_seq_lens: bool = True,
     pool: Optional[SharedBufferPool] = None,
     bind: Optional[Mapping] = None,
     poison_tails: bool = False,
@@ -219,17 +222,21 @@ def build_decode_registry(
 
     ``w = num_tokens_per_bs`` (1 for DECODE, draft tokens for TARGET_VERIFY).
     Padded accept lengths are ``w`` so that, at capture, ``max(accept_lengths)``
-    is the uniform width (upstream SGLang PR 25002). ``bind``: name -> existing buffer to
-    adopt. ``pool``: share buffers with other registries.
+    is the uniform width (upstream SGLang PR 25002). ``host_seq_lens=False``:
+    no ``seq_lens_cpu`` slot, for a backend whose replay hook reads no host
+    lengths (``AttentionBackend.replay_reads_host_lengths``). ``bind``: name ->
+    existing buffer to adopt. ``pool``: share buffers with other registries.
     """
     w = check_positive_int("num_tokens_per_bs", num_tokens_per_bs)
     fill = check_count("seq_len_fill_value", seq_len_fill_value)
     _check_attn_tp(attn_tp_size, attn_tp_rank)
     names = DECODE_SLOTS + (DECODE_OPTIONAL_SLOTS if with_accept_lengths else ())
+    if not host_seq_lens:
+        names = tuple(n for n in names if n != "seq_lens_cpu")
     max_num_tokens = check_positive_int("max_bs", max_bs) * w
     reg = CudaGraphBufferRegistry(max_bs, max_num_tokens, device, pool=pool, poison_tails=poison_tails)
     declare = _declarer(reg, bind, names)
-    _declare_common(declare, fill, attn_tp_size, attn_tp_rank)
+    _declare_common(declare, fill, attn_tp_size, attn_tp_rank, host_seq_lens)
     declare("extend_seq_lens", "bs", torch.int32, PaddingPolicy.FILL_SENTINEL, w)
     if with_accept_lengths:
         declare("accept_lengths", "bs", torch.int32, PaddingPolicy.FILL_SENTINEL, w,

@@ -15,7 +15,11 @@ Pattern B"), which key their static metadata per ``(mode, bs)``; host work
 such as FlashInfer's ``plan()`` runs in the hook, before the graph is
 launched, never inside it. Where the backend's fill is device work alone
 (``fill_in_graph``), the graph records it with the model, reading the
-registry's buffers, and the replay hook only checks the step.
+registry's buffers, and the replay hook only checks the step. A host copy
+of the lengths (``seq_lens_cpu``, and ``seq_lens_sum``) is kept and passed
+only where the backend's replay hook reads it
+(``AttentionBackend.replay_reads_host_lengths``; none of this library's
+backends does).
 
 Sizes are captured largest first into one memory pool, with Python's gc
 frozen and a progress bar. A batch is padded to the smallest captured size
@@ -128,6 +132,8 @@ class CudaGraphRunner:
         self.max_bs = self.capture_bs[-1]
         self.use_cuda = model_runner.device.type == "cuda"
         self._seq_len_fill = backend.get_cuda_graph_seq_len_fill_value()  # padded requests' seq_len
+        # A host copy of the lengths (and their sum) only for a replay hook that reads them.
+        self._host_lengths = backend.replay_reads_host_lengths
         self.registries = self._build_registries(attn_tp_size, attn_tp_rank)
         backend.init_cuda_graph_state(self.max_bs, self.max_bs * max_width)
         self._static: Dict[GraphKey, ForwardBatch] = {}  # the batch each graph reads
@@ -162,6 +168,7 @@ class CudaGraphRunner:
                 attn_tp_size=attn_tp_size,
                 attn_tp_rank=attn_tp_rank,
                 with_accept_lengths=mode.is_draft_extend_v2(),
+                host_seq_lens=self._host_lengths,
                 pool=pool,
             )  # fmt: skip
             for mode, layout in self.layouts.items()
@@ -271,7 +278,9 @@ class CudaGraphRunner:
         self.registries[mode].fill_from(batch, ctx)
         static = self._static[key]
         spec = graph_spec(layout, batch, bs, padded_bs, self._seq_len_fill, static.device)
-        seq_lens_sum = batch.seq_lens_sum + self._seq_len_fill * (padded_bs - bs)
+        seq_lens_sum = (
+            batch.seq_lens_sum + self._seq_len_fill * (padded_bs - bs) if self._host_lengths else SEQ_LENS_SUM_UNKNOWN
+        )
         self.model_runner.backend.init_forward_metadata_replay_cuda_graph(
             padded_bs, static.req_pool_indices, static.seq_lens, seq_lens_sum, None, mode, spec,
             static.seq_lens_cpu,
