@@ -2,7 +2,8 @@
 
 A whole-model graph's replay starts with ``fill_from``: nothing the card can
 do starts before it is done. This times, on the decode registry of the
-whole-model graphs (``build_decode_registry``), the fill of one decode
+whole-model graphs (``build_decode_registry``, with the host copy of the
+lengths it keeps for a backend whose replay hook reads them), the fill of one decode
 step's sources as it runs (planned: each source checked to copy as it is,
 then the plan of the sizes) and the checked path that any other fill takes
 (each source resolved, checked and planned anew), in alternating rounds,
