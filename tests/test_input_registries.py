@@ -101,7 +101,6 @@ def test_decode_registry_declares_its_slots():
 def test_decode_registry_without_host_lengths_has_no_host_slot_and_refuses_to_bind_one():
     reg = decode_(host_seq_lens=False)
     assert "seq_lens_cpu" not in reg and "seq_lens" in reg
-    assert all(slot.device.type == "cpu" for slot in reg)  # the registry's device: no host copy declared
     with bad(r"bind: expected names among .* got \['seq_lens_cpu'\]"):
         decode_(host_seq_lens=False, bind={"seq_lens_cpu": torch.zeros(MAX_BS, dtype=I32)})
 
