@@ -242,3 +242,43 @@ def test_gpu_kernels_launch_through_torchs_static_launcher_bit_for_bit_and_build
     by_address = torch.full_like(x, float("nan"))
     bound((8,), x.data_ptr(), y.data_ptr(), by_address.data_ptr(), 1000)
     torch.testing.assert_close(by_address, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1000, 1])  # 1: an integer Triton turns into a constant, left out of the launch
+def test_gpu_a_kept_layer_launch_goes_packed_to_the_static_launcher_unless_hooked_on_the_current_stream(n):
+    _static_launcher_or_skip()
+    from sgl_piecewise.backends.triton_kernels.launch import StepLaunch
+
+    x, y, out = (torch.randn(1000, device="cuda") for _ in range(3))
+    meta = {"BLOCK": 128, "num_warps": 4}
+    step = StepLaunch(FastLauncher(_axpy), (8,), (x, y, out, n, 2.0), meta, layer_positions=(0, 1, 2))
+    step.launch(x, y, out, layer=0)  # through Triton: compiles, binds the kernel
+    step.launch(x, y, out, layer=0)  # bound: keeps layer 0's launch
+    kept = step.kept_launch(0, (x, y, out))
+    assert kept is not None and kept[1] is not None, "kept, and packed for torch's static launcher"
+
+    def again_writes_axpy():
+        out.fill_(float("nan"))
+        assert step.launch_again(0, x, y, out)
+        torch.testing.assert_close(out[:n], 2.0 * x[:n] + y[:n], rtol=0, atol=0)
+        assert out[n:].isnan().all()
+
+    again_writes_axpy()
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        again_writes_axpy()  # a hook set: through Triton's launcher, which calls it
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    again_writes_axpy()
+    assert seen == ["_axpy"]
+    # Inside a capture the packed launch goes to the capture's stream.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert step.launch_again(0, x, y, out)
+    out.fill_(float("nan"))
+    x.copy_(torch.randn(1000, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(out[:n], 2.0 * x[:n] + y[:n], rtol=0, atol=0)

@@ -450,7 +450,7 @@ class ExtendPlan:
         launching nothing, when its tensors are laid out unlike the first
         layer's (build a plan for them). ``layer``: its index, under which
         the launches are kept for the layer's next step
-        (``StepLaunch.kept_args``)."""
+        (``StepLaunch.kept_launch``)."""
         if layer is not None and self._launch_again(layer, q, k_cache, v_cache, out, new_k, new_v):
             return True
         if layer_layout(q, k_cache, v_cache, out, new_k, new_v) != self._layout:
@@ -481,19 +481,19 @@ class ExtendPlan:
         store, attend = self._store, self._attend
         if store is None and attend is None:
             return False
-        store_args = attend_args = None
+        store_kept = attend_kept = None
         if store is not None:
-            store_args = store.kept_args(layer, (new_k, new_v, k_cache, v_cache, out))
-            if store_args is None:
+            store_kept = store.kept_launch(layer, (new_k, new_v, k_cache, v_cache, out))
+            if store_kept is None:
                 return False
         if attend is not None:
-            attend_args = attend.kept_args(layer, self._attend_tensors(q, k_cache, v_cache, out, new_k, new_v))
-            if attend_args is None:
+            attend_kept = attend.kept_launch(layer, self._attend_tensors(q, k_cache, v_cache, out, new_k, new_v))
+            if attend_kept is None:
                 return False
         if store is not None:
-            store.launch_kept(store_args)
+            store.launch_kept(store_kept)
         if attend is not None:
-            attend.launch_kept(attend_args)
+            attend.launch_kept(attend_kept)
         return True
 
 

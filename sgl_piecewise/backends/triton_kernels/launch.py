@@ -129,6 +129,17 @@ def _active(hook: Any) -> Any:
     return None if hook is None or getattr(hook, "calls", True) == [] else hook
 
 
+def _hooked() -> bool:
+    """Whether a launch hook (a profiler's) is set: launches then go through
+    Triton's launcher, which calls it."""
+    runtime = _knobs.runtime
+    return _active(runtime.launch_enter_hook) is not None or _active(runtime.launch_exit_hook) is not None
+
+
+def _current_stream() -> int:
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
 class BoundKernel:
     """One compiled kernel with its constexprs: ``bound(grid, *args)`` is a
     launch through a compiled launcher and nothing else: torch's static
@@ -145,7 +156,7 @@ class BoundKernel:
         self.kernel, self.constexprs, self.static = kernel, constexprs, static
 
     def __call__(self, grid: Sequence[int], *args: Any) -> None:
-        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+        stream = _current_stream()
         enter, leave = _active(_knobs.runtime.launch_enter_hook), _active(_knobs.runtime.launch_exit_hook)
         hooked = enter is not None or leave is not None
         if self.static is not None and not hooked:
@@ -289,7 +300,11 @@ class StepLaunch:
     rebuilt while it is handed the very same tensors at the same addresses
     (a piecewise graph's outputs and the pool's buffers are, step after
     step), and :meth:`rebind` swaps a step argument (the new tokens' slots)
-    for the next step's.
+    for the next step's. Where the kernel launches through torch's static
+    launcher, the layer's launch is kept packed for it too: a launch again
+    is that one native call (H200 host: the attention op's own Python came
+    to ~6 µs a layer above it, ~2 of which went to packing the arguments
+    anew at every launch; docs/BENCHMARKS.md).
     """
 
     def __init__(self, launcher: FastLauncher, grid: Tuple[int, ...], args: Sequence[Any],
@@ -303,34 +318,40 @@ class StepLaunch:
         self._addresses: Optional[List[Any]] = None  # after the first launch: every pointer as an int
         self._kernel: Optional[BoundKernel] = None
         self._bindable = True
-        # layer index -> (weak refs to its tensors, their addresses, the full argument tuple)
-        self._layers: Dict[int, Tuple[tuple, tuple, tuple]] = {}
+        # layer index -> (weak refs to its tensors, their addresses, its kept launch: see kept_launch)
+        self._layers: Dict[int, Tuple[tuple, tuple, Tuple[tuple, Optional[tuple]]]] = {}
 
     def launch_again(self, layer: int, *layer_tensors: torch.Tensor) -> bool:
         """Launch ``layer`` as its last launch did, if it is handed the same
         tensor objects at the same addresses; False, launching nothing,
         otherwise. The same objects have the shapes, strides and dtypes the
         caller checked then."""
-        args = self.kept_args(layer, layer_tensors)
-        if args is None:
+        kept = self.kept_launch(layer, layer_tensors)
+        if kept is None:
             return False
-        self.launch_kept(args)
+        self.launch_kept(kept)
         return True
 
-    def kept_args(self, layer: int, layer_tensors: Sequence[torch.Tensor]) -> Optional[tuple]:
-        """The argument tuple :meth:`launch_again` would launch, or None."""
+    def kept_launch(self, layer: int, layer_tensors: Sequence[torch.Tensor]) -> Optional[Tuple[tuple, Optional[tuple]]]:
+        """The launch :meth:`launch_again` would make, or None: the argument
+        tuple and, for torch's static launcher, the same packed (or None)."""
         entry = self._layers.get(layer)
         if entry is None:
             return None
-        refs, ptrs, args = entry
+        refs, ptrs, kept = entry
         for ref, tensor in zip(refs, layer_tensors):
             if ref() is not tensor:
                 return None
-        return args if tuple(map(_data_ptr, layer_tensors)) == ptrs else None
+        return kept if tuple(map(_data_ptr, layer_tensors)) == ptrs else None
 
-    def launch_kept(self, args: tuple) -> None:
-        """Launch an argument tuple :meth:`kept_args` returned."""
-        self._kernel(self.grid, *args)
+    def launch_kept(self, kept: Tuple[tuple, Optional[tuple]]) -> None:
+        """Launch what :meth:`kept_launch` returned: packed, straight into the
+        static launcher, unless a launch hook wants Triton's launcher."""
+        args, packed = kept
+        if packed is not None and not _hooked():
+            self._kernel.static.launch_packed(*packed, _current_stream())
+        else:
+            self._kernel(self.grid, *args)
 
     def launch(self, *layer_tensors: torch.Tensor, layer: Optional[int] = None) -> None:
         if self._kernel is not None:
@@ -372,7 +393,9 @@ class StepLaunch:
     def _keep(self, layer: int, layer_tensors: Sequence[torch.Tensor], ptrs: List[int], args: List[Any]) -> None:
         if len(self._layers) >= _MAX_KEPT_LAYERS:
             self._layers.clear()
-        self._layers[layer] = (tuple(map(weakref.ref, layer_tensors)), tuple(ptrs), tuple(args))
+        static = self._kernel.static
+        packed = static.packed(self.grid, args) if static is not None else None
+        self._layers[layer] = (tuple(map(weakref.ref, layer_tensors)), tuple(ptrs), (tuple(args), packed))
 
     def _bind(self, args: List[Any], layer_tensors: Sequence[torch.Tensor]) -> None:
         kernel = self.launcher.bound(args, self.meta)

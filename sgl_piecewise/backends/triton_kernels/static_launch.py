@@ -79,7 +79,8 @@ class StaticKernel:
 
     def __init__(self, wrapper: Any, kept: Optional[Tuple[int, ...]]):
         self._wrapper = wrapper  # owns the loaded module: kept as long as this is
-        self._launch = wrapper.C_impl._launch_kernel
+        # launch_packed(*self.packed(grid, args), stream) launches.
+        self.launch_packed = wrapper.C_impl._launch_kernel
         self.function, self.num_warps, self.shared = wrapper.function, wrapper.num_warps, wrapper.shared
         # Triton's compiled kernels take trailing scratch pointers where the
         # compiler reserves them (none of ours uses any: a null each).
@@ -88,11 +89,17 @@ class StaticKernel:
         self.kept = kept
 
     def __call__(self, grid: Sequence[int], stream: int, args: Sequence[Any]) -> None:
+        self.launch_packed(*self.packed(grid, args), stream)
+
+    def packed(self, grid: Sequence[int], args: Sequence[Any]) -> tuple:
+        """A launch of ``grid`` and ``args`` in ``launch_packed``'s argument
+        order, all but the stream: a caller that launches the same arguments
+        many times packs them once (``launch.StepLaunch``)."""
         kept = args if self.kept is None else [args[i] for i in self.kept]
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
-        self._launch(self.function, grid[0], grid_1, grid_2, self.num_warps, self.shared, self.arg_types,
-                     (*kept, *self.extra), stream)  # fmt: skip
+        return (self.function, grid[0], grid_1, grid_2, self.num_warps, self.shared, self.arg_types,
+                (*kept, *self.extra))  # fmt: skip
 
 
 # Loaded kernels by (Triton's hash of the compiled kernel, device), for the
