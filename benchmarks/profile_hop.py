@@ -9,7 +9,8 @@ device time. From the whole attention op down to its one launch, the
 unfused K/V write other backends still pay, and, for scale, an empty Triton
 kernel launched the usual way, through ``FastLauncher`` and as a bound
 kernel given addresses; a small graph replayed by torch and launched by
-the driver directly.
+the driver directly; and the floor under the attention's Python: the decode
+launch with its arguments packed once, straight into torch's static launcher.
 
     python benchmarks/profile_hop.py --out results/
 """
@@ -77,6 +78,25 @@ def graph_launches() -> dict:
     return rows
 
 
+def packed_decode_launches(plan, q, k0, v0, k, v, out) -> dict:
+    """The floor under the attention's Python: the plan's decode launch with
+    its arguments packed once, straight into torch's static launcher (the
+    stream looked up per call, as a launch must; and not even that)."""
+    plan.launch(q, k0, v0, out, k, v, layer=0)  # keeps layer 0's launch, packed
+    kept = plan._launch.kept_launch(0, (q, k0, v0, k, v, out))
+    if kept is None or kept[1] is None:  # torch's static launcher does not apply
+        return {}
+    packed, launch = kept[1], plan._launch._kernel.static.launch_packed
+    device = torch.cuda.current_device()
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    return {
+        "the decode launch, packed once, stream looked up": lambda: launch(
+            *packed, torch._C._cuda_getCurrentRawStream(device)
+        ),
+        "the decode launch, packed once": lambda: launch(*packed, stream),
+    }
+
+
 def calls(runner, batch, ctx) -> dict:
     """What to time: name -> a call of it on the step's tensors (layer 0)."""
     config, pool, be = runner.config, runner.kv_pool, runner.backend
@@ -98,6 +118,7 @@ def calls(runner, batch, ctx) -> dict:
     bound_empty = fast_empty.bound(empty_args, {"BLOCK": 16})
     empty_addresses = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in empty_args)
     return {
+        **packed_decode_launches(plan, q, k0, v0, k, v, out),
         "attention op body (attention_with_output_direct)": lambda: attention_with_output_direct(q, k, v, out, 0),
         "backend.write_kv_and_attend (the step's DecodePlan)": lambda: be.write_kv_and_attend(
             q, k, v, out, 0, batch, scale, 1, loc
