@@ -9,6 +9,7 @@ from sgl_piecewise.errors import (
     KVPoolExhaustedError,
     NoForwardContextError,
     SglPiecewiseError,
+    StaleGraphError,
     UnsupportedModeError,
 )
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo, forward_context
@@ -26,6 +27,7 @@ __all__ = [
     "ReqToTokenPool",
     "SglPiecewiseError",
     "SpecInfo",
+    "StaleGraphError",
     "UnsupportedModeError",
     "forward_context",
     "ops",

@@ -32,3 +32,7 @@ class NoForwardContextError(SglPiecewiseError, RuntimeError):
 
 class UnsupportedModeError(SglPiecewiseError, NotImplementedError):
     """A backend was asked for a forward mode or feature it declared it lacks."""
+
+
+class StaleGraphError(SglPiecewiseError):
+    """The model's tensors no longer match what a graph was traced or captured for."""

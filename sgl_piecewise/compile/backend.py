@@ -30,14 +30,14 @@ import torch.fx
 
 from sgl_piecewise.compile import artifacts, precompiled
 from sgl_piecewise.compile.counters import counters
-from sgl_piecewise.compile.direct_call import GraphInputs, StaleGraphError, describe_inputs
+from sgl_piecewise.compile.direct_call import GraphInputs, describe_inputs
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
 from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StepState
 from sgl_piecewise.compile.split import bypass_dispatcher, split_graph, split_items, to_out_variant
 from sgl_piecewise.compile.token_axis import TokenAxis, find_token_axis
 from sgl_piecewise.compile.token_guards import TokenShapeGuards
-from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.errors import InvalidInputError, StaleGraphError
 from sgl_piecewise.runners.buffer_registry import (
     CudaGraphBufferRegistry,
     FillContext,

@@ -16,7 +16,7 @@ import torch
 from sgl_piecewise.compile import precompiled
 from sgl_piecewise.compile.backend import PiecewiseModule, SglPiecewiseBackend
 from sgl_piecewise.compile.counters import counters
-from sgl_piecewise.compile.direct_call import GraphInputs, StaleGraphError, make_gather
+from sgl_piecewise.compile.direct_call import GraphInputs, make_gather
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_compiler import start_inductor_workers
 from sgl_piecewise.compile.token_guards import (
@@ -25,7 +25,7 @@ from sgl_piecewise.compile.token_guards import (
     mark_token_axis_backed,
     size_oblivious_tracing,
 )
-from sgl_piecewise.errors import UnsupportedModeError
+from sgl_piecewise.errors import StaleGraphError, UnsupportedModeError
 from sgl_piecewise.regions import tracing_regions
 
 logger = logging.getLogger("sgl_piecewise.compile")

@@ -13,7 +13,7 @@ What Dynamo's guards would check per call is then checked here: the call's
 tensors (dtype, rank, device) and the grad mode. The model's parameters are
 fetched anew every call, and ``PiecewiseModule`` checks the shape, stride,
 dtype and device of every new set of them against the trace
-(``StaleGraphError``). The rest of the model's Python state is checked
+(``errors.StaleGraphError``). The rest of the model's Python state is checked
 once, when the saved compile is looked up: its modules' plain attributes
 are part of the key, and Dynamo's guards on constants are evaluated again
 (``precompiled.changed_constant``).
@@ -25,12 +25,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 import torch
-
-from sgl_piecewise.errors import SglPiecewiseError
-
-
-class StaleGraphError(SglPiecewiseError):
-    """The model's tensors no longer match what the graph was traced for."""
 
 
 @dataclass(frozen=True)
