@@ -58,6 +58,7 @@ from sgl_piecewise.ops.attention import attention_with_output_direct
 from sgl_piecewise.runners.buffer_registry import FillContext
 from sgl_piecewise.runners.capture import GraphCapture, explain_capture_failure, reserve_eager_bindings, shared_capture
 from sgl_piecewise.runners.input_registries import build_prefill_registry
+from sgl_piecewise.runners.weight_guard import WeightGuard
 
 TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc")
 
@@ -199,12 +200,14 @@ class BreakableCudaGraphRunner:
         reserve_eager_bindings(model_runner, self.max_size)
         self.graphs: Dict[int, SizeGraphs] = {}
         self.capture_seconds = 0.0
+        self._weights: Optional[WeightGuard] = None  # where the captured graphs read the weights
         model_runner.token_graphs = self
 
     # ---- capture ----------------------------------------------------------
     def capture(self, progress: bool = True) -> float:
         """Capture every size, largest first; return the seconds it took."""
         start = time.perf_counter()
+        self._weights = WeightGuard(self.model_runner.model, "breakable graphs")
         sizes = self.capture_core.largest_first(self.capture_sizes, "capturing breakable graphs", "size", progress)
         with torch.no_grad(), contextlib.closing(sizes):  # a failure thaws gc and closes the bar at once
             for size in sizes:
@@ -282,16 +285,20 @@ class BreakableCudaGraphRunner:
         mr = self.model_runner
         graphs = self.graphs[padded]
         n = batch.num_tokens
+        self._weights.check_first()
         self.registry.fill_from(_sources(batch, n), FillContext(batch.batch_size, batch.batch_size, n, padded))
         mr.backend.init_forward_metadata(batch)
         counters.replays += len(graphs.segments)
         with forward_context(batch, mr.backend, check=False, debug_checks=mr.debug_checks) as ctx:
             if graphs.output is None:
-                return self._replay_eagerly(graphs, padded, ctx)[:n]
+                out = self._replay_eagerly(graphs, padded, ctx)[:n]
+                self._weights.check()
+                return out
             for segment, brk in zip(graphs.segments, graphs.breaks):
                 segment.replay()
                 brk.run()
             graphs.segments[-1].replay()
+            self._weights.check()  # while the card runs the last segment (weight_guard.py)
         # A copy: the next replay (of any size: one pool) rewrites the output.
         return graphs.output[:n].clone()
 

@@ -65,6 +65,7 @@ from sgl_piecewise.runners.graph_modes import (
     why_eager,
 )
 from sgl_piecewise.runners.input_registries import SharedBufferPool, build_decode_registry
+from sgl_piecewise.runners.weight_guard import WeightGuard
 
 # SGLang's default largest decode graph (`--cuda-graph-max-bs` on most cards).
 DEFAULT_MAX_DECODE_BS = 160
@@ -144,6 +145,7 @@ class CudaGraphRunner:
         self._fill_contexts: Dict[Tuple[ForwardMode, int, int], FillContext] = {}
         self.capture_core = capture if capture is not None else shared_capture(model_runner.device)
         self.capture_seconds = 0.0
+        self._weights: Optional[WeightGuard] = None  # where the captured graphs read the weights
         model_runner.step_graphs = self
 
     @property
@@ -178,6 +180,7 @@ class CudaGraphRunner:
     def capture(self, progress: bool = True) -> float:
         """Capture every mode at every size, largest first; return the seconds it took."""
         start = time.perf_counter()
+        self._weights = WeightGuard(self.model_runner.model, "whole-model graphs")
         with torch.no_grad():
             for layout in self.layouts.values():
                 desc = f"capturing {layout.label} graphs"
@@ -272,6 +275,7 @@ class CudaGraphRunner:
                 f"replay: expected a captured {layout.label} size >= {bs} "
                 f"({self.capture_bs if self._static else 'none captured'}), got {padded_bs}"
             )
+        self._weights.check_first()
         ctx = self._fill_contexts.get((mode, bs, padded_bs))
         if ctx is None:
             ctx = self._fill_contexts[(mode, bs, padded_bs)] = FillContext.uniform(bs, padded_bs, layout.width)
@@ -287,8 +291,11 @@ class CudaGraphRunner:
         )  # fmt: skip
         counters.replays += 1
         if not self.use_cuda:
-            return self._run(static)[: batch.num_tokens]
+            out = self._run(static)[: batch.num_tokens]
+            self._weights.check()
+            return out
         self._graphs[key].replay()
+        self._weights.check()  # while the card runs the graph (weight_guard.py)
         # A copy: the next replay (of any size: one pool) rewrites the graph's output.
         return self._outputs[key][: batch.num_tokens].clone()
 
