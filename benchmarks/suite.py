@@ -36,7 +36,10 @@ backend (``--backend``) and measures, in this order:
 
 Writes ``suite_<shape>.json`` (``startup_<shape>.json`` with
 ``--startup-only``). A failing path is recorded with its error and the rest
-still run.
+still run. Start-ups assume Python's bytecode is cached, as in an installed
+package: with ``PYTHONDONTWRITEBYTECODE`` set over packages installed
+without it, each process compiles the sources of the modules it imports
+(the JSON's ``bytecode_written`` records the setting; a warning is printed).
 """
 
 from __future__ import annotations
@@ -233,7 +236,14 @@ def run(args) -> None:
     os.makedirs(args.out, exist_ok=True)
     info = {"shape": args.shape, "config": SHAPES[args.shape], "backend": args.backend, "argv": sys.argv,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "card": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}  # fmt: skip
+            "card": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "bytecode_written": not sys.dont_write_bytecode}  # fmt: skip
+    if sys.dont_write_bytecode:
+        # Where torch was installed without its bytecode, every process then compiles
+        # the sources of each module it imports: slower start-ups than an installed package's.
+        print("warning: PYTHONDONTWRITEBYTECODE is set: where the installed packages hold no bytecode, every "
+              "process compiles their sources and the start-up figures include it (unset it, or set "
+              "PYTHONPYCACHEPREFIX to a writable folder, and run once before timing)", file=sys.stderr)  # fmt: skip
     model, runner = build(args)
     piecewise, info["startup"] = start_up(runner, args.cache_dir)
     print("startup", json.dumps(info["startup"]), flush=True)
