@@ -20,25 +20,15 @@ import torch
 
 from sgl_piecewise import ForwardMode, StaleGraphError
 from sgl_piecewise.backends import create_backend
-from sgl_piecewise.models import ModelConfig, build_random_model
+from sgl_piecewise.models import build_random_model
 from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners.breakable import BreakableCudaGraphRunner
 from sgl_piecewise.runners.weight_guard import WeightGuard
 from sgl_piecewise.runners.whole_model import CudaGraphRunner
-from sgl_piecewise.testing import random_batch, release_batch
+from sgl_piecewise.testing import random_batch, release_batch, two_layer_llama_config
 
-VOCAB = 101
-CONFIG = ModelConfig(
-    architecture="LlamaForCausalLM",
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=VOCAB,
-    max_position_embeddings=128,
-)
+CONFIG = two_layer_llama_config()
+VOCAB = CONFIG.vocab_size
 
 
 def _model():
