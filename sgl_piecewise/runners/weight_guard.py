@@ -18,8 +18,9 @@ tensor, ``load_state_dict(assign=True)``), which torch's module registration
 hooks report. :meth:`WeightGuard.check_first` looks at the first and last
 weights and the assignments only, a few hundred nanoseconds: runners call it
 before a replay, so converting or reloading the model never lets a graph
-run. :meth:`WeightGuard.check` looks at every weight, 0.1 µs each (21.5 µs
-for the 171 of the 0.5B shape on the H200 host measured, docs/BENCHMARKS.md):
+run. :meth:`WeightGuard.check` looks at every weight, 0.1–0.2 µs each
+(21.5–29.3 µs for the 171 of the 0.5B shape on the H200 hosts measured,
+docs/BENCHMARKS.md):
 runners call it right after launching a step's last graph, while the card
 runs it, and raise before the output is returned. A single weight moved
 behind the model's back is then caught after that step ran: its output is
