@@ -18,12 +18,13 @@ times a whole piecewise step (metadata, pieces, attention, LM head) at
 from __future__ import annotations
 
 import argparse
-import contextlib
 import types
+from functools import partial
+from unittest import mock
 
 import suite
 import torch
-from common import card_info, free_batch, step_fn, time_paths, write_json  # noqa: E402
+from common import card_info, each_step_within, free_batch, step_fn, time_paths, write_json  # noqa: E402
 
 from sgl_piecewise.backends.triton_kernels.launch import StepLaunch
 from sgl_piecewise.compile import CompileOptions
@@ -37,24 +38,10 @@ def _packed_anew(self, kept) -> None:
     self._kernel(self.grid, *kept[0])
 
 
-@contextlib.contextmanager
-def kept_launch(launch):
-    StepLaunch.launch_kept = launch
-    try:
-        yield
-    finally:
-        StepLaunch.launch_kept = _PACKED
-
-
 def step_with(launch, runner, compiled, batch):
     """A factory of one piecewise step whose kept launches go through ``launch``."""
-    run = step_fn(runner, compiled, batch)
-
-    def step():
-        with kept_launch(launch):
-            return run()
-
-    return lambda: step
+    patch = partial(mock.patch.object, StepLaunch, "launch_kept", launch)
+    return each_step_within(patch, lambda: step_fn(runner, compiled, batch))
 
 
 def main() -> None:

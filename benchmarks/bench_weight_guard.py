@@ -21,43 +21,26 @@ import contextlib
 import statistics
 import time
 import types
+from functools import partial
+from unittest import mock
 
 import suite
 import torch
-from common import card_info, free_batch, graph_step_fn, time_paths, write_json  # noqa: E402
+from common import card_info, each_step_within, free_batch, graph_step_fn, time_paths, write_json  # noqa: E402
 
 from sgl_piecewise.compile import CompiledModel, CompileOptions
 from sgl_piecewise.runners import BreakableCudaGraphRunner, CudaGraphRunner
 from sgl_piecewise.runners.weight_guard import WeightGuard
 
-_CHECKS = {"check": WeightGuard.check, "check_first": WeightGuard.check_first}
 
-
-@contextlib.contextmanager
-def guard_off():
-    """The guard's checks do nothing while inside."""
-    for name in _CHECKS:
-        setattr(WeightGuard, name, lambda self: None)
-    try:
-        yield
-    finally:
-        for name, check in _CHECKS.items():
-            setattr(WeightGuard, name, check)
-
-
-def unguarded(make):
-    """A factory of ``make()``'s step, run with the guard off."""
-
-    def factory():
-        run = make()
-
-        def step():
-            with guard_off():
-                return run()
-
-        return step
-
-    return factory
+def guard(on: bool) -> contextlib.ExitStack:
+    """While inside, the guard's checks are its own (``on``) or do nothing;
+    both ways patch the same two methods, so the paths' steps pay alike."""
+    stack = contextlib.ExitStack()
+    for name in ("check", "check_first"):
+        check = getattr(WeightGuard, name) if on else (lambda self: None)
+        stack.enter_context(mock.patch.object(WeightGuard, name, check))
+    return stack
 
 
 def breakable_step_fn(runner, breakable, batch):
@@ -94,16 +77,19 @@ def main() -> None:
     breakable = BreakableCudaGraphRunner(runner, sizes)
     breakable.capture(progress=False)
     runner.step_graphs = runner.token_graphs = None  # every path is timed explicitly
-    guard = whole._weights
-    result = {"weights": len(guard._refs), "check_us": host_us(guard.check),
-              "check_first_us": host_us(guard.check_first), "decode": {}}  # fmt: skip
+    weights = whole._weights
+    result = {"weights": len(weights._refs), "check_us": host_us(weights.check),
+              "check_first_us": host_us(weights.check_first), "decode": {}}  # fmt: skip
     with torch.no_grad():
         for bs in cli.decode_bs:
             batch = suite.step_batch(args, runner, "decode", bs)
-            whole_step = lambda b=batch: graph_step_fn(runner, whole, b)  # noqa: E731
-            breakable_step = lambda b=batch: breakable_step_fn(runner, breakable, b)  # noqa: E731
-            paths = {"whole_model": whole_step, "whole_model, guard off": unguarded(whole_step),
-                     "breakable": breakable_step, "breakable, guard off": unguarded(breakable_step)}  # fmt: skip
+            whole_step = partial(graph_step_fn, runner, whole, batch)
+            breakable_step = partial(breakable_step_fn, runner, breakable, batch)
+            on, off = partial(guard, True), partial(guard, False)
+            paths = {"whole_model": each_step_within(on, whole_step),
+                     "whole_model, guard off": each_step_within(off, whole_step),
+                     "breakable": each_step_within(on, breakable_step),
+                     "breakable, guard off": each_step_within(off, breakable_step)}  # fmt: skip
             result["decode"][bs] = row = time_paths(paths, rounds=cli.rounds)
             print(f"decode bs {bs:3d}  " + "  ".join(f"{k}: {v:.4f} ms" for k, v in row.items()
                                                      if not k.endswith("_maxdiff")), flush=True)  # fmt: skip

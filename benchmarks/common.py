@@ -415,3 +415,20 @@ def blas_library(name: str):
         yield
     finally:
         torch.backends.cuda.preferred_blas_library(before)
+
+
+def each_step_within(context: Callable[[], contextlib.AbstractContextManager], make: Callable[[], Callable]):
+    """A factory (for :func:`time_paths`) of ``make()``'s step, each step run
+    inside ``context()``. Give every path of a comparison a context of the
+    same kind (a patch to the original, say), so their steps pay the same."""
+
+    def factory():
+        run = make()
+
+        def step():
+            with context():
+                return run()
+
+        return step
+
+    return factory
