@@ -17,6 +17,9 @@ process with empty caches for a cold start::
 when first launched, not ahead on background threads (``launch.py``).
 ``--cache-dir DIR``: save the compile there, or start from the one saved
 there (``CompileOptions.cache_dir``; the second process is a warm start).
+``--no-compile-child``: the extend kernel is compiled in this process at
+its first launch, not by a child process from the backend's creation on
+(``compile_child.py``).
 ``--no-hash-ahead``: Triton's cache key is computed at the first kernel
 Triton looks up, not on a background thread from the backend's creation on
 (``launch.hash_triton_sources_ahead``).
@@ -49,7 +52,7 @@ from common import NO_INDUCTOR_AUTOTUNE_HELP, timed, turn_off_inductor_autotune 
 from triton.runtime.jit import JITFunction
 
 from sgl_piecewise.backends import triton_backend
-from sgl_piecewise.backends.triton_kernels import extend
+from sgl_piecewise.backends.triton_kernels import compile_child, extend
 from sgl_piecewise.compile import CompileOptions, counters
 from sgl_piecewise.compile import backend as compile_backend
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
@@ -81,6 +84,7 @@ def main() -> None:
     p.add_argument("--no-compile-ahead", action="store_true")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--no-hash-ahead", action="store_true")
+    p.add_argument("--no-compile-child", action="store_true")
     p.add_argument("--no-inductor-autotune", action="store_true", help=NO_INDUCTOR_AUTOTUNE_HELP)
     cli = p.parse_args()
     if cli.no_inductor_autotune:
@@ -89,6 +93,8 @@ def main() -> None:
         extend._launch_extend.variants = None
     if cli.no_hash_ahead:
         triton_backend.hash_triton_sources_ahead = lambda: None
+    if cli.no_compile_child:
+        os.environ[compile_child.ENV_SWITCH] = "0"
     args = types.SimpleNamespace(shape="0.5b", device="cuda", backend="triton", context=1024,
                                  decode_bs=[1, 8, 32], extend=[16])  # fmt: skip
     build_start = time.perf_counter()
@@ -122,6 +128,7 @@ def main() -> None:
     info = {
         "shape": args.shape, "torch": torch.__version__, "card": torch.cuda.get_device_name(),
         "compile_ahead": not cli.no_compile_ahead, "hash_ahead": not cli.no_hash_ahead,
+        "compile_child": compile_child.child_answers(),
         "build_seconds": round(build_seconds, 3), "build_and_capture_seconds": round(build_seconds + seconds, 3),
         "inductor_autotune": not cli.no_inductor_autotune,
         "from_saved_compile": counters.compiles_loaded > 0,
@@ -139,6 +146,7 @@ def main() -> None:
     os.makedirs(cli.out, exist_ok=True)
     name = "profile_startup_0.5b" + ("_no_compile_ahead" if cli.no_compile_ahead else "")
     name += "_no_hash_ahead" if cli.no_hash_ahead else ""
+    name += "_no_compile_child" if cli.no_compile_child else ""
     name += "_no_inductor_autotune" if cli.no_inductor_autotune else ""
     name += "_from_saved_compile.json" if info["from_saved_compile"] else ".json"
     json.dump(info, open(os.path.join(cli.out, name), "w"), indent=1)

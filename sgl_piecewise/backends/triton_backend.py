@@ -37,6 +37,7 @@ from sgl_piecewise.backends.triton_kernels import (
     grid_kv_splits,
 )
 from sgl_piecewise.backends.triton_kernels.decode import _INTERPRETED
+from sgl_piecewise.backends.triton_kernels.extend import compile_start_up_in_child
 from sgl_piecewise.backends.triton_kernels.launch import hash_triton_sources_ahead
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.errors import InvalidInputError
@@ -120,6 +121,9 @@ class TritonBackend(StaticGraphBackend):
         self.max_kv_splits = check_positive_int("max_kv_splits", max_kv_splits)
         if kv_pool.device.type == "cuda":
             hash_triton_sources_ahead()
+            # Compiled by a child process while this one traces the model.
+            compile_start_up_in_child(num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype,
+                                      kv_pool.device)  # fmt: skip
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         # One key per padded request: one split, one tile, no empty-range work.

@@ -28,13 +28,14 @@ with the host.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from sgl_piecewise.backends.triton_kernels.compile_child import compile_in_child
 from sgl_piecewise.backends.triton_kernels.launch import FastLauncher, StepLaunch
 from sgl_piecewise.backends.triton_kernels.store_kv import launch_store_kv, store_kv_args, store_kv_meta
 from sgl_piecewise.backends.triton_kernels.tiles import (
@@ -376,15 +377,26 @@ def extend_attention(
 
 def _extend_launch(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len, sm_scale,
                    custom_mask, mask_indptr, new_kv: Optional[tuple] = None) -> Optional[StepLaunch]:  # fmt: skip
-    """The kernel's grid, arguments and constexprs for these (checked)
-    tensors; None when there is nothing to compute. ``new_kv``: (new_k,
-    new_v, out_cache_loc) for the kernel to write the new tokens' K/V itself
-    (``NEW_KV``); they are then layer tensors too."""
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, dv = k_cache.shape[1], v_cache.shape[2]
+    """The kernel's launch for these (checked) tensors; None when there is
+    nothing to compute. ``new_kv``: (new_k, new_v, out_cache_loc) for the
+    kernel to write the new tokens' K/V itself (``NEW_KV``); they are then
+    layer tensors too."""
     bs = qo_indptr.shape[0] - 1
     if bs <= 0 or max_q_len <= 0 or q.shape[0] == 0:
         return None
+    grid, args, meta = _extend_args(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len, sm_scale,
+                                    custom_mask, mask_indptr, new_kv)  # fmt: skip
+    layer_positions = (0, 1, 2, 3, 9, 10) if new_kv is not None else (0, 1, 2, 3)
+    return StepLaunch(_launch_extend, grid, args, meta, layer_positions=layer_positions)
+
+
+def _extend_args(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len, sm_scale,
+                 custom_mask, mask_indptr, new_kv: Optional[tuple]) -> Tuple[tuple, tuple, dict]:  # fmt: skip
+    """The kernel's grid, runtime arguments (signature order) and constexprs;
+    reads only shapes, strides and dtypes (meta tensors will do)."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, dv = k_cache.shape[1], v_cache.shape[2]
+    bs = qo_indptr.shape[0] - 1
     meta = extend_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, max_q_len, custom_mask is not None,
                               new_kv is not None)  # fmt: skip
     grid = (bs, num_kv_heads, triton.cdiv(max_q_len * meta["GROUP"], meta["BLOCK_M"]))
@@ -401,8 +413,48 @@ def _extend_launch(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, m
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), *new_strides,
     )  # fmt: skip
-    layer_positions = (0, 1, 2, 3, 9, 10) if new_kv is not None else (0, 1, 2, 3)
-    return StepLaunch(_launch_extend, grid, args, meta, layer_positions=layer_positions)
+    return grid, args, meta
+
+
+def predicted_start_up_compiles(num_q_heads: int, num_kv_heads: int, head_dim: int, dv: int,
+                                dtype: torch.dtype) -> List[Tuple[list, dict]]:  # fmt: skip
+    """The compiles of this kernel a piecewise start-up asks for, predicted
+    before the model is traced, as (arguments with every tensor given as its
+    dtype, constexprs) for ``JITFunction.warmup`` (``compile_child.py``).
+
+    The capture's steps are plain extends whose new K/V the kernel writes
+    itself, their tensors contiguous ``[tokens, heads, head_dim]`` rows,
+    16-byte aligned. A model's own layout (queries viewed out of a fused QKV
+    projection, say) differs in stride values only, and the kernel is
+    compiled for an integer's divisibility by 16 and for it being 1, where
+    those agree. Every row tile, largest first: the order in which the
+    captures, largest size first, launch them."""
+    rows = 1024  # any count: the row tile is chosen below, and the grid is not compiled in
+    q = torch.empty(rows, num_q_heads, head_dim, dtype=dtype, device="meta")
+    out = torch.empty(rows, num_q_heads, dv, dtype=dtype, device="meta")
+    k_cache = torch.empty(rows + 1, num_kv_heads, head_dim, dtype=dtype, device="meta")
+    v_cache = torch.empty(rows + 1, num_kv_heads, dv, dtype=dtype, device="meta")
+    new_k = torch.empty(rows, num_kv_heads, head_dim, dtype=dtype, device="meta")
+    new_v = torch.empty(rows, num_kv_heads, dv, dtype=dtype, device="meta")
+    indptr = torch.empty(2, dtype=torch.int32, device="meta")
+    kv_indices = torch.empty(rows, dtype=torch.int32, device="meta")
+    loc = torch.empty(rows, dtype=torch.int64, device="meta")
+    _, args, meta = _extend_args(q, k_cache, v_cache, out, indptr, indptr, kv_indices, rows, head_dim**-0.5,
+                                 None, None, (new_k, new_v, loc))  # fmt: skip
+    stand_ins = [a.dtype if isinstance(a, torch.Tensor) else a for a in args]
+    tiles = [dict(meta)] + row_tile_variants(meta)  # the longest query's tile: the largest
+    return [(stand_ins, m) for m in sorted(tiles, key=lambda m: -m["BLOCK_M"])]
+
+
+def compile_start_up_in_child(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                              device: torch.device) -> bool:  # fmt: skip
+    """Have a child process compile :func:`predicted_start_up_compiles` (K
+    and V of ``head_dim``) for ``device``, unless the kernels run
+    interpreted; whether it started (``compile_child.py``)."""
+    if _INTERPRETED:
+        return False
+    compiles = predicted_start_up_compiles(num_q_heads, num_kv_heads, head_dim, head_dim, dtype)
+    return compile_in_child(_extend_kernel, compiles, device)
 
 
 class ExtendPlan:

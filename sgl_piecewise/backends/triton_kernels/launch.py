@@ -37,7 +37,9 @@ extend kernel's smaller row tiles, which shorter queries take). Triton's
 compiler spends most of its time outside the GIL (MLIR and LLVM passes,
 ``ptxas``), so a start-up that would compile them one after the other, each
 in the middle of its work, finds them compiled; a first launch of one that
-is still compiling waits for it instead of compiling it again.
+is still compiling waits for it instead of compiling it again. A first
+launch, or a compile ahead, of a kernel that a child process is compiling
+(``compile_child.py``) waits for the child likewise.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from triton.runtime.jit import JITFunction
 
+from sgl_piecewise.backends.triton_kernels.compile_child import wait_for_child
 from sgl_piecewise.backends.triton_kernels.static_launch import StaticKernel, static_kernel
 
 try:  # the launch hooks' home since Triton 3.4
@@ -221,6 +224,7 @@ class FastLauncher:
         if ahead is not None:
             with contextlib.suppress(CancelledError):  # cancelled only while the interpreter exits
                 ahead.result()  # compiling in the background: Triton finds it once done
+        wait_for_child(self.fn, meta)  # compiling in the child process: likewise (compile_child.py)
         # Compiled (or found) without a launch, then launched through a
         # BoundKernel: Triton would build its C launcher for the launch.
         kernel = self.fn.warmup(*args, grid=grid, **meta)
@@ -270,6 +274,7 @@ class FastLauncher:
         the launch that needs the kernel compiles it and reports its error."""
         try:
             torch.cuda.set_device(device)
+            wait_for_child(self.fn, meta)
             self.fn.warmup(*stand_ins, grid=(1,), **meta)
         except Exception as exc:  # never let a guess break a launch
             logger.debug("compiling %s ahead for %s failed: %s", getattr(self.fn, "__name__", self.fn), meta, exc)

@@ -1,0 +1,254 @@
+"""Our Triton kernels compiled in a child process, ahead of their first launch.
+
+From empty caches, a piecewise start-up compiles the extend kernel at its
+first launch: after Dynamo's trace and Inductor's piece compiles, on the
+main thread, about 1 s (MLIR and LLVM passes, ``ptxas``; docs/BENCHMARKS.md).
+Compiled on a background thread of the process instead (tried, not kept),
+the compile held the GIL for part of its time and slowed Dynamo's trace by
+about as much. A child process has a GIL of its own. Started when the triton
+backend is built, it compiles the launches the start-up is predicted to make
+(``extend.predicted_start_up_compiles``) into Triton's on-disk cache, where
+the parent's first launch finds them.
+
+The child compiles through ``JITFunction.warmup`` with every tensor given as
+its dtype (a 16-byte aligned pointer), as ``FastLauncher``'s compiles ahead
+do, for the architecture of the parent's card, which it is told: Triton's
+driver is answered the device, stream and architecture it would ask the
+card for, and loads nothing onto one, so the child opens no CUDA context (a
+context would take device memory the parent may be about to reserve). It
+inherits the environment: Triton's cache directory and options. A
+prediction that misses costs only the child's time: the parent compiles
+what it launches, as it did without the child. A first launch of a kernel
+the child is still compiling waits for it (:func:`wait_for_child`) rather
+than compiling it a second time.
+
+One child per process, for the first backend that asks: that backend's
+start-up is the one that waits on the compiles. Set
+``SGL_PIECEWISE_COMPILE_CHILD=0`` to compile everything in the process.
+
+The protocol: the parent writes one JSON object to the child's stdin,
+``{"capability": [9, 0], "compiles": [{"kernel": "module:name", "args": [...],
+"meta": {...}}, ...]}``, a tensor argument as ``{"dtype": "bfloat16"}``; the
+child answers one line per compile, ``done <i>`` or ``failed <i> <why>``, in
+order, then ``context <0|1|?>``: whether it holds a CUDA context (it must
+not; ``?`` where no CUDA driver can tell).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+logger = logging.getLogger("sgl_piecewise.triton")
+
+ENV_SWITCH = "SGL_PIECEWISE_COMPILE_CHILD"
+
+# A first launch waits at most this long for the child's compile of its
+# kernel, then compiles it itself (a child stuck on a loaded host).
+WAIT_SECONDS = 30.0
+
+Compile = Tuple[Sequence[Any], Dict[str, Any]]  # (arguments, tensors as dtypes; constexprs and options)
+
+
+class _Child:
+    """A running child: its process, and an event per compile it was given,
+    set when it answers for that compile (or exits)."""
+
+    def __init__(self, process: subprocess.Popen, compiles: List[Tuple[str, Dict[str, Any]]]):
+        self.process = process
+        self.compiles = compiles  # (kernel name, meta) per compile, in the order given
+        self.answers: Dict[int, str] = {}
+        self.opened_context: Optional[bool] = None  # None until answered, or where it could not tell
+        self.started = time.perf_counter()
+        self.seconds: Optional[float] = None  # from its start to its exit
+        self.events = [threading.Event() for _ in compiles]
+        self.reader = threading.Thread(target=self._read, name="sgl-piecewise-compile-child", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        try:
+            for line in self.process.stdout:
+                word, _, rest = line.strip().partition(" ")
+                if word in ("done", "failed"):
+                    index, _, why = rest.partition(" ")
+                    self.answers[int(index)] = word if word == "done" else f"failed: {why}"
+                    self.events[int(index)].set()
+                elif word == "context":
+                    self.opened_context = {"0": False, "1": True}.get(rest)  # "?": no driver to ask
+        except (ValueError, IndexError, OSError) as exc:  # a garbled answer: stop listening, stop waiting
+            logger.debug("compile child: unreadable answer: %s", exc)
+        finally:
+            for event in self.events:
+                event.set()  # exited or garbled: nothing more to wait for
+            self.process.stdout.close()
+            self.process.wait()
+            self.seconds = time.perf_counter() - self.started
+
+    def wait(self, kernel: str, meta: Dict[str, Any], timeout: float) -> bool:
+        """Wait until the child answered for every compile of ``kernel`` under
+        ``meta``; False where it gave none (nothing to wait for) or timed out."""
+        pending = [e for (name, m), e in zip(self.compiles, self.events) if name == kernel and m == meta]
+        return bool(pending) and all(e.wait(timeout) for e in pending)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()  # Triton writes a cache entry whole or not at all
+
+
+_child: Optional[_Child] = None
+_lock = threading.Lock()
+
+
+def kernel_name(fn: Any) -> str:
+    """``module:name`` of a ``@triton.jit`` function, as the child imports it."""
+    return f"{fn.fn.__module__}:{fn.fn.__name__}"
+
+
+def _encode(arg: Any) -> Any:
+    if isinstance(arg, torch.dtype):
+        return {"dtype": str(arg).removeprefix("torch.")}
+    if isinstance(arg, (bool, int, float)):
+        return arg
+    raise TypeError(f"expected a dtype, int or float argument, got {type(arg).__name__}")
+
+
+def _triton_cache_dir() -> Optional[str]:
+    try:
+        from triton import knobs
+    except ImportError:  # an older Triton: the child reads the same environment
+        return None
+    return knobs.cache.dir
+
+
+def compile_in_child(fn: Any, compiles: Sequence[Compile], device: torch.device) -> bool:
+    """Start the child compiling ``compiles`` of the ``@triton.jit`` kernel
+    ``fn`` for ``device``'s architecture, unless this process started one
+    already or it is switched off. Returns whether it started."""
+    global _child
+    if os.environ.get(ENV_SWITCH, "1") == "0" or device.type != "cuda":
+        return False
+    with _lock:
+        if _child is not None:
+            return False
+        name = kernel_name(fn)
+        try:
+            encoded = [{"kernel": name, "args": [_encode(a) for a in args], "meta": meta} for args, meta in compiles]
+            capability = list(torch.cuda.get_device_capability(device))
+            payload = json.dumps({"capability": capability, "compiles": encoded})
+        except (TypeError, ValueError) as exc:  # an argument JSON cannot carry: compile in the process
+            logger.debug("compile child for %s: %s", name, exc)
+            return False
+        env = dict(os.environ)
+        cache_dir = _triton_cache_dir()
+        if cache_dir:
+            env["TRITON_CACHE_DIR"] = cache_dir  # set in the process, maybe not in its environment
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, env=env, text=True,
+            )  # fmt: skip
+            process.stdin.write(payload)
+            process.stdin.close()
+        except OSError as exc:  # no interpreter to start: compile in the process
+            logger.debug("compile child for %s did not start: %s", name, exc)
+            return False
+        _child = _Child(process, [(name, meta) for _, meta in compiles])
+        atexit.register(_child.stop)
+        return True
+
+
+def wait_for_child(fn: Any, meta: Dict[str, Any], timeout: float = WAIT_SECONDS) -> bool:
+    """Before compiling ``fn`` under ``meta`` in the process: wait for the
+    child's compiles of it, if it was given any (Triton's cache then holds
+    them). Returns whether there were any and they were all answered."""
+    child = _child
+    return child is not None and child.wait(kernel_name(fn), meta, timeout)
+
+
+def child_answers() -> Optional[Dict[str, Any]]:
+    """The running or finished child's answers so far (None before any):
+    ``answers`` by compile index, ``opened_context``, and ``seconds`` from
+    its start to its exit (None while it runs)."""
+    child = _child
+    if child is None:
+        return None
+    return {"answers": dict(child.answers), "opened_context": child.opened_context, "seconds": child.seconds}
+
+
+# ---- the child --------------------------------------------------------------
+def _decode(arg: Any) -> Any:
+    return getattr(torch, arg["dtype"]) if isinstance(arg, dict) else arg
+
+
+def _kernel(name: str) -> Any:
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _compile_for(capability: Sequence[int]) -> None:
+    """Point Triton's driver at ``capability`` and no card: the device and
+    stream a launch would look up, and the card's architecture, are answered
+    here, so compiling touches no CUDA API that opens a context."""
+    from triton.runtime import driver
+
+    active = driver.active
+    for name in ("get_current_device", "get_current_stream", "get_device_capability"):
+        if not hasattr(active, name):  # a Triton whose driver looks them up otherwise: do not guess
+            raise RuntimeError(f"expected Triton's driver to have {name}, got {type(active).__name__} without it")
+    active.get_current_device = lambda: 0
+    active.get_current_stream = lambda device=None: 0
+    active.get_device_capability = lambda device=None: tuple(capability)
+
+
+def _compile_all(request: Dict[str, Any]) -> None:
+    _compile_for(request["capability"])
+    for i, spec in enumerate(request["compiles"]):
+        try:
+            _kernel(spec["kernel"]).warmup(*map(_decode, spec["args"]), grid=(1,), **spec["meta"])
+            print(f"done {i}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - reported; the parent compiles it itself
+            print(f"failed {i} {_one_line(exc)}", flush=True)
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+
+
+def _opened_context() -> str:
+    """Whether this process holds the first card's primary CUDA context,
+    asked of the driver itself ("?" without one)."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "?"
+    device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), 0):
+        return "?"
+    if cuda.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)):
+        return "?"
+    return str(int(bool(active.value)))
+
+
+def _main() -> None:
+    request = json.load(sys.stdin)
+    try:
+        _compile_all(request)
+    except Exception as exc:  # noqa: BLE001 - no Triton driver: every compile fails, reported
+        for i in range(len(request.get("compiles", []))):
+            print(f"failed {i} {_one_line(exc)}", flush=True)
+    print(f"context {_opened_context()}", flush=True)
+
+
+if __name__ == "__main__":
+    _main()
