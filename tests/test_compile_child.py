@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -95,41 +97,86 @@ def test_the_child_answers_for_every_compile_it_cannot_do_and_exits_cleanly():
     }  # fmt: skip
     done = _run_child(request)
     assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+    # With a CUDA driver each compile is begun ("start") and fails; without
+    # one, every compile fails before it begins.
+    lines = [line for line in done.stdout.splitlines() if not line.startswith("start ")]
     assert [line.split()[:2] for line in lines[:2]] == [["failed", "0"], ["failed", "1"]]
     assert lines[2:] in (["context 0"], ["context ?"])  # "?": a machine with no CUDA driver to ask
 
 
-def test_a_parent_waits_only_for_compiles_of_its_kernel_and_settings():
-    request = {"capability": [9, 0], "compiles": [{"kernel": "no_such_module:kernel", "args": [], "meta": {"A": 1}}]}
+# A child that speaks the protocol and holds its first compile until told to
+# finish it (a line on its stdin): the parent's side, timed by the test.
+_HELD_CHILD = r"""
+import sys
+print("start 0", flush=True)
+sys.stdin.readline()
+print("done 0", flush=True)
+print("context 0", flush=True)
+"""
+
+
+def test_a_first_launch_waits_for_a_compile_the_child_has_begun_and_not_for_others():
     pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    process = subprocess.Popen([sys.executable, "-m", compile_child.__name__], text=True, env=_child_env(), **pipes)
-    process.stdin.write(json.dumps(request))
-    process.stdin.close()
-    child = compile_child._Child(process, [("no_such_module:kernel", {"A": 1})])
-    assert not child.wait("no_such_module:kernel", {"A": 2}, timeout=60), "nothing of those settings was given"
-    assert not child.wait("other:kernel", {"A": 1}, timeout=60)
-    assert child.wait("no_such_module:kernel", {"A": 1}, timeout=60)
+    process = subprocess.Popen([sys.executable, "-c", _HELD_CHILD], text=True, **pipes)
+    child = compile_child._Child(process, [("kernel:a", {"BLOCK_M": 128}), ("kernel:a", {"BLOCK_M": 64})])
+    deadline = time.monotonic() + 60
+    while 0 not in child.started_compiles and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert 0 in child.started_compiles
+    assert not child.wait("kernel:a", {"BLOCK_M": 64}, timeout=60), "not begun: compiled in the process at once"
+    assert not child.wait("kernel:b", {"BLOCK_M": 128}, timeout=60), "never given to the child"
+    results: list = []
+    waiting = threading.Thread(target=lambda: results.append(child.wait("kernel:a", {"BLOCK_M": 128}, timeout=60)))
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive(), "a begun compile is waited for"
+    process.stdin.write("finish\n")
+    process.stdin.flush()
+    waiting.join(60)
+    assert results == [True]
     child.reader.join(60)
-    assert child.answers[0].startswith("failed: ")  # no such module (or, without CUDA, no card)
-    assert child.opened_context is not True
+    assert child.answers == {0: "done"} and child.opened_context is False and child.seconds is not None
+    assert child.events[1].is_set(), "once the child exits, nothing of it is waited for"
 
 
 def test_no_child_when_switched_off_or_for_a_cpu_or_for_arguments_json_cannot_carry(monkeypatch):
-    monkeypatch.setattr(compile_child, "_child", None)
+    monkeypatch.setattr(compile_child, "_children", [])
+    monkeypatch.setattr(compile_child, "_given", set())
     kernel = extend._extend_kernel
     monkeypatch.setenv(compile_child.ENV_SWITCH, "0")
     assert not compile_child.compile_in_child(kernel, [([torch.int32], {})], torch.device("cuda"))
     monkeypatch.delenv(compile_child.ENV_SWITCH)
     assert not compile_child.compile_in_child(kernel, [([torch.int32], {})], torch.device("cpu"))
-    if torch.cuda.is_available():
-        assert not compile_child.compile_in_child(kernel, [([torch.zeros(1)], {})], torch.device("cuda"))
-    assert compile_child._child is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert not compile_child.compile_in_child(kernel, [([torch.zeros(1)], {})], torch.device("cuda"))
+    assert compile_child._children == [] and compile_child._given == set()
     assert not compile_child.wait_for_child(kernel, {})  # no child: nothing to wait for
 
 
-# A fresh process with an empty Triton cache: a triton backend over CUDA
-# pools starts the child; once it has answered, a prefill's extend launches
+def test_a_child_starts_only_for_compiles_no_child_of_the_process_was_given(monkeypatch):
+    monkeypatch.setattr(compile_child, "_children", [])
+    monkeypatch.setattr(compile_child, "_given", set())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    started = []
+    monkeypatch.setattr(
+        compile_child, "_start_child", lambda capability, compiles: started.append(compiles) or object()
+    )
+    kernel, cuda = extend._extend_kernel, torch.device("cuda")
+    a, b, c = (
+        ([torch.bfloat16, 64], {"BLOCK_M": 128}),
+        ([torch.bfloat16, 64], {"BLOCK_M": 64}),
+        ([torch.float16, 64], {"BLOCK_M": 64}),
+    )
+    assert compile_child.compile_in_child(kernel, [a, b], cuda)
+    assert compile_child.compile_in_child(kernel, [b, c], cuda)
+    assert not compile_child.compile_in_child(kernel, [a, c], cuda)
+    assert [[e["meta"]["BLOCK_M"] for e in compiles] for compiles in started] == [[128, 64], [64]]
+    assert started[1][0]["args"] == [{"dtype": "float16"}, 64]
+    assert len(compile_child._children) == 2
+
+
+# A fresh process with an empty Triton cache: a model built on CUDA starts
+# the child; once it has answered, a prefill's extend launches
 # compile nothing more of the kernel (no new cache entry of it).
 _FIRST_LAUNCH_FINDS_THE_CHILDS_COMPILE = r"""
 import glob, json, os, sys, torch
@@ -140,8 +187,9 @@ from sgl_piecewise.runner import ModelRunner
 config = ModelConfig(**json.loads(sys.argv[1]))
 model = build_random_model(config, torch.bfloat16, "cuda", seed=0)
 runner = ModelRunner(model, max_reqs=2, max_context_len=128, backend="triton")
-child = compile_child._child
-child.reader.join(300)
+children = compile_child._children
+for child in children:
+    child.reader.join(300)
 
 def compiled():
     return sorted(glob.glob(os.path.join(os.environ["TRITON_CACHE_DIR"], "*", "_extend_kernel.json")))
@@ -149,8 +197,8 @@ def compiled():
 before = compiled()
 runner.generate([list(range(1, 100)), list(range(3, 9))], max_new_tokens=2, progress=False)
 new = len(set(compiled()) - set(before))
-print(json.dumps({"answers": compile_child.child_answers(), "before": len(before), "new": new,
-                  "compiles": len(child.compiles)}))
+print(json.dumps({"children": compile_child.child_answers(), "before": len(before), "new": new,
+                  "compiles": sum(len(child.compiles) for child in children)}))
 """
 
 
@@ -168,8 +216,10 @@ def test_a_prefills_first_extend_launch_finds_the_childs_compile(config, tmp_pat
                           capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])
-    answers = result["answers"]
-    assert sorted(answers["answers"].values()) == ["done"] * result["compiles"], answers
-    assert answers["opened_context"] is False, "the child must not open a CUDA context"
+    # The model's creation started the child; the backend over its pool
+    # asked for the same compiles, which started none.
+    (child,) = result["children"]
+    assert sorted(child["answers"].values()) == ["done"] * result["compiles"], child
+    assert child["opened_context"] is False, "the child must not open a CUDA context"
     assert result["before"] == result["compiles"], "each compile leaves one cache entry"
     assert result["new"] == 0, "the parent compiled the extend kernel again: the prediction missed"

@@ -5,8 +5,8 @@ first launch: after Dynamo's trace and Inductor's piece compiles, on the
 main thread, about 1 s (MLIR and LLVM passes, ``ptxas``; docs/BENCHMARKS.md).
 Compiled on a background thread of the process instead (tried, not kept),
 the compile held the GIL for part of its time and slowed Dynamo's trace by
-about as much. A child process has a GIL of its own. Started when the triton
-backend is built, it compiles the launches the start-up is predicted to make
+about as much. A child process has a GIL of its own. Started when the model
+is built, it compiles the launches the start-up is predicted to make
 (``extend.predicted_start_up_compiles``) into Triton's on-disk cache, where
 the parent's first launch finds them.
 
@@ -19,19 +19,24 @@ context would take device memory the parent may be about to reserve). It
 inherits the environment: Triton's cache directory and options. A
 prediction that misses costs only the child's time: the parent compiles
 what it launches, as it did without the child. A first launch of a kernel
-the child is still compiling waits for it (:func:`wait_for_child`) rather
-than compiling it a second time.
+the child is compiling waits for it (:func:`wait_for_child`) rather than
+compiling it a second time; one the child has not begun yet is compiled in
+the process, as without the child. The child runs at a lower priority than
+the parent and Inductor's compile workers: its compiles are needed last.
 
-One child per process, for the first backend that asks: that backend's
-start-up is the one that waits on the compiles. Set
-``SGL_PIECEWISE_COMPILE_CHILD=0`` to compile everything in the process.
+A model built on a CUDA device starts the child (``models/loader.py``), so
+it compiles while the weights are read; a triton backend asks again for
+its pool's shapes and dtype, and a child starts only for compiles no child
+of the process was given. Set ``SGL_PIECEWISE_COMPILE_CHILD=0`` to compile
+everything in the process.
 
 The protocol: the parent writes one JSON object to the child's stdin,
 ``{"capability": [9, 0], "compiles": [{"kernel": "module:name", "args": [...],
 "meta": {...}}, ...]}``, a tensor argument as ``{"dtype": "bfloat16"}``; the
-child answers one line per compile, ``done <i>`` or ``failed <i> <why>``, in
-order, then ``context <0|1|?>``: whether it holds a CUDA context (it must
-not; ``?`` where no CUDA driver can tell).
+child answers ``start <i>`` as it begins each compile, in order, and
+``done <i>`` or ``failed <i> <why>`` as it ends it, then ``context <0|1|?>``:
+whether it holds a CUDA context (it must not; ``?`` where no CUDA driver
+can tell).
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class _Child:
     def __init__(self, process: subprocess.Popen, compiles: List[Tuple[str, Dict[str, Any]]]):
         self.process = process
         self.compiles = compiles  # (kernel name, meta) per compile, in the order given
+        self.started_compiles: set = set()  # indexes the child has begun
         self.answers: Dict[int, str] = {}
         self.opened_context: Optional[bool] = None  # None until answered, or where it could not tell
         self.started = time.perf_counter()
@@ -80,7 +86,9 @@ class _Child:
         try:
             for line in self.process.stdout:
                 word, _, rest = line.strip().partition(" ")
-                if word in ("done", "failed"):
+                if word == "start":
+                    self.started_compiles.add(int(rest))
+                elif word in ("done", "failed"):
                     index, _, why = rest.partition(" ")
                     self.answers[int(index)] = word if word == "done" else f"failed: {why}"
                     self.events[int(index)].set()
@@ -96,17 +104,25 @@ class _Child:
             self.seconds = time.perf_counter() - self.started
 
     def wait(self, kernel: str, meta: Dict[str, Any], timeout: float) -> bool:
-        """Wait until the child answered for every compile of ``kernel`` under
-        ``meta``; False where it gave none (nothing to wait for) or timed out."""
-        pending = [e for (name, m), e in zip(self.compiles, self.events) if name == kernel and m == meta]
-        return bool(pending) and all(e.wait(timeout) for e in pending)
+        """Wait until the child answered for each compile of ``kernel`` under
+        ``meta`` that it has begun (or exited); whether it answered for
+        them all. False at once where it began none: the caller compiles it
+        sooner itself."""
+        begun = [
+            i
+            for i, (name, m) in enumerate(self.compiles)
+            if name == kernel and m == meta and (i in self.started_compiles or self.events[i].is_set())
+        ]
+        answered = [self.events[i].wait(timeout) and i in self.answers for i in begun]
+        return bool(answered) and all(answered)
 
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.kill()  # Triton writes a cache entry whole or not at all
 
 
-_child: Optional[_Child] = None
+_children: List[_Child] = []
+_given: set = set()  # every compile handed to a child of this process, encoded
 _lock = threading.Lock()
 
 
@@ -132,58 +148,67 @@ def _triton_cache_dir() -> Optional[str]:
 
 
 def compile_in_child(fn: Any, compiles: Sequence[Compile], device: torch.device) -> bool:
-    """Start the child compiling ``compiles`` of the ``@triton.jit`` kernel
-    ``fn`` for ``device``'s architecture, unless this process started one
-    already or it is switched off. Returns whether it started."""
-    global _child
+    """Start a child compiling those of ``compiles`` of the ``@triton.jit``
+    kernel ``fn`` (for ``device``'s architecture) that no child of this
+    process was given yet, unless switched off. Returns whether one started."""
     if os.environ.get(ENV_SWITCH, "1") == "0" or device.type != "cuda":
         return False
+    name = kernel_name(fn)
+    try:
+        encoded = [{"kernel": name, "args": [_encode(a) for a in args], "meta": meta} for args, meta in compiles]
+        keys = [json.dumps(e, sort_keys=True) for e in encoded]
+        capability = list(torch.cuda.get_device_capability(device))
+    except (TypeError, ValueError) as exc:  # an argument JSON cannot carry: compile in the process
+        logger.debug("compile child for %s: %s", name, exc)
+        return False
     with _lock:
-        if _child is not None:
+        new = [(e, key) for e, key in zip(encoded, keys) if key not in _given]
+        if not new:
             return False
-        name = kernel_name(fn)
-        try:
-            encoded = [{"kernel": name, "args": [_encode(a) for a in args], "meta": meta} for args, meta in compiles]
-            capability = list(torch.cuda.get_device_capability(device))
-            payload = json.dumps({"capability": capability, "compiles": encoded})
-        except (TypeError, ValueError) as exc:  # an argument JSON cannot carry: compile in the process
-            logger.debug("compile child for %s: %s", name, exc)
+        child = _start_child(capability, [e for e, _ in new])
+        if child is None:
             return False
-        env = dict(os.environ)
-        cache_dir = _triton_cache_dir()
-        if cache_dir:
-            env["TRITON_CACHE_DIR"] = cache_dir  # set in the process, maybe not in its environment
-        try:
-            process = subprocess.Popen(
-                [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, env=env, text=True,
-            )  # fmt: skip
-            process.stdin.write(payload)
-            process.stdin.close()
-        except OSError as exc:  # no interpreter to start: compile in the process
-            logger.debug("compile child for %s did not start: %s", name, exc)
-            return False
-        _child = _Child(process, [(name, meta) for _, meta in compiles])
-        atexit.register(_child.stop)
+        _given.update(key for _, key in new)
+        _children.append(child)
         return True
+
+
+def _start_child(capability: List[int], compiles: List[Dict[str, Any]]) -> Optional[_Child]:
+    env = dict(os.environ)
+    cache_dir = _triton_cache_dir()
+    if cache_dir:
+        env["TRITON_CACHE_DIR"] = cache_dir  # set in the process, maybe not in its environment
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, env=env, text=True,
+        )  # fmt: skip
+        process.stdin.write(json.dumps({"capability": capability, "compiles": compiles}))
+        process.stdin.close()
+    except OSError as exc:  # no interpreter to start: compile in the process
+        logger.debug("compile child did not start: %s", exc)
+        return None
+    child = _Child(process, [(c["kernel"], c["meta"]) for c in compiles])
+    atexit.register(child.stop)
+    return child
 
 
 def wait_for_child(fn: Any, meta: Dict[str, Any], timeout: float = WAIT_SECONDS) -> bool:
     """Before compiling ``fn`` under ``meta`` in the process: wait for the
-    child's compiles of it, if it was given any (Triton's cache then holds
-    them). Returns whether there were any and they were all answered."""
-    child = _child
-    return child is not None and child.wait(kernel_name(fn), meta, timeout)
+    children's compiles of it that they have begun (Triton's cache then
+    holds them). Returns whether there were any and all were answered."""
+    if not _children:
+        return False
+    name = kernel_name(fn)
+    waited = [child.wait(name, meta, timeout) for child in list(_children)]
+    return any(waited)
 
 
-def child_answers() -> Optional[Dict[str, Any]]:
-    """The running or finished child's answers so far (None before any):
-    ``answers`` by compile index, ``opened_context``, and ``seconds`` from
-    its start to its exit (None while it runs)."""
-    child = _child
-    if child is None:
-        return None
-    return {"answers": dict(child.answers), "opened_context": child.opened_context, "seconds": child.seconds}
+def child_answers() -> List[Dict[str, Any]]:
+    """Each child's answers so far, in the order they started: ``answers``
+    by compile index, ``opened_context``, and ``seconds`` from its start to
+    its exit (None while it runs)."""
+    return [{"answers": dict(c.answers), "opened_context": c.opened_context, "seconds": c.seconds} for c in _children]
 
 
 # ---- the child --------------------------------------------------------------
@@ -214,6 +239,7 @@ def _compile_for(capability: Sequence[int]) -> None:
 def _compile_all(request: Dict[str, Any]) -> None:
     _compile_for(request["capability"])
     for i, spec in enumerate(request["compiles"]):
+        print(f"start {i}", flush=True)
         try:
             _kernel(spec["kernel"]).warmup(*map(_decode, spec["args"]), grid=(1,), **spec["meta"])
             print(f"done {i}", flush=True)
@@ -241,6 +267,8 @@ def _opened_context() -> str:
 
 
 def _main() -> None:
+    if hasattr(os, "nice"):
+        os.nice(10)  # behind the parent and its compile workers: its compiles are needed last
     request = json.load(sys.stdin)
     try:
         _compile_all(request)
