@@ -175,8 +175,8 @@ def test_a_child_starts_only_for_compiles_no_child_of_the_process_was_given(monk
     assert len(compile_child._children) == 2
 
 
-# A fresh process with an empty Triton cache: a model built on CUDA starts
-# the child; once it has answered, a prefill's extend launches
+# A fresh process with an empty Triton cache: a triton backend over CUDA
+# pools starts the child; once it has answered, a prefill's extend launches
 # compile nothing more of the kernel (no new cache entry of it).
 _FIRST_LAUNCH_FINDS_THE_CHILDS_COMPILE = r"""
 import glob, json, os, sys, torch
@@ -187,6 +187,7 @@ from sgl_piecewise.runner import ModelRunner
 config = ModelConfig(**json.loads(sys.argv[1]))
 model = build_random_model(config, torch.bfloat16, "cuda", seed=0)
 runner = ModelRunner(model, max_reqs=2, max_context_len=128, backend="triton")
+ModelRunner(model, max_reqs=1, max_context_len=32, backend="triton")
 children = compile_child._children
 for child in children:
     child.reader.join(300)
@@ -216,8 +217,7 @@ def test_a_prefills_first_extend_launch_finds_the_childs_compile(config, tmp_pat
                           capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])
-    # The model's creation started the child; the backend over its pool
-    # asked for the same compiles, which started none.
+    # One child: the second backend (of the same shapes) started none.
     (child,) = result["children"]
     assert sorted(child["answers"].values()) == ["done"] * result["compiles"], child
     assert child["opened_context"] is False, "the child must not open a CUDA context"

@@ -218,28 +218,25 @@ def test_random_model_is_reproducible_from_its_seed():
     assert 0.015 < a.model.layers[0].mlp.down_proj.weight.std().item() < 0.025
 
 
-def test_a_model_built_for_cuda_starts_triton_s_hash_and_the_compile_child_and_one_for_the_cpu_does_not(monkeypatch):
+def test_a_model_built_for_cuda_starts_hashing_triton_s_sources_and_one_for_the_cpu_does_not(monkeypatch):
     pytest.importorskip("triton")
-    from sgl_piecewise.backends.triton_kernels import extend, launch
+    from sgl_piecewise.backends.triton_kernels import launch
     from sgl_piecewise.models import loader
 
-    hashed, children = [], []
-    monkeypatch.setattr(launch, "hash_triton_sources_ahead", lambda: hashed.append(True))
-    monkeypatch.setattr(extend, "compile_start_up_in_child", lambda *shape: children.append(shape))
-    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], **TINY})
+    started = []
+    monkeypatch.setattr(launch, "hash_triton_sources_ahead", lambda: started.append(True))
     for device in ("cpu", torch.device("cpu"), "meta", None):
-        loader.prepare_triton_while_loading(config, torch.bfloat16, device)
-    assert hashed == [] and children == []
+        loader.hash_triton_sources_while_loading(device)
+    assert started == []
     for device in ("cuda", torch.device("cuda", 0)):
-        loader.prepare_triton_while_loading(config, torch.bfloat16, device)
-    assert hashed == [True, True]
-    shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim, torch.bfloat16)
-    assert children == [(*shape, torch.device("cuda")), (*shape, torch.device("cuda", 0))]
+        loader.hash_triton_sources_while_loading(device)
+    assert started == [True, True]
 
-    calls = []
-    monkeypatch.setattr(loader, "prepare_triton_while_loading", lambda *a: calls.append(a))
+    devices = []
+    monkeypatch.setattr(loader, "hash_triton_sources_while_loading", devices.append)
+    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], **TINY})
     build_random_model(config, device="cpu")
-    assert calls == [(config, torch.float32, "cpu")]
+    assert devices == ["cpu"]
     monkeypatch.undo()
     assert next(build_random_model(config, device=None).parameters()).device.type == "cpu"  # the default device
 

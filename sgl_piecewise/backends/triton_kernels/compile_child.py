@@ -5,8 +5,8 @@ first launch: after Dynamo's trace and Inductor's piece compiles, on the
 main thread, about 1 s (MLIR and LLVM passes, ``ptxas``; docs/BENCHMARKS.md).
 Compiled on a background thread of the process instead (tried, not kept),
 the compile held the GIL for part of its time and slowed Dynamo's trace by
-about as much. A child process has a GIL of its own. Started when the model
-is built, it compiles the launches the start-up is predicted to make
+about as much. A child process has a GIL of its own. Started when the
+backend is built, it compiles the launches the start-up is predicted to make
 (``extend.predicted_start_up_compiles``) into Triton's on-disk cache, where
 the parent's first launch finds them.
 
@@ -24,10 +24,12 @@ compiling it a second time; one the child has not begun yet is compiled in
 the process, as without the child. The child runs at a lower priority than
 the parent and Inductor's compile workers: its compiles are needed last.
 
-A model built on a CUDA device starts the child (``models/loader.py``), so
-it compiles while the weights are read; a triton backend asks again for
-its pool's shapes and dtype, and a child starts only for compiles no child
-of the process was given. Set ``SGL_PIECEWISE_COMPILE_CHILD=0`` to compile
+A triton backend over CUDA pools starts the child for its pool's shapes
+and dtype; a child starts only for compiles no child of the process was
+given (a second backend of the same shapes starts none). Started earlier,
+while the model's weights were drawn, the child slowed that draw (torch's
+threads on every core) by as much as it saved the start-up
+(docs/BENCHMARKS.md). Set ``SGL_PIECEWISE_COMPILE_CHILD=0`` to compile
 everything in the process.
 
 The protocol: the parent writes one JSON object to the child's stdin,
