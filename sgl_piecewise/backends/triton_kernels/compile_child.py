@@ -27,9 +27,8 @@ the parent and Inductor's compile workers: its compiles are needed last.
 A triton backend over CUDA pools starts the child for its pool's shapes
 and dtype; a child starts only for compiles no child of the process was
 given (a second backend of the same shapes starts none). Started earlier,
-while the model's weights were drawn, the child slowed that draw (torch's
-threads on every core) by as much as it saved the start-up
-(docs/BENCHMARKS.md). Set ``SGL_PIECEWISE_COMPILE_CHILD=0`` to compile
+while the model's weights were drawn on the host, the child slowed that
+draw by about as much as it saved the start-up (docs/BENCHMARKS.md). Set ``SGL_PIECEWISE_COMPILE_CHILD=0`` to compile
 everything in the process.
 
 The protocol: the parent writes one JSON object to the child's stdin,
