@@ -28,8 +28,8 @@ A triton backend over CUDA pools starts the child for its pool's shapes
 and dtype; a child starts only for compiles no child of the process was
 given (a second backend of the same shapes starts none). Started earlier,
 while the model's weights were drawn on the host, the child slowed that
-draw by about as much as it saved the start-up (docs/BENCHMARKS.md). Set ``SGL_PIECEWISE_COMPILE_CHILD=0`` to compile
-everything in the process.
+draw by about as much as it saved the start-up (docs/BENCHMARKS.md). Set
+``SGL_PIECEWISE_COMPILE_CHILD=0`` to compile everything in the process.
 
 The protocol: the parent writes one JSON object to the child's stdin,
 ``{"capability": [9, 0], "compiles": [{"kernel": "module:name", "args": [...],
@@ -159,7 +159,7 @@ def compile_in_child(fn: Any, compiles: Sequence[Compile], device: torch.device)
         encoded = [{"kernel": name, "args": [_encode(a) for a in args], "meta": meta} for args, meta in compiles]
         keys = [json.dumps(e, sort_keys=True) for e in encoded]
         capability = list(torch.cuda.get_device_capability(device))
-    except (TypeError, ValueError) as exc:  # an argument JSON cannot carry: compile in the process
+    except (TypeError, ValueError, RuntimeError, AssertionError) as exc:  # JSON cannot carry it, or no card
         logger.debug("compile child for %s: %s", name, exc)
         return False
     with _lock:
@@ -176,6 +176,9 @@ def compile_in_child(fn: Any, compiles: Sequence[Compile], device: torch.device)
 
 def _start_child(capability: List[int], compiles: List[Dict[str, Any]]) -> Optional[_Child]:
     env = dict(os.environ)
+    # The parent's import path, in its order: the child imports the same
+    # kernels, Triton and torch (their sources are part of Triton's cache key).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
     cache_dir = _triton_cache_dir()
     if cache_dir:
         env["TRITON_CACHE_DIR"] = cache_dir  # set in the process, maybe not in its environment
