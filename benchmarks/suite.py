@@ -113,8 +113,19 @@ def start_up(runner, cache_dir=None) -> tuple:
     result = timed_capture(lambda: piecewise.capture(progress=False))
     result.update(first_size_seconds=piecewise.first_size_seconds, sizes=len(piecewise.options.capture_sizes),
                   compiles_loaded=counters.compiles_loaded, compiles_saved=counters.compiles_saved,
-                  artifacts_loaded=counters.artifacts_loaded, artifacts_saved=counters.artifacts_saved)  # fmt: skip
+                  artifacts_loaded=counters.artifacts_loaded, artifacts_saved=counters.artifacts_saved,
+                  compile_child=compile_children())  # fmt: skip
     return piecewise, result
+
+
+def compile_children() -> list:
+    """What the child processes compiling our Triton kernels answered
+    (``compile_child.py``); none without Triton or on a CPU."""
+    try:
+        from sgl_piecewise.backends.triton_kernels.compile_child import child_answers
+    except ImportError:
+        return []
+    return child_answers()
 
 
 def whole_model_runners(runner, max_bs: int) -> tuple:
