@@ -20,6 +20,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the `triton` packa
 
 import sgl_piecewise  # noqa: E402
 from sgl_piecewise.backends.triton_kernels import compile_child, extend  # noqa: E402
+from sgl_piecewise.errors import InvalidInputError  # noqa: E402
 from sgl_piecewise.models import ModelConfig, build_random_model  # noqa: E402
 from sgl_piecewise.runner import ModelRunner  # noqa: E402
 
@@ -145,6 +146,9 @@ def test_no_child_when_switched_off_or_for_a_cpu_or_for_arguments_json_cannot_ca
     kernel = extend._extend_kernel
     monkeypatch.setenv(compile_child.ENV_SWITCH, "0")
     assert not compile_child.compile_in_child(kernel, [([torch.int32], {})], torch.device("cuda"))
+    monkeypatch.setenv(compile_child.ENV_SWITCH, "off")  # a switch it does not know is refused, not guessed
+    with pytest.raises(InvalidInputError, match=r"SGL_PIECEWISE_COMPILE_CHILD: expected 0 .* or 1 .*, got 'off'"):
+        compile_child.compile_in_child(kernel, [([torch.int32], {})], torch.device("cuda"))
     monkeypatch.delenv(compile_child.ENV_SWITCH)
     assert not compile_child.compile_in_child(kernel, [([torch.int32], {})], torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

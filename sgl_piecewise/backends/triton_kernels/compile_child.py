@@ -29,7 +29,8 @@ and dtype; a child starts only for compiles no child of the process was
 given (a second backend of the same shapes starts none). Started earlier,
 while the model's weights were drawn on the host, the child slowed that
 draw by about as much as it saved the start-up (docs/BENCHMARKS.md). Set
-``SGL_PIECEWISE_COMPILE_CHILD=0`` to compile everything in the process.
+``SGL_PIECEWISE_COMPILE_CHILD=0`` to compile everything in the process
+(``1``, the default, starts children; another value is refused).
 
 The protocol: the parent writes one JSON object to the child's stdin,
 ``{"capability": [9, 0], "compiles": [{"kernel": "module:name", "args": [...],
@@ -55,6 +56,8 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from sgl_piecewise.errors import InvalidInputError
 
 logger = logging.getLogger("sgl_piecewise.triton")
 
@@ -148,11 +151,19 @@ def _triton_cache_dir() -> Optional[str]:
     return knobs.cache.dir
 
 
+def _switched_on() -> bool:
+    value = os.environ.get(ENV_SWITCH, "1")
+    if value not in ("0", "1"):
+        raise InvalidInputError(f"{ENV_SWITCH}: expected 0 (compile in the process) or 1 (the default), got {value!r}")
+    return value == "1"
+
+
 def compile_in_child(fn: Any, compiles: Sequence[Compile], device: torch.device) -> bool:
     """Start a child compiling those of ``compiles`` of the ``@triton.jit``
     kernel ``fn`` (for ``device``'s architecture) that no child of this
-    process was given yet, unless switched off. Returns whether one started."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or device.type != "cuda":
+    process was given yet, unless switched off. Returns whether one started;
+    raises ``InvalidInputError`` where the switch is neither 0 nor 1."""
+    if not _switched_on() or device.type != "cuda":
         return False
     name = kernel_name(fn)
     try:
