@@ -20,6 +20,9 @@ there (``CompileOptions.cache_dir``; the second process is a warm start).
 ``--no-compile-child``: the extend kernel is compiled in this process at
 its first launch, not by a child process from the backend's creation on
 (``compile_child.py``).
+``--no-deferred-kernel-waits``: each Inductor piece waits for its kernels
+at the end of its own compile, not after the last piece's lowering
+(``compile/kernel_waits.py``).
 ``--no-hash-ahead``: Triton's cache key is computed at the first kernel
 Triton looks up, not on a background thread from the backend's creation on
 (``launch.hash_triton_sources_ahead``).
@@ -39,6 +42,7 @@ again (1.7 s of a warm start profiled on an H100 host). Unset it, or point
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import threading
@@ -55,6 +59,7 @@ from sgl_piecewise.backends import triton_backend
 from sgl_piecewise.backends.triton_kernels import compile_child, extend
 from sgl_piecewise.compile import CompileOptions, counters
 from sgl_piecewise.compile import backend as compile_backend
+from sgl_piecewise.compile import kernel_waits
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
 from sgl_piecewise.runners import PiecewiseCudaGraphRunner
 from sgl_piecewise.runners.capture import GraphCapture
@@ -85,6 +90,7 @@ def main() -> None:
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--no-hash-ahead", action="store_true")
     p.add_argument("--no-compile-child", action="store_true")
+    p.add_argument("--no-deferred-kernel-waits", action="store_true")
     p.add_argument("--no-inductor-autotune", action="store_true", help=NO_INDUCTOR_AUTOTUNE_HELP)
     cli = p.parse_args()
     if cli.no_inductor_autotune:
@@ -95,6 +101,8 @@ def main() -> None:
         triton_backend.hash_triton_sources_ahead = lambda: None
     if cli.no_compile_child:
         os.environ[compile_child.ENV_SWITCH] = "0"
+    if cli.no_deferred_kernel_waits:
+        compile_backend._kernel_waits = lambda options: contextlib.nullcontext()
     args = types.SimpleNamespace(shape="0.5b", device="cuda", backend="triton", context=1024,
                                  decode_bs=[1, 8, 32], extend=[16])  # fmt: skip
     build_start = time.perf_counter()
@@ -103,6 +111,7 @@ def main() -> None:
     phases = [
         (compile_backend._CompilePieces, "run", "split module's fake run, piece compiles included"),
         (PieceCompiler, "__call__", "piece compiles"),
+        (vars(kernel_waits), "wait_for_all", "deferred kernel waits"),
         *[(GraphCapture, name, f"graph captures (pieces and metadata fills): {name}")
           for name in ("record", "begin_graph", "end_graph")],
     ]  # fmt: skip
@@ -129,6 +138,8 @@ def main() -> None:
         "shape": args.shape, "torch": torch.__version__, "card": torch.cuda.get_device_name(),
         "compile_ahead": not cli.no_compile_ahead, "hash_ahead": not cli.no_hash_ahead,
         "compile_child": compile_child.child_answers(),
+        "deferred_kernel_waits": not cli.no_deferred_kernel_waits,
+        "kernel_waits_deferred": counters.kernel_waits_deferred,
         "build_seconds": round(build_seconds, 3), "build_and_capture_seconds": round(build_seconds + seconds, 3),
         "inductor_autotune": not cli.no_inductor_autotune,
         "from_saved_compile": counters.compiles_loaded > 0,
@@ -147,6 +158,7 @@ def main() -> None:
     name = "profile_startup_0.5b" + ("_no_compile_ahead" if cli.no_compile_ahead else "")
     name += "_no_hash_ahead" if cli.no_hash_ahead else ""
     name += "_no_compile_child" if cli.no_compile_child else ""
+    name += "_no_deferred_kernel_waits" if cli.no_deferred_kernel_waits else ""
     name += "_no_inductor_autotune" if cli.no_inductor_autotune else ""
     name += "_from_saved_compile.json" if info["from_saved_compile"] else ".json"
     json.dump(info, open(os.path.join(cli.out, name), "w"), indent=1)

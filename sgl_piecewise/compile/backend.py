@@ -31,6 +31,7 @@ import torch.fx
 from sgl_piecewise.compile import artifacts, precompiled
 from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.direct_call import GraphInputs, describe_inputs
+from sgl_piecewise.compile.kernel_waits import deferred_kernel_waits
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
 from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StepState
@@ -109,6 +110,15 @@ def reused_artifacts(gm: torch.fx.GraphModule, fake: list, options: CompileOptio
     yield
     if not loaded:
         artifacts.save_artifacts(options.cache_dir, key)
+
+
+def _kernel_waits(options: CompileOptions):
+    """Inductor's pieces wait for their kernels after the last piece's
+    lowering (``kernel_waits.py``), except for compiles saved for other
+    processes, whose cache entries must bundle every kernel."""
+    if options.piece_compiler == "inductor" and options.cache_dir is None:
+        return deferred_kernel_waits()
+    return contextlib.nullcontext()
 
 
 def _device(example_inputs: Sequence[Any]) -> torch.device:
@@ -322,7 +332,7 @@ class PiecewiseModule:
         # A compile that is saved whole needs no separate Inductor artifacts.
         artifacts_ctx = contextlib.nullcontext() if saved else reused_artifacts(gm, fake, options, device)
         interpreter = _CompilePieces(split_gm, pieces, compiler, module.state)
-        with artifacts_ctx, fake_mode:
+        with artifacts_ctx, _kernel_waits(options), fake_mode:
             interpreter.run(*fake)
         if saved is not None:
             index = {id(a): i for i, a in enumerate(compiler.artifacts)}
