@@ -57,9 +57,8 @@ from triton.runtime.jit import JITFunction
 
 from sgl_piecewise.backends import triton_backend
 from sgl_piecewise.backends.triton_kernels import compile_child, extend
-from sgl_piecewise.compile import CompileOptions, counters
+from sgl_piecewise.compile import CompileOptions, counters, kernel_waits
 from sgl_piecewise.compile import backend as compile_backend
-from sgl_piecewise.compile import kernel_waits
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
 from sgl_piecewise.runners import PiecewiseCudaGraphRunner
 from sgl_piecewise.runners.capture import GraphCapture
