@@ -28,6 +28,13 @@ def _started(value=None, error=None) -> Future:
     return future
 
 
+def _forget_inductor_modules() -> None:
+    """Inductor's in-process caches (compiled modules, kernels) cleared."""
+    from torch._inductor import utils
+
+    (getattr(utils, "clear_caches", None) or utils.clear_inductor_caches)()
+
+
 def _wait(scope: dict) -> None:
     """What a loading compiled module does: wait for the kernels in its globals."""
     AsyncCompile()._wait_futures(scope)
@@ -119,7 +126,9 @@ def test_inductor_pieces_wait_for_their_kernels_after_the_last_lowering(device):
         wait_now(self, scope)
 
     counters.reset()
+    _forget_inductor_modules()  # an earlier test's modules would load without waiting
     with (
+        mock.patch("torch._inductor.config.force_disable_caches", True),  # nor from another process's
         mock.patch("torch._inductor.config.compile_threads", 2),
         mock.patch.object(AsyncCompile, "_wait_futures", recorded),
         torch.no_grad(),
