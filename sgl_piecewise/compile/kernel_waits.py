@@ -25,8 +25,10 @@ again where that cache is empty. So compiles that are saved for other
 processes (``CompileOptions(cache_dir=...)``) do not defer their waits.
 
 It runs on the thread that entered it only, and does nothing where the
-installed torch has no ``AsyncCompile._wait_futures`` or compiles its
-kernels in-process (one compile thread: nothing to wait for).
+installed torch has no ``AsyncCompile._wait_futures``, where Inductor runs
+a graph's kernels during its compile (its C++ wrapper, tuning launches at
+compile time), or where it compiles its kernels in-process (one compile
+thread: nothing to wait for).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def deferred_kernel_waits() -> Iterator[None]:
     """Compiles inside note their kernel waits; the exit does them all.
     Nested use joins the outer one."""
     async_compile = _async_compile_class()
-    if async_compile is None or _noted_scopes() is not None:
+    if async_compile is None or _noted_scopes() is not None or _kernels_run_while_compiling():
         yield
         return
     wait_now = async_compile._wait_futures
@@ -86,6 +88,15 @@ def _async_compile_class() -> Optional[type]:
     except ImportError:
         return None
     return AsyncCompile if callable(getattr(AsyncCompile, "_wait_futures", None)) else None
+
+
+def _kernels_run_while_compiling() -> bool:
+    """Does Inductor run a graph's kernels before its compile returns? With
+    its C++ wrapper it runs them to tune their launches
+    (``triton.autotune_at_compile_time``): they must be there."""
+    from torch._inductor import config
+
+    return bool(getattr(config, "cpp_wrapper", False) or getattr(config.triton, "autotune_at_compile_time", False))
 
 
 def _wait_or_note(wait_now):
