@@ -68,6 +68,32 @@ def test_a_nested_use_joins_the_outer_one():
     assert scope == {"kernel": "k"}
 
 
+def test_two_threads_inside_each_wait_at_their_own_exit():
+    original = AsyncCompile._wait_futures
+    mine, theirs = {"kernel": _started("a")}, {"kernel": _started("b")}
+    inside, leave = threading.Event(), threading.Event()
+
+    def other_thread():
+        with deferred_kernel_waits():
+            _wait(theirs)
+            inside.set()
+            leave.wait(timeout=30)
+
+    worker = threading.Thread(target=other_thread)
+    with deferred_kernel_waits():
+        worker.start()
+        assert inside.wait(timeout=30)
+        _wait(mine)
+    assert mine == {"kernel": "a"}  # this thread's exit: its own wait only
+    assert isinstance(theirs["kernel"], Future)
+    _wait(scope := {"kernel": _started("c")})  # outside, while the other is still inside: at once
+    assert scope == {"kernel": "c"}
+    leave.set()
+    worker.join()
+    assert theirs == {"kernel": "b"}
+    assert AsyncCompile._wait_futures is original  # Inductor's own, once the last thread is out
+
+
 def test_a_kernel_that_failed_to_compile_raises_at_the_exit():
     scope = {"kernel": _started(error=RuntimeError("ptxas: out of registers"))}
     with pytest.raises(RuntimeError, match="out of registers"):

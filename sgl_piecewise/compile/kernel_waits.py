@@ -5,8 +5,9 @@ Inductor hands a graph's Triton (or C++) kernels to its compile worker
 processes and waits for all of them when the graph's compiled module loads,
 at the end of that graph's compile (``AsyncCompile.wait``). The distinct
 pieces of a split model compile one after another, so the main thread sat
-idle through each piece's wait before it began lowering the next one: on an
-H100, 2.4 s of the backend's 5.7 s in a cold start (docs/BENCHMARKS.md).
+idle through each piece's wait before it began lowering the next one: 0.9–1.2 s
+of the backend's 3.6–4.8 s in cold starts of the 0.5B shape on H200
+machines (docs/BENCHMARKS.md).
 
 Inside :func:`deferred_kernel_waits`, a loading module's wait is noted
 instead of done, and every noted wait is done at the context's exit: the
@@ -24,7 +25,7 @@ that loads the entry finds the kernel in Triton's own cache, or compiles it
 again where that cache is empty. So compiles that are saved for other
 processes (``CompileOptions(cache_dir=...)``) do not defer their waits.
 
-It runs on the thread that entered it only, and does nothing where the
+It defers the waits of the threads inside it only, and does nothing where the
 installed torch has no ``AsyncCompile._wait_futures``, where Inductor runs
 a graph's kernels during its compile (its C++ wrapper, tuning launches at
 compile time), or where it compiles its kernels in-process (one compile
@@ -37,13 +38,16 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from sgl_piecewise.compile.counters import counters
 
 logger = logging.getLogger("sgl_piecewise.compile")
 
 _local = threading.local()  # .scopes: the waits noted on this thread, or None
+_lock = threading.Lock()  # guards the two below
+_inductors_wait: Optional[Callable] = None  # AsyncCompile's own _wait_futures, while replaced
+_threads_inside = 0
 
 
 def _noted_scopes() -> Optional[List[Dict[str, Any]]]:
@@ -58,17 +62,37 @@ def deferred_kernel_waits() -> Iterator[None]:
     if async_compile is None or _noted_scopes() is not None or _kernels_run_while_compiling():
         yield
         return
-    wait_now = async_compile._wait_futures
+    wait_now = _install(async_compile)
     scopes: List[Dict[str, Any]] = []
-    async_compile._wait_futures = _wait_or_note(wait_now)
     _local.scopes = scopes
     try:
         yield
     finally:
         # On an error the pieces are thrown away: their workers' compiles just finish.
         _local.scopes = None
-        async_compile._wait_futures = wait_now
+        _uninstall(async_compile)
     wait_for_all(async_compile(), wait_now, scopes)
+
+
+def _install(async_compile: type) -> Callable:
+    """Put the noting ``_wait_futures`` in place (once, for every thread
+    inside); Inductor's own, which waits."""
+    global _inductors_wait, _threads_inside
+    with _lock:
+        if _threads_inside == 0:
+            _inductors_wait = async_compile._wait_futures
+            async_compile._wait_futures = _wait_or_note(_inductors_wait)
+        _threads_inside += 1
+        return _inductors_wait
+
+
+def _uninstall(async_compile: type) -> None:
+    """Inductor's own ``_wait_futures`` back once the last thread is out."""
+    global _inductors_wait, _threads_inside
+    with _lock:
+        _threads_inside -= 1
+        if _threads_inside == 0:
+            async_compile._wait_futures, _inductors_wait = _inductors_wait, None
 
 
 def wait_for_all(waiter: Any, wait_now, scopes: List[Dict[str, Any]]) -> None:
@@ -100,7 +124,7 @@ def _kernels_run_while_compiling() -> bool:
 
 
 def _wait_or_note(wait_now):
-    """``_wait_futures`` that notes the scope on the thread inside
+    """``_wait_futures`` that notes the scope on a thread inside
     :func:`deferred_kernel_waits` and waits at once on any other."""
 
     def wait_or_note(self, scope: Dict[str, Any]) -> None:
