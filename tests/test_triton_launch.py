@@ -109,6 +109,28 @@ def _shift(x, out, n, BLOCK: tl.constexpr):
     tl.store(out + i, tl.load(x + i, mask=m) + 5.0, mask=m)
 
 
+@pytest.mark.gpu
+def test_gpu_a_first_launch_asks_the_compile_child_first_and_a_later_one_does_not():
+    """The first launch of a specialisation waits for a compile the child
+    process began (``compile_child.wait_for_child``) before it compiles or
+    loads the kernel itself; later launches of it do not ask."""
+    from unittest import mock
+
+    from sgl_piecewise.backends.triton_kernels import launch as launch_module
+
+    asked = []
+    launch = FastLauncher(_axpy)
+    x, y = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
+    out = torch.empty_like(x)
+    with mock.patch.object(launch_module, "wait_for_child", lambda fn, meta: asked.append((fn, dict(meta)))):
+        for _ in range(3):
+            launch((8,), x, y, out, 1000, 2.0, BLOCK=128, num_warps=4)
+    assert asked == [(_axpy, {"BLOCK": 128, "num_warps": 4})]
+    normal = torch.empty_like(x)
+    _axpy[(8,)](x, y, normal, 1000, 2.0, BLOCK=128, num_warps=4)
+    torch.testing.assert_close(out, normal, rtol=0, atol=0)
+
+
 def _wait_ahead(launch) -> None:
     for future in list(launch._ahead.values()):
         future.result(timeout=300)
