@@ -5,8 +5,8 @@ Inductor hands a graph's Triton (or C++) kernels to its compile worker
 processes and waits for all of them when the graph's compiled module loads,
 at the end of that graph's compile (``AsyncCompile.wait``). The distinct
 pieces of a split model compile one after another, so the main thread sat
-idle through each piece's wait before it began lowering the next one: 0.9–1.2 s
-of the backend's 3.6–4.8 s in cold starts of the 0.5B shape on H200
+idle through each piece's wait before it began lowering the next one: 0.9–1.4 s
+of the backend's 3.6–6.0 s in cold starts of the 0.5B shape on H200
 machines (docs/BENCHMARKS.md).
 
 Inside :func:`deferred_kernel_waits`, a loading module's wait is noted
