@@ -8,6 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch._inductor import config as inductor_config
 from torch._inductor.async_compile import AsyncCompile
 
 import sgl_piecewise as sp
@@ -117,7 +118,7 @@ def test_an_error_inside_waits_for_nothing_and_puts_inductor_back():
 @pytest.mark.parametrize("setting", ["cpp_wrapper", "triton.autotune_at_compile_time"])
 def test_nothing_is_deferred_where_inductor_runs_kernels_while_compiling(setting):
     scope = {"kernel": _started("k")}
-    with mock.patch(f"torch._inductor.config.{setting}", True), deferred_kernel_waits():
+    with inductor_config.patch({setting: True}), deferred_kernel_waits():
         _wait(scope)
         assert scope == {"kernel": "k"}
 
@@ -162,8 +163,9 @@ def test_inductor_pieces_wait_for_their_kernels_after_the_last_lowering(device):
     counters.reset()
     _forget_inductor_modules()  # an earlier test's modules would load without waiting
     with (
-        mock.patch("torch._inductor.config.force_disable_caches", True),  # nor from another process's
-        mock.patch("torch._inductor.config.compile_threads", 2),
+        # Nor load from another process's caches; (mock.patch would delete
+        # Inductor's settings on the way out: they are no module attributes.)
+        inductor_config.patch(force_disable_caches=True, compile_threads=2),
         mock.patch.object(AsyncCompile, "_wait_futures", recorded),
         torch.no_grad(),
         sp.forward_context(batch, backend),
