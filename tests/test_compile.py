@@ -8,7 +8,7 @@ import torch
 import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.compile import CompiledModel, CompileOptions, counters, default_capture_sizes, register_splitting_op
-from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StepState
+from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StaticInputsMoved, StepState, _Entry
 from sgl_piecewise.compile.split import split_graph, to_out_variant
 from sgl_piecewise.errors import InvalidInputError, SglPiecewiseError
 from sgl_piecewise.models import ModelConfig, build_random_model
@@ -207,14 +207,29 @@ def test_nan_poison_reveals_a_leak_of_padded_rows():
 
 
 def test_debug_check_rejects_an_input_that_moved_since_capture():
-    state = StepState(debug_checks=True, phase=Phase.CAPTURE, num_tokens=4, padded_tokens=4)
-    piece = PieceGraphs("submod_0", lambda x: x * 2, state, static_args=[True])
+    """An earlier piece's output (not a static input) must come from the
+    pool at its captured address: debug_checks names one that did not."""
+    state = StepState(debug_checks=True, use_cuda=True, phase=Phase.REPLAY, num_tokens=4, padded_tokens=4)
+    piece = PieceGraphs("submod_0", lambda x: x * 2, state, static_args=[False])
     captured, moved = torch.ones(4), torch.ones(4)  # both alive: distinct addresses
-    piece(captured)
-    state.phase = Phase.REPLAY
+    piece.entries[state.replay_key] = _Entry(input_ptrs=[captured.data_ptr()])  # as a capture on a GPU leaves it
     piece(captured)  # the same input replays fine
     with pytest.raises(SglPiecewiseError, match=r"graph inputs \[0\] moved since capture"):
         piece(moved)
+
+
+def test_a_static_input_at_a_new_address_stops_the_replay_before_it_runs():
+    state = StepState(phase=Phase.CAPTURE, num_tokens=4, padded_tokens=4)
+    ran = []
+    piece = PieceGraphs("submod_0", lambda w, x: ran.append(1) or x * w, state, static_args=[True, False])
+    weight, x = torch.ones(4), torch.ones(4)
+    piece(weight, x)
+    state.phase = Phase.REPLAY
+    piece(weight, x)
+    assert len(ran) == 2
+    with pytest.raises(StaticInputsMoved, match="submod_0: expected its static inputs .* graph set 0"):
+        piece(torch.ones(4), x)
+    assert len(ran) == 2
 
 
 def test_unknown_options_are_rejected_with_the_valid_keys():

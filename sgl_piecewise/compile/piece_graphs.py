@@ -21,6 +21,12 @@ this call's outputs are real (capture alone executes nothing, and eager
 attention reads them next) unless they are thrown away (``outputs_unused``);
 REPLAY replays. On a machine without CUDA, capture is a pass-through: the
 entry is recorded and "replay" runs the compiled piece.
+
+A replay first compares the addresses of the piece's static tensor inputs
+(its weights and registry views) with those it was captured on, and raises
+``StaticInputsMoved`` before launching anything if one moved: the top level
+guesses each step's graph set (the last step's), and each piece checks the
+guess for its own weights just before its launch (``backend.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import operator
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -94,9 +101,28 @@ def _map_tensors(fn, value):
     return value
 
 
+class StaticInputsMoved(SglPiecewiseError):
+    """A piece's static input (a weight) is not at the address its graph was
+    captured on; raised before the piece launches anything. The top level
+    (``backend.PiecewiseModule``) catches it and runs the step again on the
+    graph set of the current addresses."""
+
+
+def pointer_getter(indices: Sequence[int]) -> Callable[[Sequence[Any]], Tuple[int, ...]]:
+    """``get(args)``: the data pointers of ``args[i]`` for ``i`` in ``indices``,
+    as a tuple; mapped in C (this runs every step, over every weight)."""
+    data_ptr = torch.Tensor.data_ptr
+    if len(indices) == 1:
+        (only,) = indices
+        return lambda args: (args[only].data_ptr(),)
+    pick = operator.itemgetter(*indices) if indices else (lambda args: ())
+    return lambda args: tuple(map(data_ptr, pick(args)))
+
+
 @dataclass
 class _Entry:
     input_ptrs: List[Optional[int]]
+    static_ptrs: Tuple[int, ...] = ()  # the static tensor inputs' addresses at capture
     graph: Optional[torch.cuda.CUDAGraph] = None
     outputs: Any = None  # non-owning aliases of the graph's outputs
 
@@ -112,13 +138,15 @@ class PieceGraphs:
     # (weights, registry views); only those are checked on CPU.
     static_args: Sequence[bool] = ()
     entries: Dict[Tuple[int, int], _Entry] = field(default_factory=dict)  # (graph_set, size) -> graph
+    # The addresses of the static tensor arguments (set at the first capture).
+    static_pointers: Callable[[Sequence[Any]], Tuple[int, ...]] = pointer_getter(())
 
     def __call__(self, *args):
         state = self.state
         if state.phase is Phase.REPLAY:  # every step's path: tested first
-            if not state.debug_checks:  # the common case, once per piece per step: nothing but the replay
+            if not state.debug_checks:  # the common case, once per piece per step: the weights, the replay
                 entry = self.entries.get(state.replay_key)
-                if entry is not None and entry.graph is not None:
+                if entry is not None and entry.graph is not None and self.static_pointers(args) == entry.static_ptrs:
                     counters.replays += 1
                     entry.graph.replay()
                     return entry.outputs
@@ -139,7 +167,11 @@ class PieceGraphs:
         return self.state.replay_key
 
     def _capture(self, args: Tuple[Any, ...]) -> Any:
-        entry = _Entry(input_ptrs=self._pointers(args))
+        if not self.entries:  # every call passes the same kinds of arguments
+            static = [i for i, a in enumerate(args) if i < len(self.static_args) and self.static_args[i]
+                      and isinstance(a, torch.Tensor)]  # fmt: skip
+            self.static_pointers = pointer_getter(static)
+        entry = _Entry(input_ptrs=self._pointers(args), static_ptrs=self.static_pointers(args))
         if self.state.use_cuda:
             out = self._capture_cuda_graph(entry, args)
         else:
@@ -164,6 +196,11 @@ class PieceGraphs:
             graph_set, size = self._key()
             raise SglPiecewiseError(
                 f"{self.name}: expected a captured graph for {size} tokens (graph set {graph_set}), got none"
+            )
+        if self.static_pointers(args) != entry.static_ptrs:
+            raise StaticInputsMoved(
+                f"{self.name}: expected its static inputs (weights) at the addresses of graph set "
+                f"{self._key()[0]}, got some at others"
             )
         if self.state.debug_checks:
             self._check_addresses(entry, args)
