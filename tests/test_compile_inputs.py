@@ -2,9 +2,11 @@
 its options, and the static inputs (weights) its graphs were captured on."""
 
 import dataclasses
+import gc
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -121,6 +123,72 @@ def test_a_model_moved_to_new_storage_captures_new_graphs_instead_of_replaying_s
             p.data = p.data * 1.5  # new storage, new values
     want = ModelRunner(model, max_reqs=2, max_context_len=64).generate(PROMPTS, 3)
     assert runner.generate(PROMPTS, 3) == want
+
+
+# ---- weights changed between steps of captured graphs ---------------------------
+# Each step guesses the last step's graph set, and each piece checks its own
+# weights' addresses before its replay; the weights themselves are the last
+# call's, dropped when the model reports an assignment and compared with the
+# model's after each call. These change one weight of the middle layer, after
+# two pieces have replayed, as a partial weight update would.
+def captured_runner(device="cpu", seed=5):
+    config = dataclasses.replace(default_config(), num_hidden_layers=3)
+    if device == "cuda":
+        config = dataclasses.replace(config, head_dim=64, hidden_size=256)
+    model = build_random_model(config, device=device, seed=seed, std=0.2)
+    runner = ModelRunner(model, max_reqs=2, max_context_len=64, backend="torch")
+    options = CompileOptions(cudagraphs=True, capture_sizes=(2, 8), piece_compiler="eager")
+    PiecewiseCudaGraphRunner(runner, options).capture(progress=False)
+    runner.generate(PROMPTS, 3)
+    return model, runner
+
+
+def eager_tokens(model):
+    return ModelRunner(model, max_reqs=2, max_context_len=64, backend="torch").generate(PROMPTS, 3)
+
+
+def middle_weight_owner(model):
+    return model.model.layers[1].mlp.down_proj
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_weight_given_new_storage_reruns_the_step_on_graphs_of_its_address(device):
+    model, runner = captured_runner(device)
+    owner = middle_weight_owner(model)
+    with torch.no_grad():
+        owner.weight.data = owner.weight.data * 1.5  # new storage, new values; no hook reports it
+    want = eager_tokens(model)
+    reruns, captured = counters.steps_rerun, counters.graphs_captured
+    assert runner.generate(PROMPTS, 3) == want
+    # The prefill found the moved weight in its third piece and ran again;
+    # the decode steps guessed the new graph set. 3 layers: 4 pieces, at
+    # sizes 8 and 2.
+    assert counters.steps_rerun - reruns == 1
+    assert counters.graphs_captured - captured == 8
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_weight_assigned_a_new_tensor_is_read_and_the_old_one_is_not_kept_alive(device):
+    model, runner = captured_runner(device)
+    owner = middle_weight_owner(model)
+    old = weakref.ref(owner.weight)
+    owner.weight = torch.nn.Parameter(owner.weight.detach() * 1.5)  # a registration hook reports it
+    gc.collect()
+    assert old() is None
+    assert runner.generate(PROMPTS, 3) == eager_tokens(model)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_weight_swapped_where_no_hook_sees_it_is_caught_after_the_call_and_the_call_runs_again(device):
+    model, runner = captured_runner(device)
+    owner = middle_weight_owner(model)
+    kept = owner.weight  # alive, at the captured address: the graphs could read it unnoticed
+    owner._parameters["weight"] = torch.nn.Parameter(kept.detach() * 1.5)
+    want = eager_tokens(model)
+    reruns = counters.steps_rerun
+    assert runner.generate(PROMPTS, 3) == want
+    assert counters.steps_rerun > reruns
+    assert kept.data_ptr()  # held to the end
 
 
 # ---- the piecewise runner's dummy capture ----------------------------------------

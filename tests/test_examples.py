@@ -54,13 +54,13 @@ def test_compile_users_example_traces_once_and_replays_its_prefill():
     # (decode): 2 x 5 captures. Replays: run 1 replays 14 decode steps (its
     # prefill and first decode step captured), run 2 replays its prefill and
     # 15 decode steps: (14 + 16) x 5 = 150. Every one of the 2 x 16 steps
-    # ran the compiled model installed as model_forward (no graph policy).
-    # The 3 compiles wait for their kernels after the last one's lowering
+    # ran the compiled model installed as model_forward (no graph policy),
+    # and none ran again (the weights stayed put). The 3 compiles wait for their kernels after the last one's lowering
     # wherever Inductor builds them in worker processes (two or more cores).
     assert counters.pop("kernel_waits_deferred") in (0, 3)
     assert counters == {"graphs_split": 1, "pieces_seen": 5, "pieces_compiled": 3, "graphs_captured": 10,
                         "replays": 150, "eager_fallbacks": {}, "artifacts_loaded": 0, "artifacts_saved": 0,
-                        "compiles_loaded": 0, "compiles_saved": 0,
+                        "compiles_loaded": 0, "compiles_saved": 0, "steps_rerun": 0,
                         "step_paths": {"model_forward: graphs='none'": 32}}  # fmt: skip
 
 

@@ -9,14 +9,14 @@ import contextlib
 import logging
 import operator
 import re
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
 from sgl_piecewise.compile import precompiled
 from sgl_piecewise.compile.backend import PiecewiseModule, SglPiecewiseBackend
 from sgl_piecewise.compile.counters import counters
-from sgl_piecewise.compile.direct_call import GraphInputs, make_gather
+from sgl_piecewise.compile.direct_call import GraphInputs, LastInputs, make_gather
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_compiler import start_inductor_workers
 from sgl_piecewise.compile.token_guards import (
@@ -166,7 +166,7 @@ class CompiledModel:
             logger.info("graph not callable without Dynamo: %s", why_not)
             module.to_save = None
             return
-        self._direct.append(_DirectCall(module, module.direct_inputs, make_gather(module.direct_inputs.inputs), output))
+        self._direct.append(_DirectCall(module, module.direct_inputs, output, self.model))
         if self._save_key is not None and module.to_save is not None:
             self._save(self._save_key, module, output)
         self._save_key = None
@@ -220,17 +220,26 @@ def _regions(direct_calls: bool):
 class _DirectCall:
     """A piecewise module called without Dynamo (``direct_call.py``)."""
 
-    def __init__(self, module: PiecewiseModule, inputs: GraphInputs, gather: Callable, output: str):
-        self.module, self.inputs, self.gather, self.output = module, inputs, gather, output
+    def __init__(self, module: PiecewiseModule, inputs: GraphInputs, output: str, model: torch.nn.Module):
+        self.module, self.inputs, self.output = module, inputs, output
+        self.last_inputs = LastInputs(inputs.inputs, model)
 
     @classmethod
     def from_saved(cls, saved, artifacts, model, args, options) -> "_DirectCall":
-        gather = make_gather(saved.inputs.inputs)
-        module = PiecewiseModule.from_saved(saved, artifacts, gather(model, args), options)
-        return cls(module, saved.inputs, gather, saved.output)
+        inputs = make_gather(saved.inputs.inputs)(model, args)
+        module = PiecewiseModule.from_saved(saved, artifacts, inputs, options)
+        return cls(module, saved.inputs, saved.output, model)
 
     def __call__(self, model: torch.nn.Module, args) -> Any:
-        out = self.module(*self.gather(model, args))
+        inputs, reused = self.last_inputs.fetch(model, args)
+        out = self.module(*inputs)
+        # Checked once the graphs are launched, while the card runs them.
+        if reused and not self.last_inputs.current(model, inputs):
+            # A weight was assigned a new tensor since the last call, and this
+            # call read the old one: run it again on the model's own weights.
+            counters.steps_rerun += 1
+            inputs, _ = self.last_inputs.fetch(model, args)
+            out = self.module(*inputs)
         return out[0] if self.output == "first" else tuple(out)
 
 

@@ -56,6 +56,15 @@ def _on_assignment(module: torch.nn.Module, name: str, value: object) -> None:
     return None  # keep the value being registered
 
 
+def watch_assignments(model: torch.nn.Module, watcher: object) -> None:
+    """From now on, ``watcher.note_assignment(module, name)`` whenever a
+    parameter, buffer or submodule ``name`` is assigned to one of
+    ``model``'s modules (its modules now; ``watcher`` is held weakly)."""
+    _install_hooks()
+    for module in model.modules():
+        _watchers.setdefault(module, weakref.WeakSet()).add(watcher)
+
+
 def _install_hooks() -> None:
     global _hooks_installed
     if _hooks_installed:
@@ -82,10 +91,9 @@ class WeightGuard:
         self._ptrs: List[Optional[int]] = [tensor.data_ptr() for _, tensor in unique.values()]
         self.assigned: Optional[str] = None  # what was assigned to a watched module, if anything
         self._module_names: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
-        _install_hooks()
         for module_name, module in model.named_modules(remove_duplicate=False):
             self._module_names.setdefault(module, module_name)
-            _watchers.setdefault(module, weakref.WeakSet()).add(self)
+        watch_assignments(model, self)
 
     def note_assignment(self, module: torch.nn.Module, name: str) -> None:
         """A parameter, buffer or submodule ``name`` was assigned to ``module``."""
