@@ -9,7 +9,8 @@ per step and its time per call, averaged over 40 steps; the components nest
 (``CompiledModel`` holds the module call, which holds the pieces and the
 attention between them). The timers add about 0.3 µs per call. For scale,
 the first lines give the step's host time untimed, the same step called
-through Dynamo (as ``CompileOptions(dynamo_guards=True)`` calls it), and a
+through Dynamo (as ``CompileOptions(dynamo_guards=True)`` calls it), the
+host time before the first piece graph is called (untimed too), and a
 whole-model graph step's.
 
     python benchmarks/profile_step_host.py --out results/
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import time
 import types
 from functools import partial
@@ -28,7 +30,7 @@ import torch
 from common import free_batch, graph_step_fn, host_ms, step_fn, timed, write_json  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.backends.triton_kernels import decode as decode_kernels
-from sgl_piecewise.compile import CompiledModel, compiled_model, piece_graphs
+from sgl_piecewise.compile import CompiledModel, compiled_model, direct_call, piece_graphs
 from sgl_piecewise.compile import backend as compile_backend
 from sgl_piecewise.compile.token_guards import size_oblivious_tracing
 from sgl_piecewise.runner import ModelRunner
@@ -42,6 +44,31 @@ def dynamo_call(compiled: CompiledModel, input_ids, positions):
         return compiled.compiled(input_ids, positions)
 
 
+def before_first_piece_us(run, reps: int = 30) -> float:
+    """Median host time from a step's start to its first piece graph's
+    call, each step after the card has finished the last: the card has
+    nothing of this step to run until then."""
+    call = piece_graphs.PieceGraphs.__call__
+    times, started = [], [None]
+
+    def first(self, *args):
+        if started[0] is not None:
+            times.append(time.perf_counter_ns() - started[0])
+            started[0] = None
+        return call(self, *args)
+
+    piece_graphs.PieceGraphs.__call__ = first
+    try:
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            started[0] = time.perf_counter_ns()
+            run()
+    finally:
+        piece_graphs.PieceGraphs.__call__ = call
+    torch.cuda.synchronize()
+    return statistics.median(times) / 1e3
+
+
 def profile(run, module, backend) -> list:
     totals, calls = collections.Counter(), collections.Counter()
     # In nesting order: the attention pieces, called by the split module as
@@ -50,9 +77,11 @@ def profile(run, module, backend) -> list:
                  if p.is_splitting_op]  # fmt: skip
     components = [
         (compiled_model.CompiledModel, "__call__", "CompiledModel call"),
+        (direct_call.LastInputs, "fetch", "  weights, the last call's"),
+        (direct_call.LastInputs, "current", "  weights compared, after the launches"),
         (compile_backend.PiecewiseModule, "__call__", "  module call"),
         (compile_backend.PiecewiseModule, "_pad", "    pad token inputs"),
-        (compile_backend.PiecewiseModule, "_graph_set", "    weight addresses"),
+        (compile_backend.PiecewiseModule, "_graph_set", "    weight addresses (a new set only)"),
         (compile_backend.PiecewiseModule, "_unpad", "    copy out real rows"),
         (piece_graphs.PieceGraphs, "__call__", "    piece replay"),
         (torch.cuda.CUDAGraph, "replay", "      CUDAGraph.replay"),
@@ -96,7 +125,8 @@ def main() -> None:
             batch = suite.step_batch(args, runner, kind, size)
             run = step_fn(runner, piecewise.compiled, batch)
             through_dynamo = step_fn(runner, partial(dynamo_call, piecewise.compiled), batch)
-            host = {"piecewise": 1e3 * host_ms(run), "piecewise_through_dynamo": 1e3 * host_ms(through_dynamo)}
+            host = {"piecewise": 1e3 * host_ms(run), "piecewise_through_dynamo": 1e3 * host_ms(through_dynamo),
+                    "piecewise_before_first_piece": before_first_piece_us(run)}  # fmt: skip
             if kind == "decode":
                 host["whole_model"] = 1e3 * host_ms(graph_step_fn(runner, whole["whole_model"], batch))
             print(f"\n{kind} {size}: step host time untimed, us: " + ", ".join(f"{k} {v:.0f}" for k, v in host.items()))
