@@ -95,7 +95,7 @@ class CompiledModel:
             if direct.inputs.accepts(args):
                 try:
                     return direct(self.model, args)
-                except StaleGraphError as exc:  # raised before the call ran anything
+                except StaleGraphError as exc:  # raised before the call returned; traced, it runs whole
                     logger.warning("compiled graph no longer matches the model (%s); tracing afresh", exc)
                     self._direct.remove(direct)
                     break

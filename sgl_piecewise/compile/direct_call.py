@@ -12,11 +12,12 @@ This is what lets a warm start skip Dynamo's trace (``precompiled.py``).
 What Dynamo's guards would check per call is then checked here: the call's
 tensors (dtype, rank, device) and the grad mode. The model's parameters
 are the last call's (``LastInputs``), dropped when one is assigned and
-compared with the model's own after the call has launched its graphs; ``PiecewiseModule``
-checks the shape, stride, dtype and device of every new set of them
-against the trace (``errors.StaleGraphError``). The rest of the model's Python state is checked
-once, when the saved compile is looked up: its modules' plain attributes
-are part of the key, and Dynamo's guards on constants are evaluated again
+compared with the model's own after the call has launched its graphs;
+``PiecewiseModule`` checks the shape, stride, dtype and device of every
+new set of them against the trace (``errors.StaleGraphError``). The rest
+of the model's Python state is checked once, when the saved compile is
+looked up: its modules' plain attributes are part of the key, and
+Dynamo's guards on constants are evaluated again
 (``precompiled.changed_constant``).
 """
 
