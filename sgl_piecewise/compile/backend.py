@@ -437,7 +437,7 @@ class PiecewiseModule:
         padded_args = self._pad(args, n, padded)
         self.state.num_tokens, self.state.padded_tokens = n, padded
         # Guess the last step's graph set: looking up every weight's address
-        # takes 20-30 µs of host time before the first launch, and each piece
+        # takes 20-35 µs of host time before the first launch, and each piece
         # checks its own weights just before its replay instead.
         guess = self._last_graph_set
         if guess is not None and (guess, padded) in self.captured:
