@@ -16,6 +16,7 @@ from sgl_piecewise.compile import CompiledModel, CompileOptions, counters, preco
 from sgl_piecewise.compile.direct_call import GraphInput, make_gather
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models import build_random_model, default_config
+from sgl_piecewise.runners import weight_guard
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -117,6 +118,15 @@ def test_the_key_changes_with_anything_the_compile_depends_on(monkeypatch):
     hook = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
     assert _key(fresh) != key
     hook.remove()
+    # The library's own watch of assignments runs in no forward: a process
+    # that installed it before computing the key must find the same key as
+    # one that did after (installed once per process; a table of its own here).
+    torch_hooks = torch.nn.modules.module
+    table = "_global_parameter_registration_hooks"
+    monkeypatch.setattr(torch_hooks, table, {**getattr(torch_hooks, table), -1: weight_guard._on_assignment})
+    assert _key(fresh) == key
+    monkeypatch.setattr(torch_hooks, table, {**getattr(torch_hooks, table), -2: lambda module, name, value: None})
+    assert _key(fresh) != key  # anyone else's hook still counts
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert _key(build_random_model(config)) != key
 

@@ -106,9 +106,15 @@ def model_key(model: torch.nn.Module, args: Sequence[Any], options: Any) -> str:
 def _hook_counts(owner: Any) -> str:
     """How many hooks of each kind ``owner`` (a module, or torch's module of
     global hooks) holds: a trace runs the hooks there were, and a hook
-    added since needs a trace of its own."""
+    added since needs a trace of its own. The library's own watch of weight
+    assignments is not counted: it runs in no forward, and it is installed
+    at the first graph capture or compiled call of a process, so the same
+    model's key would differ before and after it."""
+    from sgl_piecewise.runners.weight_guard import watches_assignments  # runners/ builds on compile/
+
     tables = sorted(name for name, value in vars(owner).items() if "hooks" in name and isinstance(value, dict))
-    return ",".join(f"{name}={len(getattr(owner, name))}" for name in tables)
+    counts = {name: sum(not watches_assignments(hook) for hook in getattr(owner, name).values()) for name in tables}
+    return ",".join(f"{name}={n}" for name, n in counts.items())
 
 
 def _plain_attributes(module: torch.nn.Module) -> str:

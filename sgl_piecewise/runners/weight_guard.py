@@ -56,6 +56,12 @@ def _on_assignment(module: torch.nn.Module, name: str, value: object) -> None:
     return None  # keep the value being registered
 
 
+def watches_assignments(hook: object) -> bool:
+    """Is ``hook`` the library's own registration hook (it changes nothing
+    a forward does)?"""
+    return hook is _on_assignment
+
+
 def watch_assignments(model: torch.nn.Module, watcher: object) -> None:
     """From now on, ``watcher.note_assignment(module, name)`` whenever a
     parameter, buffer or submodule ``name`` is assigned to one of
