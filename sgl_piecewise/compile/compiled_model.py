@@ -16,7 +16,7 @@ import torch
 from sgl_piecewise.compile import precompiled
 from sgl_piecewise.compile.backend import PiecewiseModule, SglPiecewiseBackend
 from sgl_piecewise.compile.counters import counters
-from sgl_piecewise.compile.direct_call import GraphInputs, LastInputs, make_gather
+from sgl_piecewise.compile.direct_call import GraphInputs, LastInputs
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_compiler import start_inductor_workers
 from sgl_piecewise.compile.token_guards import (
@@ -166,7 +166,8 @@ class CompiledModel:
             logger.info("graph not callable without Dynamo: %s", why_not)
             module.to_save = None
             return
-        self._direct.append(_DirectCall(module, module.direct_inputs, output, self.model))
+        last_inputs = LastInputs(module.direct_inputs.inputs, self.model)
+        self._direct.append(_DirectCall(module, module.direct_inputs, output, last_inputs))
         if self._save_key is not None and module.to_save is not None:
             self._save(self._save_key, module, output)
         self._save_key = None
@@ -220,15 +221,15 @@ def _regions(direct_calls: bool):
 class _DirectCall:
     """A piecewise module called without Dynamo (``direct_call.py``)."""
 
-    def __init__(self, module: PiecewiseModule, inputs: GraphInputs, output: str, model: torch.nn.Module):
-        self.module, self.inputs, self.output = module, inputs, output
-        self.last_inputs = LastInputs(inputs.inputs, model)
+    def __init__(self, module: PiecewiseModule, inputs: GraphInputs, output: str, last_inputs: LastInputs):
+        self.module, self.inputs, self.output, self.last_inputs = module, inputs, output, last_inputs
 
     @classmethod
     def from_saved(cls, saved, artifacts, model, args, options) -> "_DirectCall":
-        inputs = make_gather(saved.inputs.inputs)(model, args)
+        last_inputs = LastInputs(saved.inputs.inputs, model)
+        inputs, _ = last_inputs.fetch(model, args)
         module = PiecewiseModule.from_saved(saved, artifacts, inputs, options)
-        return cls(module, saved.inputs, saved.output, model)
+        return cls(module, saved.inputs, saved.output, last_inputs)
 
     def __call__(self, model: torch.nn.Module, args) -> Any:
         inputs, reused = self.last_inputs.fetch(model, args)
