@@ -16,7 +16,8 @@ AOTAutograd, no Inductor compile. The key covers what the graph and its
 kernels depend on: this library's, torch's, Triton's and Python's versions,
 the device (name and compute capability), the options, the grad mode, and
 the model: every module's class, plain attributes (a config, an ``eps``)
-and hooks, torch's global module hooks,
+and hooks, torch's global module hooks (not the library's own watch of
+weight assignments),
 every parameter's and buffer's name, shape, stride, dtype and device, and the
 call's tensors. A traced source file that changed since the save, or a
 constant Dynamo guarded on (a module attribute the trace read, checked by
