@@ -29,7 +29,7 @@ setup(
         "tensorrt": ["torch-tensorrt"],
     },
     entry_points={
-        "console_scripts": ["sgl-piecewise=sgl_piecewise.cli:main"],
+        "console_scripts": ["sgl-piecewise=sgl_piecewise.engine.cli:main"],
         "torch_dynamo_backends": ["sgl_piecewise=sgl_piecewise.compile.backend:sgl_piecewise_backend"],
     },
 )

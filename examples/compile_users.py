@@ -11,8 +11,8 @@ import torch
 
 import sgl_piecewise  # noqa: F401  (an installed package also registers the backend by entry point)
 from sgl_piecewise.compile import counters
+from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.models import load_model_or_default
-from sgl_piecewise.runner import ModelRunner
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -11,8 +11,8 @@ import sys
 import torch
 
 from sgl_piecewise.compile import counters, default_capture_sizes
+from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.models import load_model_or_default
-from sgl_piecewise.runner import ModelRunner
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -7,7 +7,7 @@ import torch
 
 import sgl_piecewise
 from sgl_piecewise.backends import create_backend
-from sgl_piecewise.testing import random_batch
+from sgl_piecewise.engine.testing import random_batch
 
 
 class Attention(torch.nn.Module):

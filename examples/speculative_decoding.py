@@ -11,11 +11,11 @@ import sys
 import torch
 
 from sgl_piecewise import ForwardMode
-from sgl_piecewise.drafts import LayerSkipDraft
+from sgl_piecewise.engine.drafts import LayerSkipDraft
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.speculative import speculative_generate
 from sgl_piecewise.models import load_model_or_default
-from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners import CudaGraphRunner
-from sgl_piecewise.speculative import speculative_generate
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = load_model_or_default(sys.argv[1] if len(sys.argv) > 1 else None, dtype=torch.float32, device=device)

@@ -4,6 +4,7 @@
 """
 
 from sgl_piecewise import ops
+from sgl_piecewise.context import forward_context
 from sgl_piecewise.errors import (
     InvalidInputError,
     KVPoolExhaustedError,
@@ -12,7 +13,7 @@ from sgl_piecewise.errors import (
     StaleGraphError,
     UnsupportedModeError,
 )
-from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo, forward_context
+from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
 from sgl_piecewise.memory import KVPool, ReqToTokenPool
 
 __version__ = "0.1.0"

@@ -1,5 +1,5 @@
 import sys
 
-from sgl_piecewise.cli import main
+from sgl_piecewise.engine.cli import main
 
 sys.exit(main())

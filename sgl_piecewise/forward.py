@@ -18,18 +18,14 @@ Conventions (docs/ARCHITECTURE.md, "Length conventions"; the same in every backe
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, List, Optional
+from typing import List, Optional
 
 import torch
 
-from sgl_piecewise.errors import InvalidInputError, NoForwardContextError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sgl_piecewise.backends.base import AttentionBackend
+from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.memory import check_request_lens
 
 
 class ForwardMode(enum.IntEnum):
@@ -170,8 +166,6 @@ class ForwardBatch:
         ``KVPool.alloc`` return them) or on ``input_ids``' device; the batch
         holds them on that device and keeps host copies for its checks.
         """
-        from sgl_piecewise.memory import check_request_lens  # memory imports nothing of ours
-
         prefix_lens, extend_lens = check_request_lens(prefix_lens, extend_lens)
         bs = len(prefix_lens)
         for name, t in (("req_pool_indices", req_pool_indices), ("out_cache_loc", out_cache_loc)):
@@ -225,75 +219,3 @@ def token_positions(prefix_lens: torch.Tensor, extend_lens: torch.Tensor) -> tor
     return torch.arange(n, dtype=torch.int64, device=extend.device) + torch.repeat_interleave(
         offset, extend, output_size=n
     )
-
-
-@dataclass
-class ForwardContext:
-    batch: ForwardBatch
-    backend: "AttentionBackend"
-    debug_checks: bool = False  # check every attention call's arguments, not the step's first only
-    num_tokens: int = 0  # the batch's real tokens, summed once per step
-    args_checked: bool = False  # an attention call of this step has had its arguments checked
-    out_cache_loc: Optional[torch.Tensor] = None  # the real tokens' slots, sliced once per step
-    # Set by the breakable runner while it captures or checks a step
-    # (runners/breakable.py): the attention ops hand each call to it instead
-    # of attending. None on every other path, where the ops pay one check.
-    breakable: Optional[Callable[..., None]] = None
-    # Set once a layer of this step attended through the backend's per-step
-    # plan (``AttentionBackend.layer_attend``): the attention between compiled
-    # pieces tries it first for every later layer.
-    layer_attend: Optional[Callable[..., bool]] = None
-
-
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def forward_context(
-    batch: ForwardBatch,
-    backend: "AttentionBackend",
-    *,
-    check: bool = True,
-    debug_checks: bool = False,
-) -> Iterator[ForwardContext]:
-    """Make ``batch`` and ``backend`` visible to the attention ops of this thread.
-
-    The ops run outside Dynamo's view (they are opaque custom ops), so reading
-    this context costs no graph break and no recompile.
-
-    ``check``: validate ``batch`` against the backend's pools first
-    (``batch_checks.check_batch``; ``debug_checks`` adds the device-side
-    checks). Runners that validated the batch already, or that run their own
-    padded static batches, pass ``check=False``. ``debug_checks`` also makes
-    the attention between compiled pieces check its arguments at every layer
-    (otherwise at the step's first layer: the rest share its shapes).
-    """
-    if check:
-        from sgl_piecewise.batch_checks import check_batch  # imports this module
-
-        check_batch(batch, backend.req_to_token_pool, backend.kv_pool, debug_checks=debug_checks)
-    stack = _stack()
-    n = batch.num_tokens
-    loc = batch.out_cache_loc
-    ctx = ForwardContext(batch, backend, debug_checks, n, out_cache_loc=loc if loc.shape[0] == n else loc[:n])
-    stack.append(ctx)
-    try:
-        yield ctx
-    finally:
-        stack.pop()
-
-
-def _stack() -> list:
-    if not hasattr(_local, "stack"):
-        _local.stack = []
-    return _local.stack
-
-
-def get_forward_context() -> ForwardContext:
-    stack = _stack()
-    if not stack:
-        raise NoForwardContextError(
-            "attention ran outside a forward context: expected "
-            "`with sgl_piecewise.forward_context(batch, backend): model(...)`, got none"
-        )
-    return stack[-1]

@@ -43,6 +43,7 @@ from sgl_piecewise.backends import (
     get_backend_class,
 )
 from sgl_piecewise.backends.base import ALL_MODES
+from sgl_piecewise.graphs.fill_graphs import record_fills
 
 GRAPH_BACKENDS = ["torch", "triton"]
 # FlashInfer runs only on CUDA (bf16, a head size it ships). Its replay hook
@@ -285,6 +286,7 @@ def test_gpu_replay_fill_is_recorded_once_and_writes_what_the_plain_fill_writes(
     rng = random.Random(f"fill-graph-{name}")
     pools = make_pools("cuda", torch.bfloat16, 128)
     backend, fresh = graph_backend(name, ForwardMode.DECODE, pools), make_backend(name, pools)
+    record_fills(backend)  # as every graph runner does
     capture(backend, pad_for_graph(draw_batch(pools, DECODE_CASE, 4, rng), 4, 1))
     recorded = dict(backend._fill_graphs)
     assert len(recorded) == 1 and next(iter(recorded.values())).graph is not None
@@ -313,6 +315,7 @@ def test_gpu_replay_fill_is_recorded_once_and_writes_what_the_plain_fill_writes(
     assert backend._fill_graphs == recorded  # replayed, never recorded again
 
     masked = graph_backend(name, ForwardMode.TARGET_VERIFY, pools)
+    record_fills(masked)
     capture(masked, pad_for_graph(draw_batch(pools, CASE["verify_tree_mask"], 4, rng), 4, 1))
     assert not masked._fill_graphs  # the flat mask's length changes per step: plain fill
 

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 from sgl_piecewise import ForwardBatch, ForwardMode, KVPool, ReqToTokenPool, SpecInfo, forward_context
 from sgl_piecewise.backends import ReferenceBackend, create_backend
+from sgl_piecewise.engine.testing import random_batch
 from sgl_piecewise.memory import DUMMY_SLOT
 from sgl_piecewise.ops import unified_attention
-from sgl_piecewise.testing import random_batch
 
 HQ, HKV, D = 4, 2, 16  # grouped heads (2 per kv head); D=16: the smallest tl.dot tile
 CONTEXT = 80  # req_to_token row length: the graph key extent

@@ -13,9 +13,9 @@ import torch
 
 from sgl_piecewise import ForwardBatch, ForwardMode, InvalidInputError, SpecInfo, forward_context
 from sgl_piecewise.batch_checks import check_batch
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.testing import random_batch, release_batch
 from sgl_piecewise.models import build_random_model, default_config
-from sgl_piecewise.runner import ModelRunner
-from sgl_piecewise.testing import random_batch, release_batch
 
 CONTEXT = 64
 

@@ -19,13 +19,13 @@ import torch
 import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend, create_backend
 from sgl_piecewise.compile import CompileOptions, counters
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.testing import random_batch, release_batch
 from sgl_piecewise.errors import SglPiecewiseError, UnsupportedModeError
+from sgl_piecewise.graphs.capture import explain_capture_failure
 from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners.breakable import BreakableCudaGraphRunner
-from sgl_piecewise.runners.capture import explain_capture_failure
 from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
-from sgl_piecewise.testing import random_batch, release_batch
 
 VOCAB = 101
 LAYERS = 2

@@ -15,15 +15,15 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
-from sgl_piecewise.memory import DUMMY_SLOT
-from sgl_piecewise.runners import buffer_registry
-from sgl_piecewise.runners.buffer_registry import (
+from sgl_piecewise.graphs import buffer_registry
+from sgl_piecewise.graphs.buffer_registry import (
     CudaGraphBufferRegistry,
     FillContext,
     MissingSource,
     PaddingPolicy,
 )
-from sgl_piecewise.runners.input_registries import build_decode_registry
+from sgl_piecewise.graphs.input_registries import build_decode_registry
+from sgl_piecewise.memory import DUMMY_SLOT
 
 P = PaddingPolicy
 COPYING = [P.KEEP_PAD, P.FILL_SENTINEL, P.ZERO, P.FOREACH_COPY]
@@ -476,7 +476,7 @@ def test_foreach_failure_falls_back_to_per_tensor_copies(monkeypatch, caplog):
     monkeypatch.setattr(torch, "_foreach_copy_", broken)
     reg = decode_()
     sources = _decode_sources(3)
-    with caplog.at_level(logging.DEBUG, logger="sgl_piecewise.runners.buffer_registry"):
+    with caplog.at_level(logging.DEBUG, logger="sgl_piecewise.graphs.buffer_registry"):
         reg.fill_from(sources, FillContext.uniform(3, 4))
         reg.fill_from(sources, FillContext.uniform(3, 4))
     for name in ("input_ids", "seq_lens", "out_cache_loc"):

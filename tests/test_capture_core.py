@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sgl_piecewise.errors import UnsupportedModeError
-from sgl_piecewise.runners.capture import GraphCapture, explain_capture_failure
+from sgl_piecewise.graphs.capture import GraphCapture, explain_capture_failure
 
 
 def test_without_cuda_a_recording_runs_the_function_once_and_keeps_no_graph():

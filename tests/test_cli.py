@@ -8,7 +8,7 @@ import pytest
 import transformers
 from safetensors.torch import load_file, save_file
 
-from sgl_piecewise.cli import main
+from sgl_piecewise.engine.cli import main
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models import load_model
 

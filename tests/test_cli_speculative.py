@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from sgl_piecewise.cli import main
+from sgl_piecewise.engine.cli import main
 
 SMALL = ["--device", "cpu", "--batch-size", "3", "--prompt-len", "6", "--new-tokens", "8"]
 

@@ -10,11 +10,11 @@ from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.compile import CompiledModel, CompileOptions, counters, default_capture_sizes, register_splitting_op
 from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StaticInputsMoved, StepState, _Entry
 from sgl_piecewise.compile.split import split_graph, to_out_variant
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.testing import random_batch
 from sgl_piecewise.errors import InvalidInputError, SglPiecewiseError
 from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
-from sgl_piecewise.testing import random_batch
 
 LAYERS = 3
 
@@ -296,7 +296,7 @@ def test_functional_attention_becomes_the_out_variant():
 def test_capture_freezes_gc_even_if_others_froze_first_and_nests(monkeypatch):
     import gc
 
-    from sgl_piecewise.runners.capture import frozen_gc
+    from sgl_piecewise.graphs.capture import frozen_gc
 
     # Frozen objects that die leave the frozen set (another thread's garbage
     # may), so the count cannot show that nothing was thawed: thaws are watched.
@@ -322,7 +322,7 @@ def test_capture_freezes_gc_even_if_others_froze_first_and_nests(monkeypatch):
 def test_capture_thaws_on_exit_what_it_froze_when_nothing_was_frozen_before():
     import gc
 
-    from sgl_piecewise.runners.capture import frozen_gc
+    from sgl_piecewise.graphs.capture import frozen_gc
 
     gc.unfreeze()
     assert gc.get_freeze_count() == 0

@@ -15,7 +15,7 @@ PROCESS = textwrap.dedent(
     from torch._dynamo.utils import counters as dynamo_counters
     from sgl_piecewise.compile import CompiledModel, CompileOptions, counters
     from sgl_piecewise.models import build_random_model, default_config
-    from sgl_piecewise.runner import ModelRunner
+    from sgl_piecewise.engine.runner import ModelRunner
 
     config = dataclasses.replace(default_config(), num_hidden_layers=int(sys.argv[2]))
     model = build_random_model(config)

@@ -20,9 +20,9 @@ pytest.importorskip("triton", reason="the Triton kernels need the `triton` packa
 
 import sgl_piecewise  # noqa: E402
 from sgl_piecewise.backends.triton_kernels import compile_child, extend  # noqa: E402
+from sgl_piecewise.engine.runner import ModelRunner  # noqa: E402
 from sgl_piecewise.errors import InvalidInputError  # noqa: E402
 from sgl_piecewise.models import ModelConfig, build_random_model  # noqa: E402
-from sgl_piecewise.runner import ModelRunner  # noqa: E402
 
 
 def _specialisation(arg):
@@ -186,7 +186,7 @@ _FIRST_LAUNCH_FINDS_THE_CHILDS_COMPILE = r"""
 import glob, json, os, sys, torch
 from sgl_piecewise.backends.triton_kernels import compile_child
 from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.runner import ModelRunner
+from sgl_piecewise.engine.runner import ModelRunner
 
 config = ModelConfig(**json.loads(sys.argv[1]))
 model = build_random_model(config, torch.bfloat16, "cuda", seed=0)

@@ -9,8 +9,8 @@ import torch
 import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.compile import CompiledModel, CompileOptions, counters
+from sgl_piecewise.engine.testing import random_batch
 from sgl_piecewise.models import build_random_model, default_config, layers
-from sgl_piecewise.testing import random_batch
 
 pytestmark = pytest.mark.gpu
 SIZES = (1, 2, 4, 8, 16, 24, 32)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from sgl_piecewise.compile import CompileOptions, counters, mark_token_axis
+from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models import build_random_model, default_config
-from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7]]

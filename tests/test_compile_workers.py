@@ -11,8 +11,8 @@ import torch
 import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.compile import CompiledModel, CompileOptions, compiled_model
+from sgl_piecewise.engine.testing import random_batch, two_layer_llama_config
 from sgl_piecewise.models import build_random_model
-from sgl_piecewise.testing import random_batch, two_layer_llama_config
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

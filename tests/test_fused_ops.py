@@ -111,8 +111,8 @@ def test_fused_ops_equal_the_plain_formulas_on_cuda(dtype):
 
 @pytest.mark.gpu
 def test_eager_greedy_tokens_are_those_of_the_plain_formulas(monkeypatch):
+    from sgl_piecewise.engine.runner import ModelRunner
     from sgl_piecewise.models import build_random_model, default_config
-    from sgl_piecewise.runner import ModelRunner
 
     model = build_random_model(default_config(), torch.float32, "cuda", seed=4)
     assert layers._eager_fused(torch.zeros(1, device="cuda"))  # the first run takes the fused kernels

@@ -15,11 +15,11 @@ from test_breakable import CONFIG, VOCAB, BranchingModel
 import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend, create_backend
 from sgl_piecewise.compile import counters
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.testing import random_batch, release_batch
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
 from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners import CudaGraphRunner
-from sgl_piecewise.testing import random_batch, release_batch
 
 POLICIES = ("auto", "full", "piecewise", "breakable", "none")
 CAPTURE = dict(capture_bs=(1, 2, 4), capture_sizes=(1, 2, 4, 8, 16, 32), piece_compiler="eager")

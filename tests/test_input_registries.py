@@ -9,17 +9,17 @@ import pytest
 import torch
 from test_buffer_registry import I32, I64, MAX_BS, MAX_TOKENS, P, _decode_sources, bad, decode_, rand, reg_, slot_
 
+from sgl_piecewise.engine.testing import place_requests
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
-from sgl_piecewise.memory import DUMMY_SLOT, KVPool, ReqToTokenPool
-from sgl_piecewise.runners.buffer_registry import FillContext
-from sgl_piecewise.runners.input_registries import (
+from sgl_piecewise.graphs.buffer_registry import FillContext
+from sgl_piecewise.graphs.input_registries import (
     SharedBufferPool,
     build_decode_registry,
     build_prefill_registry,
     compute_local_num_token_non_padded,
     num_token_non_padded_for,
 )
-from sgl_piecewise.testing import place_requests
+from sgl_piecewise.memory import DUMMY_SLOT, KVPool, ReqToTokenPool
 
 
 # ---- shared pool -------------------------------------------------------------

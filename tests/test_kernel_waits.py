@@ -16,8 +16,8 @@ from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.compile import CompiledModel, CompileOptions, counters
 from sgl_piecewise.compile import backend as compile_backend
 from sgl_piecewise.compile.kernel_waits import deferred_kernel_waits
+from sgl_piecewise.engine.testing import random_batch, two_layer_llama_config
 from sgl_piecewise.models import build_random_model
-from sgl_piecewise.testing import random_batch, two_layer_llama_config
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

@@ -24,11 +24,12 @@ import torch
 import transformers
 
 from sgl_piecewise.backends import ReferenceBackend
-from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
+from sgl_piecewise.context import forward_context
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.testing import place_requests
+from sgl_piecewise.forward import ForwardBatch, ForwardMode
 from sgl_piecewise.memory import KVPool, ReqToTokenPool
 from sgl_piecewise.models import load_model
-from sgl_piecewise.runner import ModelRunner
-from sgl_piecewise.testing import place_requests
 
 ATOL = RTOL = 1e-4
 PROMPT_LENS = (9, 1, 14)  # ragged, one single-token prompt among them

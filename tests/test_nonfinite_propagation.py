@@ -43,9 +43,9 @@ from test_backends_differential import (
 
 from sgl_piecewise import ForwardBatch, ForwardMode, forward_context
 from sgl_piecewise.backends import ReferenceBackend
+from sgl_piecewise.engine.testing import random_batch, release_batch
 from sgl_piecewise.memory import DUMMY_SLOT
 from sgl_piecewise.ops import unified_attention
-from sgl_piecewise.testing import random_batch, release_batch
 
 # Triton's interpreter computes with numpy, which warns on every NaN and inf
 # these tests plant on purpose.

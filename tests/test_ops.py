@@ -15,10 +15,10 @@ from sgl_piecewise import (
     forward_context,
 )
 from sgl_piecewise.backends import ReferenceBackend
+from sgl_piecewise.engine.testing import random_batch, release_batch
 from sgl_piecewise.errors import InvalidTypeError
 from sgl_piecewise.memory import DUMMY_SLOT
 from sgl_piecewise.ops import unified_attention, unified_attention_with_output
-from sgl_piecewise.testing import random_batch, release_batch
 
 HQ, HKV, D, LAYERS = 4, 2, 8, 2
 

@@ -15,8 +15,8 @@ import torch
 from sgl_piecewise.compile import CompiledModel, CompileOptions, counters, precompiled
 from sgl_piecewise.compile.direct_call import GraphInput, make_gather
 from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.graphs import weight_guard
 from sgl_piecewise.models import build_random_model, default_config
-from sgl_piecewise.runners import weight_guard
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -27,7 +27,7 @@ PROCESS = textwrap.dedent(
     from torch._dynamo.utils import counters as dynamo_counters
     from sgl_piecewise.compile import CompileOptions, counters
     from sgl_piecewise.models import build_random_model, default_config
-    from sgl_piecewise.runner import ModelRunner
+    from sgl_piecewise.engine.runner import ModelRunner
     from sgl_piecewise.runners import PiecewiseCudaGraphRunner
 
     cache_dir, layers, device = sys.argv[1], int(sys.argv[2]), sys.argv[3]

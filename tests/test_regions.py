@@ -12,9 +12,9 @@ from sgl_piecewise import regions
 from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.compile import CompiledModel, CompileOptions
 from sgl_piecewise.compile import backend as compile_backend
+from sgl_piecewise.engine.testing import random_batch
 from sgl_piecewise.errors import InvalidTypeError
 from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.testing import random_batch
 
 LAYERS = 4
 

@@ -82,9 +82,9 @@ def test_gpu_the_pieces_of_a_llama_add_every_residual_in_a_kernel(fresh_dynamo):
     # Llama has no linear bias: with the pass, no piece calls addmm at all
     # (without it, each of a layer's two residual adds would fold into one).
     import sgl_piecewise as sp
+    from sgl_piecewise.engine.runner import ModelRunner
+    from sgl_piecewise.engine.testing import random_batch
     from sgl_piecewise.models import ModelConfig, build_random_model
-    from sgl_piecewise.runner import ModelRunner
-    from sgl_piecewise.testing import random_batch
 
     config = ModelConfig.from_hf_dict(
         dict(architectures=["LlamaForCausalLM"], hidden_size=128, intermediate_size=256, num_hidden_layers=3,

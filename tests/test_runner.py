@@ -12,9 +12,9 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from sgl_piecewise.backends import ReferenceBackend
+from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, KVPoolExhaustedError
 from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.runner import ModelRunner
 
 VOCAB = 97
 MAX_POS = 64
@@ -98,7 +98,7 @@ def test_every_token_logits_score_each_verify_row_and_end_with_the_last_token_lo
     """TARGET_VERIFY needs a logit row per draft: ``every_token`` gives all
     ``num_tokens`` rows, of which each request's last is ``forward_step``'s."""
     from sgl_piecewise import ForwardMode, SpecInfo
-    from sgl_piecewise.testing import random_batch
+    from sgl_piecewise.engine.testing import random_batch
 
     runner = _runner(model)
     gen = torch.Generator().manual_seed(3)
@@ -238,7 +238,7 @@ def test_a_backend_that_is_neither_a_name_nor_a_factory_is_refused(model, backen
 
 
 def test_step_stats_keep_only_the_most_recent_steps(model, monkeypatch):
-    import sgl_piecewise.runner as runner_module
+    import sgl_piecewise.engine.runner as runner_module
 
     monkeypatch.setattr(runner_module, "STEP_STATS_MAXLEN", 5)
     runner = _runner(model)
@@ -291,7 +291,7 @@ def test_bad_kv_budgets_are_refused_with_the_reason(model, kwargs, match):
 )
 def test_last_token_logits_score_each_requests_last_new_row(model, mode, extend, rows):
     from sgl_piecewise import ForwardMode, SpecInfo
-    from sgl_piecewise.testing import random_batch
+    from sgl_piecewise.engine.testing import random_batch
 
     runner = _runner(model)
     spec = SpecInfo(num_tokens_per_req=3) if mode == "TARGET_VERIFY" else None

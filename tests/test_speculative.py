@@ -1,4 +1,4 @@
-"""Greedy speculative decoding (``sgl_piecewise.speculative``): exactly plain
+"""Greedy speculative decoding (``sgl_piecewise.engine.speculative``): exactly plain
 greedy's tokens in float32 for every kind of draft, with whole-model graphs
 for the three step kinds and without; rows and slots all given back, on
 error too; bad input refused before anything is allocated.
@@ -19,13 +19,13 @@ import torch
 
 from sgl_piecewise import ForwardMode
 from sgl_piecewise.compile import counters
-from sgl_piecewise.drafts import LayerSkipDraft, build_draft_model, parse_draft_spec, random_draft_model
+from sgl_piecewise.engine.drafts import LayerSkipDraft, build_draft_model, parse_draft_spec, random_draft_model
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.speculative import speculative_generate
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, KVPoolExhaustedError
 from sgl_piecewise.memory import allocate_requests
 from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners.whole_model import CudaGraphRunner
-from sgl_piecewise.speculative import speculative_generate
 
 VOCAB = 101
 CONFIG = ModelConfig(

@@ -11,8 +11,8 @@ import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.compile import CompiledModel, CompileOptions, compiled_model, counters, token_guards
 from sgl_piecewise.compile.token_guards import MAX_TRACED_TOKENS, _only_bounds_token_count
+from sgl_piecewise.engine.testing import random_batch, two_layer_llama_config
 from sgl_piecewise.models import build_random_model
-from sgl_piecewise.testing import random_batch, two_layer_llama_config
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

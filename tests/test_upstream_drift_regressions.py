@@ -41,7 +41,7 @@ from test_backends_differential import (
 
 from sgl_piecewise import ForwardMode, SpecInfo
 from sgl_piecewise.backends import CompositeBackend, ReferenceBackend
-from sgl_piecewise.testing import random_batch
+from sgl_piecewise.engine.testing import random_batch
 
 GRAPH_BACKENDS = ["torch", "triton", FLASHINFER_ON_GPU]
 CASE = {c.id: c for c in CASES}

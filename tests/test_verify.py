@@ -10,12 +10,12 @@ import pytest
 from test_whole_model_runner import CONFIG
 
 from sgl_piecewise.backends import create_backend
-from sgl_piecewise.cli import main
+from sgl_piecewise.engine.cli import main
+from sgl_piecewise.engine.verify import verify
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models import build_random_model
 from sgl_piecewise.runners.breakable import BreakableCudaGraphRunner
 from sgl_piecewise.runners.whole_model import CudaGraphRunner
-from sgl_piecewise.verify import verify
 
 # Each compile here adds a Dynamo cache entry for the same model code; entries
 # left by other tests must not push it past the recompile limit.

@@ -20,12 +20,12 @@ import torch
 
 from sgl_piecewise import ForwardMode, StaleGraphError
 from sgl_piecewise.backends import create_backend
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.testing import random_batch, release_batch, two_layer_llama_config
+from sgl_piecewise.graphs.weight_guard import WeightGuard
 from sgl_piecewise.models import build_random_model
-from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners.breakable import BreakableCudaGraphRunner
-from sgl_piecewise.runners.weight_guard import WeightGuard
 from sgl_piecewise.runners.whole_model import CudaGraphRunner
-from sgl_piecewise.testing import random_batch, release_batch, two_layer_llama_config
 
 CONFIG = two_layer_llama_config()
 VOCAB = CONFIG.vocab_size

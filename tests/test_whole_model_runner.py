@@ -20,11 +20,11 @@ from sgl_piecewise.backends import ReferenceBackend, create_backend
 from sgl_piecewise.backends.metadata import SEQ_LENS_SUM_UNKNOWN
 from sgl_piecewise.backends.torch_graph import TorchGraphBackend
 from sgl_piecewise.compile import CompiledModel, CompileOptions, counters
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.testing import random_batch, release_batch
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
 from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners.whole_model import CudaGraphRunner
-from sgl_piecewise.testing import random_batch, release_batch
 
 VOCAB = 101
 CONFIG = ModelConfig(

@@ -20,13 +20,13 @@ from test_whole_model_runner import CONFIG, VOCAB  # noqa: E402 (the same small 
 from sgl_piecewise import ForwardMode, SpecInfo
 from sgl_piecewise.backends import create_backend, lengths
 from sgl_piecewise.compile import counters
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.testing import random_batch, release_batch
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
+from sgl_piecewise.graphs.input_registries import compute_local_num_token_non_padded
 from sgl_piecewise.memory import DUMMY_SLOT
 from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.runner import ModelRunner
-from sgl_piecewise.runners.input_registries import compute_local_num_token_non_padded
 from sgl_piecewise.runners.whole_model import CudaGraphRunner
-from sgl_piecewise.testing import random_batch, release_batch
 
 W = VERIFY_WIDTH  # tokens per request of both speculative modes (3)
 SPEC_MODES = [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2]
@@ -147,7 +147,7 @@ def _registry_views(runner: CudaGraphRunner, mode, bs):
 
 
 def _ctx(runner, mode, bs):
-    from sgl_piecewise.runners.buffer_registry import FillContext
+    from sgl_piecewise.graphs.buffer_registry import FillContext
 
     return FillContext.uniform(0, bs, runner.layouts[mode].width)
 
@@ -238,7 +238,7 @@ def test_num_token_non_padded_is_the_attention_tp_local_count_at_capture_and_rep
 
 
 def _current_num_token_non_padded():
-    from sgl_piecewise.forward import get_forward_context
+    from sgl_piecewise.context import get_forward_context
 
     return get_forward_context().batch.num_token_non_padded
 

@@ -21,7 +21,7 @@ instead of getting a silent wrong answer.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, FrozenSet, Optional
+from typing import Callable, Dict, FrozenSet, Optional, Protocol, Tuple
 
 import torch
 
@@ -35,6 +35,16 @@ ALL_MODES: FrozenSet[ForwardMode] = frozenset(ForwardMode)
 class BackendUnavailableError(SglPiecewiseError, ImportError):
     """A backend's optional dependency (``triton``, ``flashinfer``: the ``gpu``
     extra) is not installed."""
+
+
+class RecordedFill(Protocol):
+    """A metadata fill recorded once and replayed (``graphs/fill_graphs.py``)."""
+
+    def run(self, fill: Callable[..., None], inputs: Tuple[torch.Tensor, ...]) -> None: ...
+
+
+# Makes the recorded fill of one binding, given a name for its capture.
+FillRecorder = Callable[[str], RecordedFill]
 
 
 class AttentionBackend(ABC):
@@ -121,6 +131,13 @@ class AttentionBackend(ABC):
         (``StaticGraphBackend.fill_in_graph`` says how). Here False: the
         replay hook fills before every replay."""
         return False
+
+    def use_fill_recorder(self, recorder: Optional[FillRecorder]) -> None:
+        """Record bound metadata fills as graphs with ``recorder`` (the graph
+        layer's ``graphs.fill_graphs.FillGraph``), or not at all with None.
+        Backends sit below the graph machinery: it hands them the recorder.
+        Here nothing is recorded."""
+        return None
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` value written into padded requests of a graph batch."""

@@ -83,6 +83,10 @@ class CompositeBackend(AttentionBackend):
         for member in self.members:
             member.init_cuda_graph_state(max_bs, max_num_tokens)
 
+    def use_fill_recorder(self, recorder) -> None:
+        for member in self.members:
+            member.use_fill_recorder(recorder)
+
     def reserve_eager_bindings(self, max_bs: int, max_num_tokens: int) -> None:
         for member in self.members:
             member.reserve_eager_bindings(max_bs, max_num_tokens)

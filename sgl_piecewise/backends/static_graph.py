@@ -17,8 +17,7 @@ from typing import Dict, Optional, Set, Tuple
 
 import torch
 
-from sgl_piecewise.backends.base import AttentionBackend
-from sgl_piecewise.backends.fill_graphs import FillGraph, can_record_fill
+from sgl_piecewise.backends.base import AttentionBackend, FillRecorder, RecordedFill
 from sgl_piecewise.backends.metadata import (
     SEQ_LENS_SUM_UNKNOWN,
     LengthMetadata,
@@ -103,7 +102,8 @@ class StaticGraphBackend(AttentionBackend):
         self._buffers: Optional[StaticBuffers] = None
         self._graph_metadata: Dict[Tuple[ForwardMode, int], LengthMetadata] = {}
         self._eager_metadata: Dict[Tuple[ForwardMode, int], LengthMetadata] = {}  # eager steps' own bindings
-        self._fill_graphs: Dict[Tuple[str, ForwardMode, int], FillGraph] = {}
+        self._fill_graphs: Dict[Tuple[str, ForwardMode, int], RecordedFill] = {}
+        self._fill_recorder: Optional[FillRecorder] = None  # handed down by the graph layer
         # Bindings whose fill a caller's graph holds: the input addresses it reads (fill_in_graph).
         self._caller_graph_fills: Dict[Tuple[str, ForwardMode, int], Set[Tuple[int, int]]] = {}
         self.max_bs = 0
@@ -276,12 +276,16 @@ class StaticGraphBackend(AttentionBackend):
 
         graph = self._fill_graphs.get(key)
         device = inputs[0].device
-        if graph is None and self.fill_on_device and can_record_fill(device, meta.masked):
-            graph = self._fill_graphs[key] = FillGraph(f"{self.name} metadata fill of {mode.name} bs {bs}")
+        recorder = self._fill_recorder
+        if graph is None and recorder is not None and self.fill_on_device and can_record_fill(device, meta.masked):
+            graph = self._fill_graphs[key] = recorder(f"{self.name} metadata fill of {mode.name} bs {bs}")
         if graph is None or torch.cuda.is_current_stream_capturing():
             fill(*inputs)
         else:
             graph.run(fill, inputs)
+
+    def use_fill_recorder(self, recorder: Optional[FillRecorder]) -> None:
+        self._fill_recorder = recorder
 
     # ---- eager steps through a binding -------------------------------------
     def reserve_eager_bindings(self, max_bs: int, max_num_tokens: int) -> None:
@@ -393,3 +397,11 @@ def _addresses(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> Tuple[
     binding fills from start where their tensors do, so the tensors' own
     addresses serve, with no slice taken before every replay."""
     return req_pool_indices.data_ptr(), seq_lens.data_ptr()
+
+
+def can_record_fill(device: torch.device, masked: bool) -> bool:
+    """Whether a bound fill on ``device`` may be recorded now: on CUDA, for
+    fills that read nothing from the host but their input tensors (no tree
+    mask: its flat length changes each step), and outside another capture
+    (there the fill is recorded into the outer graph)."""
+    return device.type == "cuda" and not masked and not torch.cuda.is_current_stream_capturing()

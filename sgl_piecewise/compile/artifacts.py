@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from sgl_piecewise.compile.counters import counters
+from sgl_piecewise.graphs.counters import counters
 
 logger = logging.getLogger("sgl_piecewise.compile")
 

@@ -29,7 +29,6 @@ import torch
 import torch.fx
 
 from sgl_piecewise.compile import artifacts, precompiled
-from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.direct_call import GraphInputs, describe_inputs
 from sgl_piecewise.compile.kernel_waits import deferred_kernel_waits
 from sgl_piecewise.compile.options import CompileOptions
@@ -39,12 +38,13 @@ from sgl_piecewise.compile.split import bypass_dispatcher, split_graph, split_it
 from sgl_piecewise.compile.token_axis import TokenAxis, find_token_axis
 from sgl_piecewise.compile.token_guards import TokenShapeGuards
 from sgl_piecewise.errors import InvalidInputError, StaleGraphError
-from sgl_piecewise.runners.buffer_registry import (
+from sgl_piecewise.graphs.buffer_registry import (
     CudaGraphBufferRegistry,
     FillContext,
     PaddingPolicy,
 )
-from sgl_piecewise.runners.capture import frozen_gc, shared_capture
+from sgl_piecewise.graphs.capture import frozen_gc, shared_capture
+from sgl_piecewise.graphs.counters import counters
 
 logger = logging.getLogger("sgl_piecewise.compile")
 
@@ -502,7 +502,7 @@ class PiecewiseModule:
         # nothing later needs a run of its own before its capture.
         if not self.warmed_up:
             capture = self.state.capture
-            if capture is not None:  # on the capture stream, like every warm-up (runners/capture.py)
+            if capture is not None:  # on the capture stream, like every warm-up (graphs/capture.py)
                 capture.warmup(lambda: self._run(Phase.WARMUP, padded_args))
             else:
                 self._run(Phase.WARMUP, padded_args)

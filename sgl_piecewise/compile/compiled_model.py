@@ -15,7 +15,6 @@ import torch
 
 from sgl_piecewise.compile import precompiled
 from sgl_piecewise.compile.backend import PiecewiseModule, SglPiecewiseBackend
-from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.direct_call import GraphInputs, LastInputs
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_compiler import start_inductor_workers
@@ -26,6 +25,7 @@ from sgl_piecewise.compile.token_guards import (
     size_oblivious_tracing,
 )
 from sgl_piecewise.errors import StaleGraphError, UnsupportedModeError
+from sgl_piecewise.graphs.counters import counters
 from sgl_piecewise.regions import tracing_regions
 
 logger = logging.getLogger("sgl_piecewise.compile")

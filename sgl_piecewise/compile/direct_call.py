@@ -139,7 +139,7 @@ class LastInputs:
 
     A parameter, buffer or submodule assigned to one of the model's modules
     (``load_state_dict(assign=True)``, ``module.weight = ...``) drops them at
-    once (torch's module registration hooks, ``runners/weight_guard.py``), so
+    once (torch's module registration hooks, ``graphs/weight_guard.py``), so
     replaced weights are not kept alive. A change no hook reports (a write
     into ``module._parameters``) is caught by :meth:`current`, which the
     caller runs after its graphs are launched, and which compares them with
@@ -149,7 +149,7 @@ class LastInputs:
     graphs' concern (``piece_graphs.StaticInputsMoved``)."""
 
     def __init__(self, inputs: Sequence[GraphInput], model: torch.nn.Module):
-        from sgl_piecewise.runners.weight_guard import watch_assignments  # runners/ builds on compile/
+        from sgl_piecewise.graphs.weight_guard import watch_assignments  # runners/ builds on compile/
 
         self._gather = make_gather(inputs)
         self._weights = [i for i, source in enumerate(inputs) if source.kind in ("param", "buffer")]

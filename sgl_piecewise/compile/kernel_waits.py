@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from sgl_piecewise.compile.counters import counters
+from sgl_piecewise.graphs.counters import counters
 
 logger = logging.getLogger("sgl_piecewise.compile")
 

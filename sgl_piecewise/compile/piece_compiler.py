@@ -16,8 +16,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.fx
 
-from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.errors import SglPiecewiseError
+from sgl_piecewise.graphs.counters import counters
 
 logger = logging.getLogger("sgl_piecewise.compile")
 

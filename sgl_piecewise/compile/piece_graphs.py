@@ -16,7 +16,7 @@ Steps for one size (driven by ``StepState.phase``, set by the top level):
 WARMUP (before a module's first capture only) runs the compiled piece (first
 runs load kernels and create handles, which must not happen while
 capturing); CAPTURE records the graph through the capture core
-(``runners/capture.py``: its stream, its pool) and replays it at once, so
+(``graphs/capture.py``: its stream, its pool) and replays it at once, so
 this call's outputs are real (capture alone executes nothing, and eager
 attention reads them next) unless they are thrown away (``outputs_unused``);
 REPLAY replays. On a machine without CUDA, capture is a pass-through: the
@@ -40,9 +40,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.errors import SglPiecewiseError
-from sgl_piecewise.runners.capture import GraphCapture
+from sgl_piecewise.graphs.capture import GraphCapture
+from sgl_piecewise.graphs.counters import counters
 
 # True while a step's outputs are thrown away (the up-front captures' dummy
 # steps): a capture then skips the replay that would make them real.

@@ -111,7 +111,7 @@ def _hook_counts(owner: Any) -> str:
     assignments is not counted: it runs in no forward, and it is installed
     at the first graph capture or compiled call of a process, so the same
     model's key would differ before and after it."""
-    from sgl_piecewise.runners.weight_guard import watches_assignments  # runners/ builds on compile/
+    from sgl_piecewise.graphs.weight_guard import watches_assignments  # runners/ builds on compile/
 
     tables = sorted(name for name, value in vars(owner).items() if "hooks" in name and isinstance(value, dict))
     counts = {name: sum(not watches_assignments(hook) for hook in getattr(owner, name).values()) for name in tables}

@@ -4,7 +4,7 @@ Model code calls these where it would call attention. Shapes are token-major:
 ``q [T, Hq, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, Dv]``; the output is
 ``[T, Hq, Dv]``. The op writes the new tokens' K/V into the paged pool at the
 batch's ``out_cache_loc`` and attends with the backend of the active
-:func:`~sgl_piecewise.forward.forward_context`.
+:func:`~sgl_piecewise.context.forward_context`.
 
 ``T`` may exceed the batch's ``num_tokens`` (a graph padded the token axis):
 the padded rows write no K/V and their output rows are zero, so padding never
@@ -16,6 +16,12 @@ around them. While the breakable runner captures (``runners/breakable.py``),
 the forward context carries its hook and the ops hand every call to it: the
 call ends a graph segment and runs eagerly at replay. Elsewhere the hook is
 None and costs one check.
+
+Both check their setting-like arguments where they are entered, before any
+K/V write: ``layer_id`` an int, ``scale`` None or a finite number > 0 (a NaN
+or infinite scale would turn every output row into NaN, and a scale <= 0
+only comes from a bug). The fake implementations check the scale too, so a
+trace refuses what the real call would.
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ import math
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from sgl_piecewise.checks import check_tensor
-from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
-from sgl_piecewise.forward import ForwardContext, get_forward_context
+from sgl_piecewise.context import ForwardContext, get_forward_context
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, NoForwardContextError
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -53,6 +60,7 @@ def _attention_into(
     ctx: Optional[ForwardContext] = None,
 ) -> None:
     ctx = get_forward_context() if ctx is None else ctx
+    _check_scale(scale)
     if ctx.breakable is not None:  # a breakable capture ends its graph segment here (runners/breakable.py)
         ctx.breakable(q, k, v, out, layer_id, scale, ctx)
         return
@@ -82,7 +90,50 @@ def _attention_into(
 
 def _resolved_scale(q: torch.Tensor, scale: Optional[float]) -> float:
     """The logit scale a call means: ``scale``, or 1/sqrt(head size) for None."""
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if scale is None:
+        return 1.0 / math.sqrt(q.shape[-1])
+    _check_scale(scale)  # the attention between pieces resolves before it checks anything else
+    return scale
+
+
+def _check_scale(scale: Optional[float]) -> None:
+    """A scale is a setting, not data: refuse NaN, an infinity and a scale
+    <= 0 (uniform or inverted attention, never meant) before anything runs.
+    One chained comparison for a valid one: NaN compares False."""
+    if scale is None or 0.0 < scale < math.inf:
+        return
+    if not math.isfinite(scale):
+        raise InvalidInputError(f"scale: expected a finite attention scale, got {scale!r}")
+    raise InvalidInputError(f"scale: expected a positive attention scale, got {scale!r}")
+
+
+def _check_traced_scale(scale: object) -> None:
+    """The fake implementations' scale check: a plain number, as the real
+    call gets; a symbolic float is left to the real call (a comparison on
+    it would add a guard to the trace)."""
+    if isinstance(scale, (int, float)):
+        _check_scale(scale)
+
+
+def _check_meta_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> None:
+    """Plain ``meta`` tensors dispatch to the fake implementation (a custom
+    op registers it for the Meta key), so the real implementation's checks
+    against the pool never see them: inside a forward context they would
+    return a meta tensor over a CPU or CUDA pool, with no K/V written. Run
+    those checks here for them, so q/k/v on another device than the KV pool
+    are refused as on the real path. FakeTensors (torch.compile tracing)
+    are left alone: their real call checks at run time, and a trace must
+    not read the forward context. Outside a forward context a meta call
+    stays a shape computation."""
+    if q.device.type != "meta" or is_fake(q):
+        return
+    try:
+        ctx = get_forward_context()
+    except NoForwardContextError:
+        return
+    pool = ctx.backend.kv_pool
+    pool.check_layer(layer_id)
+    _check_against_pool(q, k, v, pool, ctx.num_tokens)
 
 
 def _check_against_pool(q, k, v, pool, num_tokens: int) -> None:
@@ -108,6 +159,8 @@ def _unified_attention(
 @_unified_attention.register_fake
 def _unified_attention_fake(q, k, v, layer_id, scale=None):
     _check_shapes(q, k, v)
+    _check_traced_scale(scale)
+    _check_meta_call(q, k, v, layer_id)
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
@@ -129,6 +182,8 @@ def _unified_attention_with_output(
 def _unified_attention_with_output_fake(q, k, v, output, layer_id, scale=None):
     _check_shapes(q, k, v)
     _check_output(q, v, output)
+    _check_traced_scale(scale)
+    _check_meta_call(q, k, v, layer_id)
 
 
 def attention_with_output_direct(q, k, v, output, layer_id: int, scale: Optional[float] = None) -> None:
@@ -193,3 +248,4 @@ def _check_scalar_args(layer_id: object, scale: object) -> None:
         raise InvalidTypeError(f"layer_id: expected an int, got {layer_id!r} ({type(layer_id).__name__})")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise InvalidTypeError(f"scale: expected a float or None, got {scale!r} ({type(scale).__name__})")
+    _check_scale(scale)

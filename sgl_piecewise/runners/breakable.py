@@ -49,16 +49,18 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from sgl_piecewise.checks import check_positive_int
-from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.options import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
 from sgl_piecewise.compile.piece_graphs import _non_owning_alias  # one definition, shared with the pieces
+from sgl_piecewise.context import ForwardContext, forward_context
 from sgl_piecewise.errors import InvalidInputError, SglPiecewiseError
-from sgl_piecewise.forward import ForwardBatch, ForwardContext, ForwardMode, forward_context
+from sgl_piecewise.forward import ForwardBatch, ForwardMode
+from sgl_piecewise.graphs.buffer_registry import FillContext
+from sgl_piecewise.graphs.capture import GraphCapture, explain_capture_failure, shared_capture
+from sgl_piecewise.graphs.counters import counters
+from sgl_piecewise.graphs.fill_graphs import reserve_eager_bindings
+from sgl_piecewise.graphs.input_registries import build_prefill_registry
+from sgl_piecewise.graphs.weight_guard import WeightGuard
 from sgl_piecewise.ops.attention import attention_with_output_direct
-from sgl_piecewise.runners.buffer_registry import FillContext
-from sgl_piecewise.runners.capture import GraphCapture, explain_capture_failure, reserve_eager_bindings, shared_capture
-from sgl_piecewise.runners.input_registries import build_prefill_registry
-from sgl_piecewise.runners.weight_guard import WeightGuard
 
 TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc")
 
@@ -197,7 +199,7 @@ class BreakableCudaGraphRunner:
             seq_len_fill_value=model_runner.backend.get_cuda_graph_seq_len_fill_value(),
         )
         self.capture_core = capture if capture is not None else shared_capture(device)
-        reserve_eager_bindings(model_runner, self.max_size)
+        reserve_eager_bindings(model_runner.backend, model_runner.req_to_token_pool.max_reqs, self.max_size)
         self.graphs: Dict[int, SizeGraphs] = {}
         self.capture_seconds = 0.0
         self._weights: Optional[WeightGuard] = None  # where the captured graphs read the weights

@@ -26,10 +26,12 @@ import torch
 from sgl_piecewise.compile.compiled_model import CompiledModel
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_graphs import outputs_unused
+from sgl_piecewise.context import forward_context
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
-from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
+from sgl_piecewise.forward import ForwardBatch, ForwardMode
+from sgl_piecewise.graphs.capture import shared_capture
+from sgl_piecewise.graphs.fill_graphs import reserve_eager_bindings
 from sgl_piecewise.memory import DUMMY_SLOT
-from sgl_piecewise.runners.capture import reserve_eager_bindings, shared_capture
 
 
 class PiecewiseCudaGraphRunner:
@@ -47,7 +49,7 @@ class PiecewiseCudaGraphRunner:
         self.max_size = self.options.capture_sizes[-1]
         self.captured = False
         self.first_size_seconds = 0.0
-        reserve_eager_bindings(model_runner, self.max_size)
+        reserve_eager_bindings(model_runner.backend, model_runner.req_to_token_pool.max_reqs, self.max_size)
         model_runner.token_graphs = self
 
     def capture(self, progress: bool = True, sizes: Optional[Sequence[int]] = None) -> float:

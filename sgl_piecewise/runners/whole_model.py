@@ -50,12 +50,16 @@ import torch
 
 from sgl_piecewise.backends.metadata import SEQ_LENS_SUM_UNKNOWN
 from sgl_piecewise.checks import check_positive_int
-from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.options import default_capture_sizes
+from sgl_piecewise.context import forward_context
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
-from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
-from sgl_piecewise.runners.buffer_registry import CudaGraphBufferRegistry, FillContext
-from sgl_piecewise.runners.capture import GraphCapture, shared_capture
+from sgl_piecewise.forward import ForwardBatch, ForwardMode
+from sgl_piecewise.graphs.buffer_registry import CudaGraphBufferRegistry, FillContext
+from sgl_piecewise.graphs.capture import GraphCapture, shared_capture
+from sgl_piecewise.graphs.counters import counters
+from sgl_piecewise.graphs.fill_graphs import record_fills
+from sgl_piecewise.graphs.input_registries import SharedBufferPool, build_decode_registry
+from sgl_piecewise.graphs.weight_guard import WeightGuard
 from sgl_piecewise.runners.graph_modes import (
     ModeLayout,
     graph_spec,
@@ -64,8 +68,6 @@ from sgl_piecewise.runners.graph_modes import (
     static_batch,
     why_eager,
 )
-from sgl_piecewise.runners.input_registries import SharedBufferPool, build_decode_registry
-from sgl_piecewise.runners.weight_guard import WeightGuard
 
 # SGLang's default largest decode graph (`--cuda-graph-max-bs` on most cards).
 DEFAULT_MAX_DECODE_BS = 160
@@ -94,7 +96,7 @@ class CudaGraphRunner:
             DRAFT_EXTEND_V2 graphs (required with either, refused without).
             For greedy verification of ``k`` draft tokens it is ``k + 1``:
             the last accepted token and the ``k`` drafts
-            (``sgl_piecewise.speculative``).
+            (``sgl_piecewise.engine.speculative``).
         tree_mask: TARGET_VERIFY graphs read a tree mask
             (``spec_info.custom_mask``); off by default (chain drafts,
             causal). A graph serves one mask kind.
@@ -136,6 +138,7 @@ class CudaGraphRunner:
         # A host copy of the lengths (and their sum) only for a replay hook that reads them.
         self._host_lengths = backend.replay_reads_host_lengths
         self.registries = self._build_registries(attn_tp_size, attn_tp_rank)
+        record_fills(backend)
         backend.init_cuda_graph_state(self.max_bs, self.max_bs * max_width)
         self._static: Dict[GraphKey, ForwardBatch] = {}  # the batch each graph reads
         self._graphs: Dict[GraphKey, torch.cuda.CUDAGraph] = {}

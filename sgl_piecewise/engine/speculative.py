@@ -45,7 +45,7 @@ from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
 from sgl_piecewise.memory import allocate_requests
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sgl_piecewise.runner import ModelRunner
+    from sgl_piecewise.engine.runner import ModelRunner
 
 
 @dataclass
@@ -92,7 +92,7 @@ def speculative_generate(
 
 # ---- checks, before anything is allocated ----------------------------------------
 def _check_inputs(target, draft, prompts, max_new_tokens, k) -> List[List[int]]:
-    from sgl_piecewise.runner import ModelRunner  # imports this module lazily
+    from sgl_piecewise.engine.runner import ModelRunner  # imports this module lazily
 
     if not isinstance(draft, ModelRunner):
         raise InvalidTypeError(f"draft: expected a ModelRunner over the draft model, got {type(draft).__name__}")

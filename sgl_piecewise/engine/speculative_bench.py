@@ -19,13 +19,13 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from sgl_piecewise.checks import check_positive_int
-from sgl_piecewise.compile.counters import counters
 from sgl_piecewise.compile.options import default_capture_sizes
-from sgl_piecewise.drafts import DRAFT_SPELLING, DraftSpec, build_draft_model, parse_draft_spec
+from sgl_piecewise.engine.drafts import DRAFT_SPELLING, DraftSpec, build_draft_model, parse_draft_spec
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.speculative import speculative_generate
 from sgl_piecewise.forward import ForwardMode
-from sgl_piecewise.runner import ModelRunner
+from sgl_piecewise.graphs.counters import counters
 from sgl_piecewise.runners.whole_model import CudaGraphRunner
-from sgl_piecewise.speculative import speculative_generate
 
 
 def compare_greedy_and_speculative(
@@ -94,7 +94,7 @@ def bench_draft(args: argparse.Namespace, console) -> int:
     from rich.table import Table
 
     from sgl_piecewise.backends.factory import get_backend_class
-    from sgl_piecewise.cli import _backend_factory, _check_backend, _load_model, _prompts
+    from sgl_piecewise.engine.cli import _backend_factory, _check_backend, _load_model, _prompts
 
     for name in ("batch_size", "prompt_len", "new_tokens"):
         check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))

@@ -9,11 +9,11 @@ recorded once and replayed: per step that leaves copies of the inputs
 (``req_pool_indices``, ``seq_lens``, and a ragged step's ``extend_lens``)
 into the graph's own input buffers and one graph launch.
 
-Recorded only where that is exact: on CUDA, for fills that read nothing from
-the host but their input tensors (no tree mask: its flat length changes each
-step), and outside another capture (there the fill is recorded into the
-outer graph, as before). Elsewhere the fill runs as plain operations. The
-recording goes into the shared capture pool (``runners/capture.py``): its
+Recorded only where that is exact (``backends/static_graph.py:
+can_record_fill``); elsewhere the fill runs as plain operations. The
+backends sit below this layer: ``record_fills`` hands them the recorder
+when a graph path reserves its bindings. The
+recording goes into the shared capture pool (``graphs/capture.py``): its
 intermediates are rewritten on each replay, and its outputs are the
 backend's static buffers, which live outside the pool.
 """
@@ -23,6 +23,9 @@ from __future__ import annotations
 from typing import Callable, Optional, Tuple
 
 import torch
+
+from sgl_piecewise.backends.base import AttentionBackend
+from sgl_piecewise.graphs.capture import shared_capture
 
 # The fill, given the step's input tensors (or the graph's copies of them).
 Fill = Callable[..., None]
@@ -57,13 +60,21 @@ class FillGraph:
         return len(inputs) == len(self.inputs) and all(a.dtype == b.dtype for a, b in zip(inputs, self.inputs))
 
     def _record(self, fill: Fill, inputs: Tuple[torch.Tensor, ...]) -> None:
-        from sgl_piecewise.runners.capture import shared_capture  # runners/ builds on backends/
-
         self.inputs = tuple(t.clone() for t in inputs)
         core = shared_capture(inputs[0].device)
         self.graph, _ = core.record(lambda: fill(*self.inputs), self.what)
 
 
-def can_record_fill(device: torch.device, masked: bool) -> bool:
-    """Whether a bound fill on ``device`` may be recorded now (module docstring)."""
-    return device.type == "cuda" and not masked and not torch.cuda.is_current_stream_capturing()
+def record_fills(backend: AttentionBackend) -> None:
+    """Let ``backend`` record its bound fills through the shared capture core
+    (the backends sit below this layer, so it hands them the recorder)."""
+    backend.use_fill_recorder(FillGraph)
+
+
+def reserve_eager_bindings(backend: AttentionBackend, max_reqs: int, max_tokens: int) -> None:
+    """The attention between graphs runs eagerly on every step a graph of at
+    most ``max_tokens`` tokens serves: let the backend fill those steps'
+    metadata into static buffers (recorded fills) rather than fresh tensors,
+    for as many requests as such a step can hold."""
+    record_fills(backend)
+    backend.reserve_eager_bindings(min(max_reqs, max_tokens), max_tokens)

@@ -26,8 +26,7 @@ import torch
 
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.errors import InvalidInputError
-from sgl_piecewise.memory import DUMMY_SLOT
-from sgl_piecewise.runners.buffer_registry import (
+from sgl_piecewise.graphs.buffer_registry import (
     CudaGraphBufferRegistry,
     FillContext,
     MissingSource,
@@ -36,6 +35,7 @@ from sgl_piecewise.runners.buffer_registry import (
     canonical_device,
     check_count,
 )
+from sgl_piecewise.memory import DUMMY_SLOT
 
 Device = Union[torch.device, str]
 

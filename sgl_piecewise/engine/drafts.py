@@ -1,4 +1,4 @@
-"""Draft models for speculative decoding (``sgl_piecewise.speculative``), and
+"""Draft models for speculative decoding (``sgl_piecewise.engine.speculative``), and
 the ``--draft`` spelling of the command line and the benchmark.
 
 A draft is any model ``ModelRunner`` runs (``forward``, ``compute_logits``,

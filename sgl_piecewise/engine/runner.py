@@ -33,9 +33,10 @@ from sgl_piecewise.backends.reference import ReferenceBackend
 from sgl_piecewise.batch_checks import check_batch
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.compiled_model import CompiledModel, mark_token_axis
-from sgl_piecewise.compile.counters import counters
+from sgl_piecewise.context import forward_context
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, KVPoolExhaustedError
-from sgl_piecewise.forward import ForwardBatch, ForwardMode, forward_context
+from sgl_piecewise.forward import ForwardBatch, ForwardMode
+from sgl_piecewise.graphs.counters import counters
 from sgl_piecewise.memory import KVPool, ReqToTokenPool, allocate_requests
 from sgl_piecewise.runners.dispatch import CaptureReport, capture_graphs, check_policy, graph_step
 
@@ -289,11 +290,11 @@ class ModelRunner:
 
         With ``draft`` (a ``ModelRunner`` of its own over a draft model of the
         same vocabulary) and ``num_draft_tokens`` ``k``: greedy speculative
-        decoding (``sgl_piecewise.speculative``), the same tokens in fewer
+        decoding (``sgl_piecewise.engine.speculative``), the same tokens in fewer
         target steps.
         """
         if draft is not None or num_draft_tokens is not None:
-            from sgl_piecewise.speculative import speculative_generate  # imports this module
+            from sgl_piecewise.engine.speculative import speculative_generate  # imports this module
 
             return speculative_generate(self, draft, prompts, max_new_tokens, num_draft_tokens, progress).tokens
         prompts = self._check_prompts(prompts)

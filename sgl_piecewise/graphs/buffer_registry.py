@@ -54,7 +54,7 @@ import torch
 
 from sgl_piecewise.checks import check_positive_int, check_tensor, same_device
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
-from sgl_piecewise.runners.graph_slot import (  # noqa: F401 (AXES, check_count: re-exported)
+from sgl_piecewise.graphs.graph_slot import (  # noqa: F401 (AXES, check_count: re-exported)
     AXES,
     FillContext,
     GraphSlot,
@@ -71,7 +71,7 @@ from sgl_piecewise.runners.graph_slot import (  # noqa: F401 (AXES, check_count:
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sgl_piecewise.runners.input_registries import SharedBufferPool
+    from sgl_piecewise.graphs.input_registries import SharedBufferPool
 
 logger = logging.getLogger(__name__)
 

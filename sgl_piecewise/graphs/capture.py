@@ -308,12 +308,3 @@ def shared_capture(device: torch.device | str) -> GraphCapture:
         if device not in _shared:
             _shared[device] = GraphCapture(device)
         return _shared[device]
-
-
-def reserve_eager_bindings(model_runner: Any, max_tokens: int) -> None:
-    """The attention between graphs runs eagerly on every step a graph of at
-    most ``max_tokens`` tokens serves: let the backend fill those steps'
-    metadata into static buffers (its recorded fill) rather than fresh
-    tensors, for as many requests as such a step can hold."""
-    max_bs = min(model_runner.req_to_token_pool.max_reqs, max_tokens)
-    model_runner.backend.reserve_eager_bindings(max_bs, max_tokens)

@@ -25,12 +25,12 @@ from tqdm.auto import tqdm
 from sgl_piecewise.backends.base import AttentionBackend
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.options import default_capture_sizes
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.testing import random_batch, release_batch
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.forward import ForwardMode
 from sgl_piecewise.memory import KVPool, ReqToTokenPool
-from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners.dispatch import POLICIES
-from sgl_piecewise.testing import random_batch, release_batch
 
 # |graph - eager| <= atol + rtol * |eager| on the logits. Graphs run the
 # compiled pieces (Inductor fusions), eager runs the model's own kernels: in

@@ -10,7 +10,7 @@ a GPU). With ``--draft``, bench compares plain greedy decoding with
 speculative decoding instead (``speculative_bench.py``).
 
 ``sgl-piecewise verify`` replays the graphs of each policy against eager on
-fresh random ragged batches (``sgl_piecewise.verify``) and exits non-zero on a
+fresh random ragged batches (``sgl_piecewise.engine.verify``) and exits non-zero on a
 mismatch.
 """
 
@@ -93,7 +93,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_draft_argument(p: argparse.ArgumentParser) -> None:
-    from sgl_piecewise.speculative_bench import add_draft_argument
+    from sgl_piecewise.engine.speculative_bench import add_draft_argument
 
     add_draft_argument(p)
 
@@ -157,7 +157,7 @@ def _prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> List[Li
 
 def _run_policy(policy: str, model, args, prompts) -> PolicyResult:
     from sgl_piecewise.compile.options import default_capture_sizes
-    from sgl_piecewise.runner import ModelRunner
+    from sgl_piecewise.engine.runner import ModelRunner
 
     context = max(len(p) for p in prompts) + args.new_tokens
     runner = ModelRunner(
@@ -196,7 +196,7 @@ def bench(args: argparse.Namespace, console: Console) -> int:
     from sgl_piecewise.checks import check_positive_int
 
     if args.draft is not None:
-        from sgl_piecewise.speculative_bench import bench_draft
+        from sgl_piecewise.engine.speculative_bench import bench_draft
 
         return bench_draft(args, console)
     for name in ("batch_size", "prompt_len", "new_tokens", "max_capture_size"):
@@ -235,7 +235,7 @@ def bench(args: argparse.Namespace, console: Console) -> int:
 
 
 def verify_command(args: argparse.Namespace, console: Console) -> int:
-    from sgl_piecewise.verify import TOLERANCE, verify
+    from sgl_piecewise.engine.verify import TOLERANCE, verify
 
     policies = _policies(args.graphs, [g for g in POLICIES if g != "none"])
     _check_backend(args.backend, policies)
