@@ -21,6 +21,8 @@ setup(
             "safetensors>=0.4",
             "triton>=3.0",
             "ruff==0.17.6",
+            # the layers contract in .importlinter
+            "import-linter>=2.1",
             "matplotlib>=3.7",
         ],
         # benchmarks/: Hugging Face eager as a yardstick, the suite's plot.

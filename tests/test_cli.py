@@ -5,12 +5,14 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from sgl_piecewise.engine.cli import main
+from sgl_piecewise.engine.bench import ragged_prompts, run_policy
+from sgl_piecewise.engine.cli import build_parser, main
 from sgl_piecewise.errors import InvalidInputError
-from sgl_piecewise.models import load_model
+from sgl_piecewise.models import load_model, load_model_or_default
 
 # Each compile here adds a Dynamo cache entry for the same model code; entries
 # left by other tests must not push it past the recompile limit.
@@ -118,3 +120,19 @@ def test_verify_shows_every_batch_size_it_drew_however_narrow_the_terminal(capsy
     assert main(["verify", "--device", "cpu", "--steps", "12", "--max-bs", "6"]) == 0
     out = capsys.readouterr().out
     assert "…" not in out
+
+
+def test_bench_compiles_and_captures_nothing_while_it_times(capsys):
+    """Every step size of the timed run was compiled and captured in the
+    untimed run before it, so no compile lands inside a timed step; on a CPU
+    the table says that its times are no graph speed-up."""
+    argv = ["bench", "--device", "cpu", "--batch-size", "3", "--prompt-len", "10", "--new-tokens", "6",
+            "--max-capture-size", "16", "--graphs", "none,auto"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    model = load_model_or_default(None, torch.float32, torch.device("cpu"), seed=0)
+    prompts = ragged_prompts(3, 10, model.config.vocab_size, 0)
+    result = run_policy("auto", model, args, prompts)
+    assert result.paths == "eager 1, whole_model 5"
+    assert result.compiled_while_timed == 0
+    assert main(argv) == 0
+    assert "a graph capture is a pass-through" in capsys.readouterr().out

@@ -22,7 +22,7 @@ import collections
 import logging
 import numbers
 import time
-from typing import Callable, Deque, List, NamedTuple, Optional, Protocol, Sequence, Union
+from typing import Callable, Deque, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -32,13 +32,13 @@ from sgl_piecewise.backends.factory import backend_names, create_backend
 from sgl_piecewise.backends.reference import ReferenceBackend
 from sgl_piecewise.batch_checks import check_batch
 from sgl_piecewise.checks import check_positive_int
-from sgl_piecewise.compile.compiled_model import CompiledModel, mark_token_axis
-from sgl_piecewise.context import forward_context
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, KVPoolExhaustedError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode
 from sgl_piecewise.graphs.counters import counters
 from sgl_piecewise.memory import KVPool, ReqToTokenPool, allocate_requests
 from sgl_piecewise.runners.dispatch import CaptureReport, capture_graphs, check_policy, graph_step
+from sgl_piecewise.runners.eager import run_model
+from sgl_piecewise.runners.protocols import StepGraphs, TokenGraphs
 
 BackendFactory = Callable[[ReqToTokenPool, KVPool], AttentionBackend]
 logger = logging.getLogger("sgl_piecewise")
@@ -52,21 +52,6 @@ DEFAULT_CPU_KV_GIB = 1.0
 # step_stats keeps the most recent steps only: a long-lived runner must not
 # grow by one entry per step forever.
 STEP_STATS_MAXLEN = 4096
-
-
-class StepGraphs(Protocol):
-    def try_replay(self, batch: ForwardBatch) -> Optional[torch.Tensor]:
-        """Hidden states ``[num_tokens, H]`` from a graph, or None to run eagerly."""
-
-
-class TokenGraphs(Protocol):
-    name: str
-
-    def padded_size(self, num_tokens: int) -> Optional[int]:
-        """The captured token count a step of ``num_tokens`` replays at, or None."""
-
-    def replay(self, batch: ForwardBatch, padded: int) -> torch.Tensor:
-        """Hidden states ``[num_tokens, H]`` through the graphs of ``padded`` tokens."""
 
 
 class StepStat(NamedTuple):
@@ -235,17 +220,7 @@ class ModelRunner:
         eager attention metadata: hidden states ``[num_tokens, H]``. The eager
         path and the piecewise graphs (which pad the tokens themselves) both
         run the model this way."""
-        self.backend.init_forward_metadata(batch)
-        n = batch.num_tokens
-        ids, positions = batch.input_ids[:n], batch.positions[:n]
-        # A compiled forward then traces one graph for every token count (1
-        # included) from its first call: no recompile, and the first call's
-        # graph already has a token axis to pad for graphs. CompiledModel
-        # marks the axis itself, its own way (compile/token_guards.py).
-        if not isinstance(forward, CompiledModel):
-            mark_token_axis(ids, positions)
-        with forward_context(batch, self.backend, check=False, debug_checks=self.debug_checks):
-            return forward(ids, positions)
+        return run_model(forward, batch, self.backend, self.debug_checks)
 
     def last_token_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``[bs, vocab]`` logits of each request's last new token from ``hidden [T, H]``.

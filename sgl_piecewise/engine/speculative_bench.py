@@ -17,9 +17,12 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
+from rich.table import Table
 
+from sgl_piecewise.backends.factory import get_backend_class
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.options import default_capture_sizes
+from sgl_piecewise.engine.bench import backend_factory, check_backend, load_model, ragged_prompts
 from sgl_piecewise.engine.drafts import DRAFT_SPELLING, DraftSpec, build_draft_model, parse_draft_spec
 from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.engine.speculative import speculative_generate
@@ -91,24 +94,19 @@ def add_draft_argument(bench: argparse.ArgumentParser) -> None:
 def bench_draft(args: argparse.Namespace, console) -> int:
     """``bench --draft``: one table row per run; 1 when float32 runs differ.
     Prompts, backend and device come as for the other bench modes."""
-    from rich.table import Table
-
-    from sgl_piecewise.backends.factory import get_backend_class
-    from sgl_piecewise.engine.cli import _backend_factory, _check_backend, _load_model, _prompts
-
     for name in ("batch_size", "prompt_len", "new_tokens"):
         check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
     spec = parse_draft_spec(args.draft)  # before the model loads
-    _check_backend(args.backend, [])
+    check_backend(args.backend, [])
     graphs = get_backend_class(args.backend).supports_cuda_graph
-    device, dtype, model = _load_model(args)
-    prompts = _prompts(args.batch_size, args.prompt_len, model.config.vocab_size, args.seed)
+    device, dtype, model = load_model(args)
+    prompts = ragged_prompts(args.batch_size, args.prompt_len, model.config.vocab_size, args.seed)
     console.print(
         f"model: {args.model or 'embedded default (random weights)'} | draft {spec} | device {device} | {dtype} | "
         f"backend {args.backend} | whole-model graphs {'on' if graphs else 'off (no graph hooks)'} | "
         f"batch {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens"
     )
-    r = compare_greedy_and_speculative(model, spec, prompts, args.new_tokens, _backend_factory(args.backend, model),
+    r = compare_greedy_and_speculative(model, spec, prompts, args.new_tokens, backend_factory(args.backend, model),
                                        graphs=graphs)  # fmt: skip
     table = Table(title=f"sgl-piecewise bench --draft {spec}")
     for col in ("run", "tokens/s", "speed-up", "acceptance rate", "target steps"):

@@ -50,7 +50,6 @@ import torch
 
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.options import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
-from sgl_piecewise.compile.piece_graphs import _non_owning_alias  # one definition, shared with the pieces
 from sgl_piecewise.context import ForwardContext, forward_context
 from sgl_piecewise.errors import InvalidInputError, SglPiecewiseError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode
@@ -60,7 +59,9 @@ from sgl_piecewise.graphs.counters import counters
 from sgl_piecewise.graphs.fill_graphs import reserve_eager_bindings
 from sgl_piecewise.graphs.input_registries import build_prefill_registry
 from sgl_piecewise.graphs.weight_guard import WeightGuard
+from sgl_piecewise.internals.storage_alias import non_owning_alias as _non_owning_alias  # shared with the pieces
 from sgl_piecewise.ops.attention import attention_with_output_direct
+from sgl_piecewise.runners.protocols import GraphHost
 
 TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc")
 
@@ -181,7 +182,7 @@ class BreakableCudaGraphRunner:
 
     def __init__(
         self,
-        model_runner,
+        model_runner: GraphHost,
         capture_sizes: Optional[Sequence[int]] = None,
         capture: Optional[GraphCapture] = None,
     ):

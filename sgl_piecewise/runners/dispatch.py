@@ -37,12 +37,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from sgl_piecewise.compile.compiled_model import CompiledModel
+from sgl_piecewise.compile.options import DEFAULT_MAX_CAPTURE_SIZE, CompileOptions, default_capture_sizes
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
 from sgl_piecewise.forward import ForwardBatch
+from sgl_piecewise.runners.breakable import BreakableCudaGraphRunner
+from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
+from sgl_piecewise.runners.protocols import GraphHost, StepGraphs, TokenGraphs
+from sgl_piecewise.runners.whole_model import DEFAULT_MAX_DECODE_BS, CudaGraphRunner
 
 POLICIES = ("auto", "full", "piecewise", "breakable", "none")
 logger = logging.getLogger("sgl_piecewise")
@@ -55,7 +61,7 @@ def check_policy(graphs: object) -> str:
 
 
 # ---- routing ----------------------------------------------------------------
-def graph_step(model_runner, batch: ForwardBatch) -> Tuple[Optional[torch.Tensor], str, str]:
+def graph_step(model_runner: GraphHost, batch: ForwardBatch) -> Tuple[Optional[torch.Tensor], str, str]:
     """``(hidden [num_tokens, H], path, why)`` from the first graph runner that
     serves ``batch``; ``(None, "", why none did)`` for the eager path."""
     declined: List[str] = []
@@ -83,30 +89,25 @@ def graph_step(model_runner, batch: ForwardBatch) -> Tuple[Optional[torch.Tensor
     return None, "", "; ".join(declined) or unserved_mode
 
 
-def _whole_model(runner, batch: ForwardBatch) -> Tuple[Optional[torch.Tensor], str, bool]:
+def _whole_model(runner: StepGraphs, batch: ForwardBatch) -> Tuple[Optional[torch.Tensor], str, bool]:
     """``(hidden or None, why, usual)``; ``usual``: a mode it never serves."""
     mode = batch.forward_mode
     # try_replay whatever padded_bs says: the runner counts its own declines
     # (a batch above its largest graph) in counters.eager_fallbacks.
     hidden = runner.try_replay(batch)
-    padded_bs = getattr(runner, "padded_bs", None)
-    if padded_bs is None:  # a step_graphs with only try_replay (the ModelRunner protocol)
-        return hidden, f"{mode.name} bs {batch.batch_size}", hidden is None
-    padded = padded_bs(batch)
+    padded = runner.padded_bs(batch)
     if hidden is not None:
         return hidden, f"{mode.name} bs {batch.batch_size} -> {padded}", False
     if padded is not None:
         return None, f"{mode.name} bs {batch.batch_size}: declined", False
-    served = getattr(runner, "modes", None) or (getattr(runner, "mode", None),)
-    if mode not in served:
+    if mode not in runner.modes:
         return None, f"{mode.name}: no whole-model graph for this mode", True
-    max_bs = getattr(runner, "max_bs", None)
-    if max_bs is not None and batch.batch_size > max_bs:
-        return None, f"{mode.name} bs above the largest whole-model graph {max_bs}", False
+    if batch.batch_size > runner.max_bs:
+        return None, f"{mode.name} bs above the largest whole-model graph {runner.max_bs}", False
     return None, "whole-model graphs not captured", False
 
 
-def _token_reason(runner, batch: ForwardBatch) -> str:
+def _token_reason(runner: TokenGraphs, batch: ForwardBatch) -> str:
     mode, n = batch.forward_mode.name, batch.num_tokens
     if n < 1:
         return f"{mode}: no tokens"
@@ -155,10 +156,9 @@ def capture_graphs(
     return report
 
 
-def _token_sizes(model_runner, capture_sizes: Optional[Sequence[int]]) -> Tuple[int, ...]:
+def _token_sizes(model_runner: GraphHost, capture_sizes: Optional[Sequence[int]]) -> Tuple[int, ...]:
     """Default: the piecewise schedule, up to what one step can hold (every
     request row at full context)."""
-    from sgl_piecewise.compile.options import DEFAULT_MAX_CAPTURE_SIZE, CompileOptions
 
     if capture_sizes is not None:
         return CompileOptions(capture_sizes=tuple(capture_sizes)).capture_sizes
@@ -170,11 +170,11 @@ def _describe(sizes: Sequence[int], unit: str) -> str:
     return f"{len(sizes)} sizes, {unit} {sizes[0]}..{sizes[-1]}"
 
 
-def _try_piecewise(model_runner, sizes, piece_compiler: str, progress: bool, report, *, required: bool) -> bool:
+def _try_piecewise(
+    model_runner: GraphHost, sizes, piece_compiler: str, progress: bool, report: CaptureReport, *, required: bool
+) -> bool:
     """Capture piecewise graphs; False where the model does not trace as one
     graph and ``required`` is off (auto then takes breakable graphs)."""
-    from sgl_piecewise.compile.options import CompileOptions
-    from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 
     options = CompileOptions(cudagraphs=True, capture_sizes=sizes, piece_compiler=piece_compiler)
     runner = PiecewiseCudaGraphRunner(model_runner, options)
@@ -191,17 +191,17 @@ def _try_piecewise(model_runner, sizes, piece_compiler: str, progress: bool, rep
     return True
 
 
-def _capture_breakable(model_runner, sizes, progress: bool, report) -> None:
-    from sgl_piecewise.runners.breakable import BreakableCudaGraphRunner
+def _capture_breakable(model_runner: GraphHost, sizes, progress: bool, report) -> None:
 
     BreakableCudaGraphRunner(model_runner, sizes).capture(progress=progress)
     report.paths["breakable"] = _describe(sizes, "tokens")
 
 
-def _capture_whole_model(model_runner, capture_bs, piece_compiler: Optional[str], progress: bool, report) -> None:
+def _capture_whole_model(
+    model_runner: GraphHost, capture_bs, piece_compiler: Optional[str], progress: bool, report: CaptureReport
+) -> None:
     """Whole-model graphs of the compiled model (``piece_compiler`` given: the
     model traces) or of the eager one; skipped under auto without graph hooks."""
-    from sgl_piecewise.runners.whole_model import CudaGraphRunner
 
     backend = model_runner.backend
     if not backend.supports_cuda_graph and model_runner.graphs == "auto":
@@ -215,20 +215,16 @@ def _capture_whole_model(model_runner, capture_bs, piece_compiler: Optional[str]
     report.paths["whole_model"] = f"{_describe(runner.capture_bs, 'bs')}, the {what} model"
 
 
-def _default_bs(model_runner) -> Tuple[int, ...]:
+def _default_bs(model_runner: GraphHost) -> Tuple[int, ...]:
     """SGLang's schedule up to 160 and the request table's size: a full
     table (3 requests, say, off the schedule) gets a graph of its own."""
-    from sgl_piecewise.compile.options import default_capture_sizes
-    from sgl_piecewise.runners.whole_model import DEFAULT_MAX_DECODE_BS
 
     most = min(model_runner.req_to_token_pool.max_reqs, DEFAULT_MAX_DECODE_BS)
     return tuple(sorted({*default_capture_sizes(most), most}))
 
 
-def _compiled_forward(model_runner, piece_compiler: str) -> Any:
+def _compiled_forward(model_runner: GraphHost, piece_compiler: str) -> CompiledModel:
     """The model compiled without graphs of its own (the whole-model graph
     holds them): its fused kernels inside the decode graphs."""
-    from sgl_piecewise.compile.compiled_model import CompiledModel
-    from sgl_piecewise.compile.options import CompileOptions
 
     return CompiledModel(model_runner.model, CompileOptions(piece_compiler=piece_compiler))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -32,6 +32,8 @@ from sgl_piecewise.forward import ForwardBatch, ForwardMode
 from sgl_piecewise.graphs.capture import shared_capture
 from sgl_piecewise.graphs.fill_graphs import reserve_eager_bindings
 from sgl_piecewise.memory import DUMMY_SLOT
+from sgl_piecewise.runners.eager import run_model
+from sgl_piecewise.runners.protocols import GraphHost
 
 
 class PiecewiseCudaGraphRunner:
@@ -40,7 +42,7 @@ class PiecewiseCudaGraphRunner:
 
     name = "piecewise"
 
-    def __init__(self, model_runner: Any, options: Optional[CompileOptions] = None):
+    def __init__(self, model_runner: GraphHost, options: Optional[CompileOptions] = None):
         self.model_runner = model_runner
         self.options = options or CompileOptions(cudagraphs=True)
         if not self.options.cudagraphs:
@@ -87,7 +89,8 @@ class PiecewiseCudaGraphRunner:
     def replay(self, batch: ForwardBatch, padded: int) -> torch.Tensor:
         """Hidden states of ``batch`` through the compiled model, which pads
         to ``padded`` tokens itself and replays its pieces' graphs."""
-        return self.model_runner.run_model(self.compiled, batch)
+        mr = self.model_runner
+        return run_model(self.compiled, batch, mr.backend, mr.debug_checks)
 
     def _check_sizes(self, sizes: Optional[Sequence[int]]) -> Sequence[int]:
         if sizes is None:

@@ -68,6 +68,7 @@ from sgl_piecewise.runners.graph_modes import (
     static_batch,
     why_eager,
 )
+from sgl_piecewise.runners.protocols import GraphHost
 
 # SGLang's default largest decode graph (`--cuda-graph-max-bs` on most cards).
 DEFAULT_MAX_DECODE_BS = 160
@@ -107,7 +108,7 @@ class CudaGraphRunner:
 
     def __init__(
         self,
-        model_runner,
+        model_runner: GraphHost,
         capture_bs: Optional[Sequence[int]] = None,
         forward: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
         capture: Optional[GraphCapture] = None,

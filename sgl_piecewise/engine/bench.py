@@ -1,0 +1,180 @@
+"""``sgl-piecewise bench``: one ragged batch of prompts through the same model
+under each graph policy, timed, with a check that they give the same tokens;
+and what the bench commands share (the model, its device and dtype, the
+backend, the prompts)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from sgl_piecewise.backends.factory import backend_names, create_backend, get_backend_class
+from sgl_piecewise.checks import check_positive_int
+from sgl_piecewise.compile.options import default_capture_sizes
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.graphs.counters import counters
+from sgl_piecewise.models.loader import load_model_or_default
+from sgl_piecewise.runners.dispatch import POLICIES
+
+# Policies that need a backend with graph hooks (auto goes without whole-model graphs).
+GRAPH_HOOK_POLICIES = ("full",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_policies(text: str, allowed: Sequence[str]) -> List[str]:
+    """``--graphs``: a comma-separated list among ``allowed``."""
+    policies = [g.strip() for g in text.split(",") if g.strip()]
+    if not policies or any(g not in allowed for g in policies):
+        raise SystemExit(f"--graphs: expected a comma-separated subset of {tuple(allowed)}, got {text!r}")
+    return policies
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    setup_s: float
+    prefill_ms: float
+    decode_ms: Optional[float]  # None: no decode step (one new token)
+    tokens: List[List[int]]
+    paths: str  # how many timed steps took each path
+    compiled_while_timed: int  # graphs traced, pieces compiled or graphs captured during the timed run: 0
+
+
+def check_backend(name: str, policies: Sequence[str]) -> None:
+    """Before anything is loaded: the backend exists and has graph hooks if a policy needs them."""
+
+    if name not in backend_names():
+        raise InvalidInputError(f"--backend: expected one of {list(backend_names())}, got {name!r}")
+    needs = [g for g in policies if g in GRAPH_HOOK_POLICIES]
+    if needs and not get_backend_class(name).supports_cuda_graph:
+        raise InvalidInputError(
+            f"--backend {name}: expected a backend with graph hooks for --graphs {', '.join(needs)}, got one "
+            f"without; use torch, triton or flashinfer, or leave {', '.join(needs)} out"
+        )
+
+
+def backend_factory(name: str, model):
+    """``ModelRunner``'s ``backend`` argument: backend ``name`` over the runner's pools."""
+
+    heads = model.config.num_attention_heads
+    return lambda table, pool: create_backend(name, table, pool, num_q_heads=heads)
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: expected a CUDA device, got none; use --device cpu")
+    if dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, DTYPES[dtype]
+
+
+def load_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, Any]:
+    """``--device``, ``--dtype`` resolved, and ``--model`` (or the embedded
+    default, random weights of ``--seed``) loaded with them."""
+
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    return device, dtype, load_model_or_default(args.model, dtype, device, seed=args.seed)
+
+
+def ragged_prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> List[List[int]]:
+    rng = random.Random(seed)
+    lengths = [rng.randint(max(1, prompt_len // 2), prompt_len) for _ in range(batch_size)]
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def run_policy(policy: str, model, args, prompts) -> PolicyResult:
+
+    context = max(len(p) for p in prompts) + args.new_tokens
+    runner = ModelRunner(
+        model,
+        max_reqs=len(prompts),
+        max_context_len=min(max(context, args.max_capture_size), model.config.max_position_embeddings),
+        backend=backend_factory(args.backend, model),
+        graphs=policy,
+    )
+    start = time.perf_counter()
+    runner.capture_graphs(progress=True, capture_sizes=default_capture_sizes(args.max_capture_size),
+                          piece_compiler=args.piece_compiler)  # fmt: skip
+    # The timed run repeats an untimed one of the same prompts and length, so
+    # every step size it takes has been compiled and captured, and the
+    # kernels and the allocator are warm: set-up holds all of that.
+    runner.generate(prompts, args.new_tokens, progress=False)
+    setup = time.perf_counter() - start
+    runner.step_stats.clear()
+    before = _compile_work()
+    tokens = runner.generate(prompts, args.new_tokens, progress=args.new_tokens >= 64)
+    compiled_while_timed = _compile_work() - before
+    steps = list(runner.step_stats)
+    decode = [s.seconds for s in steps[1:]]
+    decode_ms = 1e3 * statistics.median(decode) if decode else None
+    paths = ", ".join(f"{path} {n}" for path, n in collections.Counter(s.path for s in steps).items())
+    return PolicyResult(policy, setup, steps[0].seconds * 1e3, decode_ms, tokens, paths, compiled_while_timed)
+
+
+def _compile_work() -> int:
+    return counters.graphs_split + counters.pieces_compiled + counters.graphs_captured
+
+
+def agreement(results: Sequence[PolicyResult]) -> List[str]:
+    ref = results[0]
+    lines = []
+    for r in results[1:]:
+        same = sum(a == b for ra, rb in zip(ref.tokens, r.tokens) for a, b in zip(ra, rb))
+        total = sum(len(t) for t in ref.tokens)
+        lines.append(f"{r.policy} vs {ref.policy}: {same}/{total} generated tokens identical")
+    return lines
+
+
+def bench(args: argparse.Namespace, console: Console) -> int:
+
+    for name in ("batch_size", "prompt_len", "new_tokens", "max_capture_size"):
+        check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
+    policies = parse_policies(args.graphs, POLICIES)
+    check_backend(args.backend, policies)
+    device, dtype, model = load_model(args)
+    prompts = ragged_prompts(args.batch_size, args.prompt_len, model.config.vocab_size, args.seed)
+    console.print(
+        f"model: {args.model or 'embedded default (random weights)'} | {model.config.architecture} | "
+        f"{model.config.num_hidden_layers} layers | device {device} | {dtype} | backend {args.backend} | "
+        f"batch {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens"
+    )
+    results = []
+    for policy in policies:
+        console.print(f"[bold]graphs={policy}[/bold] ...")
+        results.append(run_policy(policy, model, args, prompts))
+    table = Table(title="sgl-piecewise bench")
+    for col in ("graphs", "set-up s", "prefill ms", "decode ms/step (median)", "speed-up vs first", "steps by path"):
+        table.add_column(col, justify="left" if col in ("graphs", "steps by path") else "right", overflow="fold")
+    for r in results:
+        # --new-tokens 1 has no decode step: nothing to time or compare.
+        decode = "-" if r.decode_ms is None else f"{r.decode_ms:.3f}"
+        speedup = "-" if r.decode_ms is None else f"{results[0].decode_ms / r.decode_ms:.2f}x"
+        table.add_row(r.policy, f"{r.setup_s:.2f}", f"{r.prefill_ms:.2f}", decode, speedup, r.paths)
+    console.print(table)
+    if device.type != "cuda":
+        console.print(
+            f"on {device.type} a graph capture is a pass-through: these times compare the compiled pieces "
+            "with eager, not graphs; graph speed-ups show on a GPU"
+        )
+    agree = agreement(results)
+    for line in agree:
+        console.print(line)
+    mismatched = any(r.tokens != results[0].tokens for r in results[1:])
+    if mismatched and dtype == torch.float32:
+        console.print("[red]check failed: float32 runs must generate identical tokens[/red]")
+        return 1
+    console.print("check: " + ("outputs agree" if not mismatched else "tokens differ (expected in reduced precision)"))
+    return 0
