@@ -57,7 +57,6 @@ def test_compile_users_example_traces_once_and_replays_its_prefill():
     # ran the compiled model installed as model_forward (no graph policy),
     # and none ran again (the weights stayed put). The 3 compiles wait for their kernels after the last one's lowering
     # wherever Inductor builds them in worker processes (two or more cores).
-    assert counters.pop("kernel_waits_deferred") in (0, 3)
     assert counters == {"graphs_split": 1, "pieces_seen": 5, "pieces_compiled": 3, "graphs_captured": 10,
                         "replays": 150, "eager_fallbacks": {}, "artifacts_loaded": 0, "artifacts_saved": 0,
                         "compiles_loaded": 0, "compiles_saved": 0, "steps_rerun": 0,

@@ -218,29 +218,6 @@ def test_random_model_is_reproducible_from_its_seed():
     assert 0.015 < a.model.layers[0].mlp.down_proj.weight.std().item() < 0.025
 
 
-def test_a_model_built_for_cuda_starts_hashing_triton_s_sources_and_one_for_the_cpu_does_not(monkeypatch):
-    pytest.importorskip("triton")
-    from sgl_piecewise.backends.triton_kernels import launch
-    from sgl_piecewise.models import loader
-
-    started = []
-    monkeypatch.setattr(launch, "hash_triton_sources_ahead", lambda: started.append(True))
-    for device in ("cpu", torch.device("cpu"), "meta", None):
-        loader.hash_triton_sources_while_loading(device)
-    assert started == []
-    for device in ("cuda", torch.device("cuda", 0)):
-        loader.hash_triton_sources_while_loading(device)
-    assert started == [True, True]
-
-    devices = []
-    monkeypatch.setattr(loader, "hash_triton_sources_while_loading", devices.append)
-    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], **TINY})
-    build_random_model(config, device="cpu")
-    assert devices == ["cpu"]
-    monkeypatch.undo()
-    assert next(build_random_model(config, device=None).parameters()).device.type == "cpu"  # the default device
-
-
 def test_load_model_or_default_without_a_path_gives_the_default_random_model():
     model = load_model_or_default(None, seed=5)
     assert isinstance(model, LlamaForCausalLM) and model.config == default_config()

@@ -7,7 +7,7 @@ import torch
 triton = pytest.importorskip("triton", reason="the launcher wraps Triton kernels")
 tl = pytest.importorskip("triton.language")
 
-from sgl_piecewise.backends.triton_kernels.launch import FastLauncher  # noqa: E402
+from sgl_piecewise.internals.triton_launch import FastLauncher  # noqa: E402
 
 
 @triton.jit
@@ -109,28 +109,6 @@ def _shift(x, out, n, BLOCK: tl.constexpr):
     tl.store(out + i, tl.load(x + i, mask=m) + 5.0, mask=m)
 
 
-@pytest.mark.gpu
-def test_gpu_a_first_launch_asks_the_compile_child_first_and_a_later_one_does_not():
-    """The first launch of a specialisation waits for a compile the child
-    process began (``compile_child.wait_for_child``) before it compiles or
-    loads the kernel itself; later launches of it do not ask."""
-    from unittest import mock
-
-    from sgl_piecewise.backends.triton_kernels import launch as launch_module
-
-    asked = []
-    launch = FastLauncher(_axpy)
-    x, y = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
-    out = torch.empty_like(x)
-    with mock.patch.object(launch_module, "wait_for_child", lambda fn, meta: asked.append((fn, dict(meta)))):
-        for _ in range(3):
-            launch((8,), x, y, out, 1000, 2.0, BLOCK=128, num_warps=4)
-    assert asked == [(_axpy, {"BLOCK": 128, "num_warps": 4})]
-    normal = torch.empty_like(x)
-    _axpy[(8,)](x, y, normal, 1000, 2.0, BLOCK=128, num_warps=4)
-    torch.testing.assert_close(out, normal, rtol=0, atol=0)
-
-
 def _wait_ahead(launch) -> None:
     for future in list(launch._ahead.values()):
         future.result(timeout=300)
@@ -199,86 +177,17 @@ def test_extend_row_tile_variants_are_the_launch_settings_shorter_queries_take()
             assert variants == distinct - {tuple(sorted(meta.items()))}, (heads, head_dim, dtype, meta)
 
 
-def test_triton_s_cache_key_is_hashed_ahead_once_and_is_the_one_triton_computes():
-    from triton.runtime.cache import triton_key
-
-    from sgl_piecewise.backends.triton_kernels import launch
-
-    launch.hash_triton_sources_ahead()
-    ahead = launch._triton_key_ahead
-    launch.hash_triton_sources_ahead()  # once per process
-    assert launch._triton_key_ahead is ahead
-    launch._wait_for_triton_key()
-    assert ahead.done() and ahead.result() == triton_key()
-
-
-def test_kept_positions_drop_what_triton_specialised_into_constants():
-    from sgl_piecewise.backends.triton_kernels.static_launch import kept_positions
-
-    names = ["x", "y", "out", "n", "alpha", "BLOCK"]
-    signature = {"x": "*fp32", "y": "*fp32", "out": "*fp32", "n": "i32", "alpha": "fp32", "BLOCK": "constexpr"}
-    # Every runtime argument kept: the launch passes them as they are.
-    assert kept_positions(names, signature, {(5,): 128}, 5) is None
-    # n == 1 became a constant (keyed by name, by tuple or by index, as Triton versions do),
-    # typed "constexpr" in the signature (newer Tritons) or only listed among the constants.
-    for key in ("n", (3,), 3):
-        assert kept_positions(names, {**signature, "n": "constexpr"}, {key: 1, (5,): 128}, 5) == (0, 1, 2, 4)
-        assert kept_positions(names, signature, {key: 1, (5,): 128}, 5) == (0, 1, 2, 4)
-    # A None pointer is a constant too.
-    assert kept_positions(names, {**signature, "y": "constexpr"}, {}, 5) == (0, 2, 3, 4)
-
-
-def _static_launcher_or_skip():
-    from sgl_piecewise.backends.triton_kernels import static_launch
-
-    if static_launch._wrapper_class() is None:
-        pytest.skip("this torch has no static CUDA launcher")
-
-
-@triton.jit
-def _double_plus(x, y, out, n, BLOCK: tl.constexpr):  # launched by the next test alone
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    tl.store(out + i, 2.0 * tl.load(x + i, mask=m) + tl.load(y + i, mask=m), mask=m)
-
-
 @pytest.mark.gpu
-def test_gpu_kernels_launch_through_torchs_static_launcher_bit_for_bit_and_build_no_triton_launcher():
-    _static_launcher_or_skip()
-    launch = FastLauncher(_double_plus)
-    x, y = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
-    want = 2.0 * x + y  # doubling is exact: one rounding, as in the kernel
-    # 1000, and 1: an integer Triton turns into a constant, which the launch then leaves out.
-    for n in (1000, 1000, 1, 1):
-        out = torch.full_like(x, float("nan"))
-        launch((triton.cdiv(n, 128),), x, y, out, n, BLOCK=128)
-        torch.testing.assert_close(out[:n], want[:n], rtol=0, atol=0)
-        assert out[n:].isnan().all()  # nothing written past n
-    bound_kernels = list(launch._kernels.values())
-    assert len(bound_kernels) == 2 and all(b.static is not None for b in bound_kernels)
-    assert sorted(b.static.kept is None for b in bound_kernels) == [False, True]
-    # Triton loaded neither kernel itself, so it built no C launcher for them.
-    assert all(b.kernel.module is None for b in bound_kernels)
-    # By device address, as the step plans launch.
-    bound = launch.bound((x, y, x, 1000), {"BLOCK": 128})
-    by_address = torch.full_like(x, float("nan"))
-    bound((8,), x.data_ptr(), y.data_ptr(), by_address.data_ptr(), 1000)
-    torch.testing.assert_close(by_address, want, rtol=0, atol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", [1000, 1])  # 1: an integer Triton turns into a constant, left out of the launch
-def test_gpu_a_kept_layer_launch_goes_packed_to_the_static_launcher_unless_hooked_on_the_current_stream(n):
-    _static_launcher_or_skip()
-    from sgl_piecewise.backends.triton_kernels.launch import StepLaunch
+@pytest.mark.parametrize("n", [1000, 1])  # 1: an integer Triton turns into a constant
+def test_gpu_a_kept_layer_launch_calls_the_launch_hooks_and_launches_on_the_current_stream(n):
+    from sgl_piecewise.internals.triton_launch import StepLaunch
 
     x, y, out = (torch.randn(1000, device="cuda") for _ in range(3))
     meta = {"BLOCK": 128, "num_warps": 4}
     step = StepLaunch(FastLauncher(_axpy), (8,), (x, y, out, n, 2.0), meta, layer_positions=(0, 1, 2))
     step.launch(x, y, out, layer=0)  # through Triton: compiles, binds the kernel
     step.launch(x, y, out, layer=0)  # bound: keeps layer 0's launch
-    kept = step.kept_launch(0, (x, y, out))
-    assert kept is not None and kept[1] is not None, "kept, and packed for torch's static launcher"
+    assert step.kept_launch(0, (x, y, out)) is not None
 
     def again_writes_axpy():
         out.fill_(float("nan"))
@@ -291,12 +200,12 @@ def test_gpu_a_kept_layer_launch_goes_packed_to_the_static_launcher_unless_hooke
     hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
     triton.knobs.runtime.launch_enter_hook.add(hook)
     try:
-        again_writes_axpy()  # a hook set: through Triton's launcher, which calls it
+        again_writes_axpy()  # a hook set: called as JITFunction.run calls it
     finally:
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     again_writes_axpy()
     assert seen == ["_axpy"]
-    # Inside a capture the packed launch goes to the capture's stream.
+    # Inside a capture the kept launch goes to the capture's stream.
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         assert step.launch_again(0, x, y, out)

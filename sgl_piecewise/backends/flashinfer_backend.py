@@ -110,7 +110,6 @@ class FlashInferBackend(StaticGraphBackend):
         self._flashinfer = import_flashinfer()
         # Triton comes with torch on CUDA (and the gpu extra); its one-launch
         # fill replaces some 20 small torch kernels a step.
-        from sgl_piecewise.backends.triton_kernels.launch import hash_triton_sources_ahead
         from sgl_piecewise.backends.triton_kernels.metadata_fill import fill_paged_metadata
 
         self._fill_paged = fill_paged_metadata
@@ -120,7 +119,6 @@ class FlashInferBackend(StaticGraphBackend):
                 f"flashinfer backend: expected a KV pool on a CUDA device, got {kv_pool.device}; "
                 f"use the torch or triton backend on this device"
             )
-        hash_triton_sources_ahead()
         if not isinstance(num_q_heads, int) or num_q_heads <= 0 or num_q_heads % kv_pool.num_kv_heads:
             raise InvalidInputError(
                 f"num_q_heads: expected a positive multiple of the pool's {kv_pool.num_kv_heads} "
@@ -323,9 +321,9 @@ class _FlashInferStep:
     def __init__(self, backend: FlashInferBackend, meta: FlashInferMetadata, q, k, v, out, layer_id: int,
                  scale: float, num_tokens: int, out_cache_loc: torch.Tensor):  # fmt: skip
         # Triton only when built (importing the backends loads none of it).
-        from sgl_piecewise.backends.triton_kernels.launch import StepLaunch
         from sgl_piecewise.backends.triton_kernels.store_kv import launch_store_kv, store_kv_args, store_kv_meta
         from sgl_piecewise.backends.triton_kernels.tiles import check_last_dim_contiguous, check_new_kv, layer_layout
+        from sgl_piecewise.internals.triton_launch import StepLaunch
 
         pool = backend.kv_pool
         kc, vc = pool.k_buffers[layer_id], pool.v_buffers[layer_id]

@@ -36,9 +36,7 @@ from sgl_piecewise.backends.triton_kernels import (
     fill_paged_metadata,
     grid_kv_splits,
 )
-from sgl_piecewise.backends.triton_kernels.decode import _INTERPRETED
-from sgl_piecewise.backends.triton_kernels.extend import compile_start_up_in_child
-from sgl_piecewise.backends.triton_kernels.launch import hash_triton_sources_ahead
+from sgl_piecewise.backends.triton_kernels.decode import INTERPRETED
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode
@@ -78,7 +76,7 @@ def _is_decode_step(mode: ForwardMode) -> bool:
 def _check_kernels_can_run_on(device: torch.device) -> None:
     # Without the interpreter Triton fails at the first launch on CPU tensors,
     # deep inside its driver lookup ("0 active drivers"); say why here instead.
-    if device.type != "cpu" or _INTERPRETED:
+    if device.type != "cpu" or INTERPRETED:
         return
     now = os.environ.get("TRITON_INTERPRET")
     raise BackendUnavailableError(
@@ -119,11 +117,6 @@ class TritonBackend(StaticGraphBackend):
                 f"kv heads (it sizes the decode scratch), got {num_q_heads!r}"
             )
         self.max_kv_splits = check_positive_int("max_kv_splits", max_kv_splits)
-        if kv_pool.device.type == "cuda":
-            hash_triton_sources_ahead()
-            # Compiled by a child process while this one traces the model.
-            compile_start_up_in_child(num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype,
-                                      kv_pool.device)  # fmt: skip
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         # One key per padded request: one split, one tile, no empty-range work.

@@ -30,7 +30,6 @@ import torch.fx
 
 from sgl_piecewise.compile import artifacts, precompiled
 from sgl_piecewise.compile.direct_call import GraphInputs, describe_inputs
-from sgl_piecewise.compile.kernel_waits import deferred_kernel_waits
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
 from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StaticInputsMoved, StepState, pointer_getter
@@ -45,6 +44,7 @@ from sgl_piecewise.graphs.buffer_registry import (
 )
 from sgl_piecewise.graphs.capture import frozen_gc, shared_capture
 from sgl_piecewise.graphs.counters import counters
+from sgl_piecewise.internals import dynamo_backend
 
 logger = logging.getLogger("sgl_piecewise.compile")
 
@@ -112,15 +112,6 @@ def reused_artifacts(gm: torch.fx.GraphModule, fake: list, options: CompileOptio
         artifacts.save_artifacts(options.cache_dir, key)
 
 
-def _kernel_waits(options: CompileOptions):
-    """Inductor's pieces wait for their kernels after the last piece's
-    lowering (``kernel_waits.py``), except for compiles saved for other
-    processes, whose cache entries must bundle every kernel."""
-    if options.piece_compiler == "inductor" and options.cache_dir is None:
-        return deferred_kernel_waits()
-    return contextlib.nullcontext()
-
-
 def _device(example_inputs: Sequence[Any]) -> torch.device:
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
@@ -135,9 +126,7 @@ def _fake_inputs(example_inputs: list):
     placeholders' ``example_value``); converting the real example inputs in it
     returns the fakes Dynamo memoised, symbolic dims included.
     """
-    from torch._guards import detect_fake_mode
-
-    mode = detect_fake_mode()
+    mode = dynamo_backend.detect_fake_mode()
     return mode, [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
 
 
@@ -322,7 +311,7 @@ class PiecewiseModule:
         # A compile that is saved whole needs no separate Inductor artifacts.
         artifacts_ctx = contextlib.nullcontext() if saved else reused_artifacts(gm, fake, options, device)
         interpreter = _CompilePieces(split_gm, pieces, compiler, module.state)
-        with artifacts_ctx, _kernel_waits(options), fake_mode:
+        with artifacts_ctx, fake_mode:
             interpreter.run(*fake)
         if saved is not None:
             index = {id(a): i for i, a in enumerate(compiler.artifacts)}

@@ -17,7 +17,6 @@ from sgl_piecewise.compile import precompiled
 from sgl_piecewise.compile.backend import PiecewiseModule, SglPiecewiseBackend
 from sgl_piecewise.compile.direct_call import GraphInputs, LastInputs
 from sgl_piecewise.compile.options import CompileOptions
-from sgl_piecewise.compile.piece_compiler import start_inductor_workers
 from sgl_piecewise.compile.token_guards import (
     MAX_TRACED_TOKENS,
     TokenShapeGuards,
@@ -26,6 +25,7 @@ from sgl_piecewise.compile.token_guards import (
 )
 from sgl_piecewise.errors import StaleGraphError, UnsupportedModeError
 from sgl_piecewise.graphs.counters import counters
+from sgl_piecewise.internals import dynamo_backend
 from sgl_piecewise.regions import tracing_regions
 
 logger = logging.getLogger("sgl_piecewise.compile")
@@ -117,14 +117,12 @@ class CompiledModel:
         if not self._marked:
             mark_token_axis_backed(*args)
             self._marked = True
-            if self.options.piece_compiler == "inductor" and args[0].is_cuda:
-                start_inductor_workers()  # up by the time the trace's pieces compile
         direct = _direct_calls_on(self.options)
         self.backend.call = (self.model, args) if direct else None
         try:
             with size_oblivious_tracing(), _regions(direct):
                 return self.compiled(*args)
-        except torch._dynamo.exc.Unsupported as exc:  # raised while tracing, never on a traced call
+        except dynamo_backend.GraphBreak as exc:  # raised while tracing, never on a traced call
             raise UnsupportedModeError(
                 f"torch.compile: expected a model Dynamo traces as one graph, got a graph break: "
                 f"{graph_break_reason(exc)}; run it without the compiler (graphs='breakable': CUDA "

@@ -18,6 +18,7 @@ import torch.fx
 
 from sgl_piecewise.errors import SglPiecewiseError
 from sgl_piecewise.graphs.counters import counters
+from sgl_piecewise.internals import dynamo_backend
 
 logger = logging.getLogger("sgl_piecewise.compile")
 
@@ -93,21 +94,6 @@ class PieceCompiler:
         return compiled
 
 
-def start_inductor_workers() -> None:
-    """Start Inductor's compile worker processes now, on their own: they take
-    seconds to come up, and until they are, Inductor compiles its Triton
-    kernels one by one in this process. ``backend="inductor"`` starts them
-    before Dynamo traces; a custom backend is called only once the trace is
-    done, so ``CompiledModel`` calls this before its first trace. Does
-    nothing where Inductor would not use them (one compile thread, no Triton,
-    ``TORCH_WARM_POOL=0``), or on a torch without the call."""
-    try:
-        from torch._inductor.async_compile import maybe_warm_pool
-    except ImportError:
-        return
-    maybe_warm_pool()
-
-
 def _compile_eager(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:
     return gm
 
@@ -115,12 +101,11 @@ def _compile_eager(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:
 def _compile_inductor(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:
     # compile_fx is the entry ``backend="inductor"`` itself uses, on 2.11 and 2.13
     # alike; it reads the symbolic shapes from the fake inputs.
-    from torch._inductor.compile_fx import compile_fx
-
     from sgl_piecewise.compile.residual_add import residual_adds_unfused  # imports Inductor
+    from sgl_piecewise.internals import inductor
 
     with residual_adds_unfused():
-        return compile_fx(gm, fake_args)
+        return inductor.compile_fx(gm, fake_args)
 
 
 def _compile_inductor_artifact(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:
@@ -128,12 +113,11 @@ def _compile_inductor_artifact(gm: torch.fx.GraphModule, fake_args: list) -> Com
     compiling (``aot=True``: the whole AOTAutograd and Inductor output in one
     file). Called inside the backend: the token count's symbol comes from the
     ambient tracing context."""
-    from torch._inductor import standalone_compile
-
     from sgl_piecewise.compile.residual_add import residual_adds_unfused  # imports Inductor
+    from sgl_piecewise.internals import inductor
 
     with residual_adds_unfused():
-        return standalone_compile(gm, fake_args, dynamic_shapes="from_tracing_context", aot=True)
+        return inductor.standalone_compile(gm, fake_args)
 
 
 def _compile_tensorrt(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:
@@ -144,9 +128,7 @@ def _compile_tensorrt(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiec
             "piece_compiler='tensorrt': expected torch-tensorrt to be installed, got "
             f"ImportError ({e}); do `pip install sgl_piecewise[tensorrt]`"
         ) from e
-    from torch._dynamo.backends.registry import lookup_backend
-
-    return lookup_backend("tensorrt")(gm, fake_args)
+    return dynamo_backend.lookup_backend("tensorrt")(gm, fake_args)
 
 
 _COMPILERS: Dict[str, Callable[[torch.fx.GraphModule, list], CompiledPiece]] = {

@@ -7,10 +7,10 @@ Who owns what:
   outputs of earlier pieces (the graph memory pool, at addresses that every
   replay reproduces because pieces replay in capture order);
 * each captured graph owns nothing: its outputs are kept as *non-owning*
-  aliases, so once a forward is over the pool may reuse that memory for the
-  next size's capture. That is safe because replays of two sizes never
-  interleave inside one forward, and the top-level wrapper copies the final
-  outputs out before the next forward.
+  aliases (``internals/storage_alias.py``), so once a forward is over the
+  pool may reuse that memory for the next size's capture. That is safe
+  because replays of two sizes never interleave inside one forward, and the
+  top-level wrapper copies the final outputs out before the next forward.
 
 Steps for one size (driven by ``StepState.phase``, set by the top level):
 WARMUP (before a module's first capture only) runs the compiled piece (first
@@ -43,6 +43,7 @@ import torch
 from sgl_piecewise.errors import SglPiecewiseError
 from sgl_piecewise.graphs.capture import GraphCapture
 from sgl_piecewise.graphs.counters import counters
+from sgl_piecewise.internals.storage_alias import non_owning_alias
 
 # True while a step's outputs are thrown away (the up-front captures' dummy
 # steps): a capture then skips the replay that would make them real.
@@ -83,14 +84,6 @@ class StepState:
     use_cuda: bool = False
     debug_checks: bool = False
     capture: Optional[GraphCapture] = None  # pool and capture stream (CUDA only)
-
-
-def _non_owning_alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``t``'s memory that does not keep the allocation alive."""
-    storage = torch._C._construct_storage_from_data_pointer(
-        t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes()
-    )
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
 def _map_tensors(fn, value):
@@ -187,7 +180,7 @@ class PieceGraphs:
         if not _outputs_unused.get():
             graph.replay()  # capture executed nothing; make this call's outputs real
         entry.graph = graph
-        entry.outputs = _map_tensors(_non_owning_alias, out)
+        entry.outputs = _map_tensors(non_owning_alias, out)
         return out
 
     def _replay(self, args: Tuple[Any, ...]) -> Any:

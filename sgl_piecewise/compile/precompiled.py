@@ -7,7 +7,7 @@ model with piecewise graphs saves, under a key of the model:
 * where each graph input comes from (``direct_call.py``), the token axis and
   the trace's shape, stride, dtype and device of every weight;
 * each distinct compiled piece as an Inductor artifact
-  (``torch._inductor.standalone_compile``);
+  (``torch._inductor.standalone_compile``, through ``internals/inductor.py``);
 * a hash of every source file Dynamo traced.
 
 A later process looks the key up before Dynamo runs. On a hit it splits the
@@ -33,7 +33,10 @@ parameter or buffer, a trace with side effects (an attribute set in
 ``forward``), a result other than the graph's outputs, a graph that holds
 only for some token counts (a Python branch on the count: Dynamo's shape
 guards were kept), graphs off, or the ``tensorrt`` piece compiler. Such a
-model traces in every process (Inductor's own cache still helps).
+model traces in every process (Inductor's own cache still helps). So does
+every model on a torch whose trace state cannot be read
+(``internals/dynamo_trace.py``): the traced files and the side effects
+are then unknown.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import torch.fx
 from sgl_piecewise.compile.artifacts import device_id, triton_version, write_atomically
 from sgl_piecewise.compile.direct_call import GraphInputs
 from sgl_piecewise.compile.token_axis import TokenAxis
+from sgl_piecewise.internals import dynamo_trace
 
 logger = logging.getLogger("sgl_piecewise.compile")
 
@@ -137,7 +141,9 @@ def traced_sources() -> Dict[str, str] | str:
     """sha256 of every file Dynamo traced for the graph being compiled, or
     why they cannot be known."""
     try:
-        codes = torch._guards.TracingContext.get_traced_code()
+        codes = dynamo_trace.traced_code()
+    except dynamo_trace.TraceUnreadable as exc:
+        return f"the traced files cannot be read ({exc})"
     except (AttributeError, RuntimeError, AssertionError) as exc:
         return f"this torch does not list the traced code ({exc})"
     if not codes:
@@ -163,19 +169,10 @@ def side_effects() -> Optional[str]:
     """Why the graph being compiled is not the whole of the traced call (the
     trace sets attributes, globals or cells), or None when it is."""
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
-
-        effects = InstructionTranslator.current_tx().output.side_effects
-        # Objects the trace created itself reach the caller only through the
-        # result (checked against the graph's outputs) or through an existing
-        # object, whose mutation counts here.
-        existing = [v for v in effects.id_to_variable.values()
-                    if not isinstance(v.mutation_type, (AttributeMutationNew, ValueMutationNew))]  # fmt: skip
-        modified = [v for v in existing if effects.is_modified(v)]
+        modified = dynamo_trace.mutated_existing_objects()
     except Exception as exc:  # internals of Dynamo: unknown means "do not save"
         return f"cannot tell whether the trace has side effects ({type(exc).__name__}: {exc})"
-    return f"the trace has {len(modified)} side effects (mutated attributes, globals or cells)" if modified else None
+    return f"the trace has {modified} side effects (mutated attributes, globals or cells)" if modified else None
 
 
 def pickled_split(split_gm: torch.fx.GraphModule, drop: Sequence[str] = ()) -> bytes:
@@ -264,12 +261,13 @@ def load_entry(cache_dir: str, key: str) -> Optional[SavedCompile]:
 def load_pieces(cache_dir: str, key: str, saved: SavedCompile) -> Optional[List[Any]]:
     """The Inductor pieces of the entry ``saved`` under ``key``, or None
     (a file missing or damaged: logged, never raised)."""
+    if not saved.num_artifacts:  # eager pieces: saved in the graph
+        return []
     directory = entry_dir(cache_dir, key)
     try:
-        from torch._inductor import CompiledArtifact
+        from sgl_piecewise.internals import inductor  # imports Inductor (seconds)
 
-        return [CompiledArtifact.load(path=_piece_path(directory, i), format="binary")
-                for i in range(saved.num_artifacts)]  # fmt: skip
+        return [inductor.load_artifact(_piece_path(directory, i)) for i in range(saved.num_artifacts)]
     except Exception as exc:
         logger.warning("saved compile %s: expected loadable pieces, got %s; tracing afresh", directory, exc)
         return None

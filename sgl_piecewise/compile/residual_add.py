@@ -26,10 +26,11 @@ import logging
 from typing import Any, Iterator, Optional, Tuple
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from sgl_piecewise.errors import InvalidTypeError
+from sgl_piecewise.internals import inductor  # imports Inductor
+from sgl_piecewise.internals.inductor import CustomGraphPass
 
 logger = logging.getLogger("sgl_piecewise.compile")
 
@@ -86,7 +87,7 @@ class UnfuseResidualAddmm(CustomGraphPass):
 
     def uuid(self) -> Optional[Any]:
         # Part of Inductor's cache key: a change of this file compiles anew.
-        return (get_hash_for_files((__file__,)), self.devices)
+        return (inductor.get_hash_for_files((__file__,)), self.devices)
 
 
 @contextlib.contextmanager
@@ -100,8 +101,10 @@ def _fake_mode_of(t: torch.Tensor) -> Iterator[None]:
 def residual_adds_unfused(devices: Tuple[str, ...] = ("cuda",)) -> Iterator[None]:
     """Inductor compiles inside run :class:`UnfuseResidualAddmm` after its own
     post-grad passes; a pass the user set there is left in place, alone."""
-    from torch._inductor import config
-
+    if not inductor.AVAILABLE:  # nothing compiles with Inductor here: the compile raises, saying why
+        yield
+        return
+    config = inductor.config
     if config.post_grad_custom_post_pass is not None:
         logger.debug("a post-grad pass is set already: residual adds may fold into addmm in the pieces")
         yield

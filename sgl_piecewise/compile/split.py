@@ -26,6 +26,7 @@ _FUNCTIONAL_ATTENTION = (
     torch.ops.sgl_piecewise.unified_attention.default,
 )
 _OUT_ATTENTION = torch.ops.sgl_piecewise.unified_attention_with_output.default
+_OP_PACKET = type(torch.ops.aten.mm)  # an op with its overloads (torch._ops.OpOverloadPacket)
 
 _splitting_ops: Set[Callable] = {
     *_FUNCTIONAL_ATTENTION,
@@ -43,7 +44,7 @@ def register_splitting_op(op: Callable) -> None:
     if not callable(op):
         raise TypeError(f"register_splitting_op: expected a callable op, got {type(op).__name__}")
     _splitting_ops.add(op)
-    if isinstance(op, torch._ops.OpOverloadPacket):
+    if isinstance(op, _OP_PACKET):
         _splitting_ops.add(op.default)
 
 

@@ -8,7 +8,7 @@ whole-model decode graph went from 14 to 10 kernels per layer with this and
 q and k rotated together, docs/BENCHMARKS.md).
 
 ``CompiledModel`` therefore marks the axis *backed* (``mark_dynamic``) and
-traces it *size-obliviously* (``backed_size_oblivious``): the trace does not
+traces it *size-obliviously* (``size_oblivious_tracing``): the trace does not
 specialise on 0 or 1, and Inductor sees an ordinary symbol with a hint.
 Dynamo's shape guards still bound that symbol from below (``s0 >= 2``,
 ``Ne(s0, 1)``: a trace is only trusted for the sizes it was traced at, and
@@ -30,6 +30,13 @@ on the token count, a divisibility) keeps every shape guard, and so does a
 trace whose token symbol was not created size-obliviously: such a step
 recompiles, it never runs code traced for other sizes. The decision is
 logged.
+
+The size-oblivious setting and the shape environment are torch internals
+(``internals/size_oblivious.py``); where this torch lacks them, the axis is
+marked unbacked, as ``mark_token_axis`` does (nothing recompiles), and the
+shape guards go unread and are kept (``kept_reason`` says so), so every
+call goes through Dynamo. The guard entries (``guard_type``, ``name``,
+``value``) are ``torch.compile``'s public ``guard_filter_fn`` interface.
 """
 
 from __future__ import annotations
@@ -39,8 +46,11 @@ from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import sympy
 import torch
-import torch.fx.experimental._config as fx_config
-from torch.fx.experimental.symbolic_shapes import SymT, symbol_is_type
+
+from sgl_piecewise.internals import size_oblivious
+from sgl_piecewise.internals.size_oblivious import size_oblivious_tracing
+
+__all__ = ["MAX_TRACED_TOKENS", "TokenShapeGuards", "mark_token_axis_backed", "size_oblivious_tracing"]
 
 logger = logging.getLogger("sgl_piecewise.compile")
 
@@ -59,31 +69,15 @@ def mark_token_axis_backed(*tensors: torch.Tensor) -> None:
     """Dim 0 dynamic and backed (trace under ``size_oblivious_tracing``). A
     first call of 0 or 1 token marks it unbacked instead: Inductor reads a
     backed symbol's hint, the first call's size, and guards what it chose on
-    it (``Eq(s0, 1)``), which would keep the trace to that size.
+    it (``Eq(s0, 1)``), which would keep the trace to that size. So does a
+    torch without size-oblivious tracing (``internals/size_oblivious.py``).
     """
+    backed = size_oblivious.AVAILABLE
     for t in tensors:
-        if t.shape[0] < 2:
+        if t.shape[0] < 2 or not backed:
             torch._dynamo.decorators.mark_unbacked(t, 0)
         else:
             torch._dynamo.mark_dynamic(t, 0)
-
-
-class size_oblivious_tracing:
-    """Within: Dynamo does not specialise backed sizes on 0 or 1.
-
-    Set and restored directly (about 2 µs) rather than through
-    ``config.patch`` (about 20 µs): it wraps every compiled call, because
-    any call may be the one that traces.
-    """
-
-    __slots__ = ("_old",)
-
-    def __enter__(self) -> None:
-        self._old = fx_config.backed_size_oblivious
-        fx_config.backed_size_oblivious = True
-
-    def __exit__(self, *exc: Any) -> None:
-        fx_config.backed_size_oblivious = self._old
 
 
 def _constant_guards(entries: Sequence[Any]) -> Optional[List[Tuple[str, Any]]]:
@@ -119,8 +113,9 @@ class TokenShapeGuards:
         sizes = _token_sizes(fake_inputs)
         for size in sizes:
             torch._check(size <= MAX_TRACED_TOKENS)
-        self._shape_env = fake_mode.shape_env
-        self._symbols = {size.node.expr for size in sizes}
+        if size_oblivious.AVAILABLE:
+            self._shape_env = size_oblivious.shape_env(fake_mode)
+            self._symbols = {size_oblivious.expression(size) for size in sizes}
 
     def __call__(self, entries: Sequence[Any]) -> list:
         shape_env, symbols = self._shape_env, self._symbols
@@ -138,20 +133,26 @@ class TokenShapeGuards:
 
     @staticmethod
     def _why_keep(shape_env: Any, symbols: Set[sympy.Symbol]) -> Optional[str]:
+        if not size_oblivious.AVAILABLE:
+            return f"shape guards not read: {size_oblivious.UNAVAILABLE_REASON}"
         if shape_env is None or not symbols:
             return "no token-count symbol recorded for this compile"
-        # The lower bounds are moot only if the trace did not specialise on 0
-        # or 1: a backed symbol created outside size_oblivious_tracing (another
-        # thread restored the setting mid-call, say) keeps them.
-        specialising = [s for s in symbols if symbol_is_type(s, SymT.SIZE) and s not in shape_env.size_like]
-        if specialising:
-            return f"token count {specialising[0]} traced without size-oblivious tracing"
-        # A symbol Dynamo replaced by a token symbol (positions' length by
-        # input_ids') is one too: the inputs show only the replacement.
-        symbols = symbols | {s for s, value in shape_env.replacements.items() if value in symbols}
-        for guard in shape_env.guards:
-            if not _only_bounds_token_count(guard.expr, symbols):
-                return f"guard {guard.expr} selects what the graph computes"
+        try:
+            # The lower bounds are moot only if the trace did not specialise on 0
+            # or 1: a backed symbol created outside size_oblivious_tracing (another
+            # thread restored the setting mid-call, say) keeps them.
+            specialising = size_oblivious.not_size_oblivious(shape_env, symbols)
+            if specialising:
+                return f"token count {specialising[0]} traced without size-oblivious tracing"
+            # A symbol Dynamo replaced by a token symbol (positions' length by
+            # input_ids') is one too: the inputs show only the replacement.
+            symbols = symbols | size_oblivious.replaced_by(shape_env, symbols)
+            guards = size_oblivious.shape_guards(shape_env)
+        except AttributeError as exc:  # a torch whose shape environment changed since
+            return f"shape guards not read: {exc}"
+        for expr in guards:
+            if not _only_bounds_token_count(expr, symbols):
+                return f"guard {expr} selects what the graph computes"
         return None
 
 
@@ -215,6 +216,6 @@ def _token_sizes(fake_inputs: Sequence[Any]) -> list:
     for x in fake_inputs:
         if isinstance(x, torch.Tensor) and x.dim():
             size = x.shape[0]
-            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+            if isinstance(size, torch.SymInt) and size_oblivious.is_one_symbol(size):
                 sizes.append(size)
     return sizes

@@ -34,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sgl_piecewise.errors import UnsupportedModeError
+from sgl_piecewise.internals import cuda_graph_pool
 
 
 class _GcFreeze:
@@ -89,9 +90,11 @@ def cublas_workspaces_into_pool() -> None:
     records. The graph's matmuls then write their scratch into memory other
     tensors own (on an H200: an illegal address, after a reduce-overhead
     compile in the same process). Inside the pool the memory stays reserved
-    for as long as the graphs live.
+    for as long as the graphs live. On a torch without the call the
+    workspaces stay, with a warning logged once (``internals/cuda_graph_pool.py``
+    says when that is safe).
     """
-    torch._C._cuda_clearCublasWorkspaces()
+    cuda_graph_pool.clear_cublas_workspaces()
 
 
 class GraphCapture:
@@ -227,7 +230,7 @@ class GraphCapture:
         anchor is kept) for the graphs captured into it; it is not shared
         with later graphs, which is the only cost."""
         with contextlib.suppress(RuntimeError):  # tell the allocator, where torch did not
-            torch._C._cuda_endAllocateToPool(self.device.index, self.pool)
+            cuda_graph_pool.end_allocate_to_pool(self.device.index, self.pool)
         self._retired.append(self._anchor)
         self.pool = torch.cuda.graph_pool_handle()
         self._anchor = self._anchor_pool()
@@ -264,9 +267,9 @@ class GraphCapture:
         captures go to now (0 without CUDA): the graphs' own memory."""
         if not self.use_cuda:
             return 0
-        pool = tuple(self.pool)
-        segments = torch.cuda.memory._snapshot(self.device)["segments"]
-        return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool)
+        pool, device = tuple(self.pool), self.device.index
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                   if s.get("device") == device and tuple(s.get("segment_pool_id", ())) == pool)  # fmt: skip
 
     def synchronize(self) -> None:
         if self.use_cuda:

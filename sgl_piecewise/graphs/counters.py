@@ -29,7 +29,6 @@ class CompileCounters:
     artifacts_saved: int = 0  # compile artifact files written for later processes
     compiles_loaded: int = 0  # saved compiles a CompiledModel started from, without Dynamo (precompiled.py)
     compiles_saved: int = 0  # compiles saved whole for later processes
-    kernel_waits_deferred: int = 0  # compiles whose kernels were waited for after later pieces' (kernel_waits.py)
     steps_rerun: int = 0  # piecewise steps run again: a weight had moved or been replaced since the last step
     # ModelRunner steps by (path, why): path whole_model, piecewise, breakable,
     # eager or model_forward; why: the padding taken, or why no graph served.
@@ -56,7 +55,6 @@ class CompileCounters:
             "artifacts_saved": self.artifacts_saved,
             "compiles_loaded": self.compiles_loaded,
             "compiles_saved": self.compiles_saved,
-            "kernel_waits_deferred": self.kernel_waits_deferred,
             "steps_rerun": self.steps_rerun,
             "step_paths": {f"{path}: {why}": n for (path, why), n in self.step_paths.items()},
         }

@@ -25,12 +25,12 @@ import torch
 
 from sgl_piecewise.checks import check_tensor
 from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.internals.triton_jit import runs_compiled
 
 try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
-    from triton.runtime.jit import JITFunction
 except ImportError:  # pragma: no cover - the plain formulas serve without Triton
     triton = None
 
@@ -102,7 +102,7 @@ if triton is not None:
 
 # Under TRITON_INTERPRET=1 kernels run as numpy, which has no libdevice (and
 # rounds float32 to bfloat16 by truncation: only float32 results are exact there).
-_LIBDEVICE = triton is not None and isinstance(_rms_norm_kernel, JITFunction)
+_LIBDEVICE = triton is not None and runs_compiled(_rms_norm_kernel)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -41,29 +41,7 @@ def new_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | st
     """The model class of ``config.architecture``, parameters uninitialised."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InvalidTypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
-    hash_triton_sources_while_loading(device)
     return MODEL_CLASSES[config.architecture](config, dtype=dtype, device=device)
-
-
-def hash_triton_sources_while_loading(device: torch.device | str) -> None:
-    """On CUDA, start computing Triton's cache key on a background thread.
-
-    The model's fused ops and the attention backends launch Triton kernels,
-    and the first launch waits for that key: a hash of Triton's sources and
-    library (0.3-0.5 s). Started where the backend is built, it was still
-    running at a warm start's first launch (docs/BENCHMARKS.md); started
-    here, it runs while the weights are read and copied."""
-    try:
-        on_cuda = torch.device(device).type == "cuda"
-    except (TypeError, RuntimeError):  # None (the default device), or no device: the model's allocation decides
-        return
-    if not on_cuda:
-        return
-    try:
-        from sgl_piecewise.backends.triton_kernels.launch import hash_triton_sources_ahead
-    except ImportError:  # no Triton: nothing of ours launches a Triton kernel
-        return
-    hash_triton_sources_ahead()
 
 
 def hf_weight_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:

@@ -31,9 +31,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-from sgl_piecewise.backends.triton_kernels.launch import FastLauncher, StepLaunch
 from sgl_piecewise.backends.triton_kernels.tiles import (
     check_attention_args,
     check_last_dim_contiguous,
@@ -47,6 +45,8 @@ from sgl_piecewise.backends.triton_kernels.tiles import (
 )
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.internals.triton_jit import runs_compiled
+from sgl_piecewise.internals.triton_launch import FastLauncher, StepLaunch
 
 DECODE_BLOCK_H = 16  # query heads per program; tl.dot needs >= 16 rows
 # Groups wider than 16 (MQA-like) widen the head tile up to this, as SGLang's
@@ -329,9 +329,9 @@ def _decode_kernel(
 
 
 # Under TRITON_INTERPRET=1, triton.jit yields an interpreter object instead of
-# a JITFunction; its bf16 dot needs the UPCAST workaround (see mm).
-_INTERPRETED = not isinstance(_decode_kernel, JITFunction)
-# Launched once per layer per step: skip Triton's per-call binding (launch.py).
+# a compiled kernel; its bf16 dot needs the UPCAST workaround (see mm).
+INTERPRETED = not runs_compiled(_decode_kernel)  # Triton runs kernels on the CPU (TRITON_INTERPRET=1)
+# Launched once per layer per step: skip Triton's per-call binding (internals/triton_launch.py).
 _launch_decode = FastLauncher(_decode_kernel)
 
 
@@ -480,7 +480,7 @@ def decode_kernel_meta(
         BLOCK_S=launch.merge_splits or merge_block_s(block_h, triton.next_power_of_2(dv)),
         GRANULE=SPLIT_GRANULE,
         F32X3=dtype == torch.float32,
-        UPCAST=_INTERPRETED and dtype == torch.bfloat16,
+        UPCAST=INTERPRETED and dtype == torch.bfloat16,
         NEW_KV=new_kv,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,

@@ -28,15 +28,12 @@ with the host.
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-from sgl_piecewise.backends.triton_kernels.compile_child import compile_in_child
-from sgl_piecewise.backends.triton_kernels.launch import FastLauncher, StepLaunch
 from sgl_piecewise.backends.triton_kernels.store_kv import launch_store_kv, store_kv_args, store_kv_meta
 from sgl_piecewise.backends.triton_kernels.tiles import (
     check_attention_args,
@@ -50,6 +47,8 @@ from sgl_piecewise.backends.triton_kernels.tiles import (
     softmax_step,
 )
 from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.internals.triton_jit import runs_compiled
+from sgl_piecewise.internals.triton_launch import FastLauncher, StepLaunch
 
 # Launch settings for Hopper, after SGLang's extend kernel
 # (triton_ops/extend_attention.py): on sm_90 it uses BLOCK_M=128, BLOCK_N=64,
@@ -243,8 +242,8 @@ def _extend_kernel(
 
 
 # Under TRITON_INTERPRET=1, triton.jit yields an interpreter object instead of
-# a JITFunction; its bf16 dot needs the UPCAST workaround (see tiles.mm).
-_INTERPRETED = not isinstance(_extend_kernel, JITFunction)
+# a compiled kernel; its bf16 dot needs the UPCAST workaround (see tiles.mm).
+_INTERPRETED = not runs_compiled(_extend_kernel)
 
 
 @functools.lru_cache(maxsize=256)
@@ -315,7 +314,7 @@ def row_tile_variants(meta: dict) -> list:
     return variants
 
 
-# Once per layer per step (launch.py); compiles the other row tiles ahead.
+# Once per layer per step (internals/triton_launch.py); compiles the other row tiles ahead.
 _launch_extend = FastLauncher(_extend_kernel, variants=row_tile_variants)
 
 
@@ -414,47 +413,6 @@ def _extend_args(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), *new_strides,
     )  # fmt: skip
     return grid, args, meta
-
-
-def predicted_start_up_compiles(num_q_heads: int, num_kv_heads: int, head_dim: int, dv: int,
-                                dtype: torch.dtype) -> List[Tuple[list, dict]]:  # fmt: skip
-    """The compiles of this kernel a piecewise start-up asks for, predicted
-    before the model is traced, as (arguments with every tensor given as its
-    dtype, constexprs) for ``JITFunction.warmup`` (``compile_child.py``).
-
-    The capture's steps are plain extends whose new K/V the kernel writes
-    itself, their tensors contiguous ``[tokens, heads, head_dim]`` rows,
-    16-byte aligned. A model's own layout (queries viewed out of a fused QKV
-    projection, say) differs in stride values only, and the kernel is
-    compiled for an integer's divisibility by 16 and for it being 1, where
-    those agree. Every row tile, largest first: the order in which the
-    captures, largest size first, launch them."""
-    rows = 1024  # any count: the row tile is chosen below, and the grid is not compiled in
-    q = torch.empty(rows, num_q_heads, head_dim, dtype=dtype, device="meta")
-    out = torch.empty(rows, num_q_heads, dv, dtype=dtype, device="meta")
-    k_cache = torch.empty(rows + 1, num_kv_heads, head_dim, dtype=dtype, device="meta")
-    v_cache = torch.empty(rows + 1, num_kv_heads, dv, dtype=dtype, device="meta")
-    new_k = torch.empty(rows, num_kv_heads, head_dim, dtype=dtype, device="meta")
-    new_v = torch.empty(rows, num_kv_heads, dv, dtype=dtype, device="meta")
-    indptr = torch.empty(2, dtype=torch.int32, device="meta")
-    kv_indices = torch.empty(rows, dtype=torch.int32, device="meta")
-    loc = torch.empty(rows, dtype=torch.int64, device="meta")
-    _, args, meta = _extend_args(q, k_cache, v_cache, out, indptr, indptr, kv_indices, rows, head_dim**-0.5,
-                                 None, None, (new_k, new_v, loc))  # fmt: skip
-    stand_ins = [a.dtype if isinstance(a, torch.Tensor) else a for a in args]
-    tiles = [dict(meta)] + row_tile_variants(meta)  # the longest query's tile: the largest
-    return [(stand_ins, m) for m in sorted(tiles, key=lambda m: -m["BLOCK_M"])]
-
-
-def compile_start_up_in_child(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                              device: torch.device) -> bool:  # fmt: skip
-    """Have a child process compile :func:`predicted_start_up_compiles` (K
-    and V of ``head_dim``) for ``device``, unless the kernels run
-    interpreted; whether it started (``compile_child.py``)."""
-    if _INTERPRETED:
-        return False
-    compiles = predicted_start_up_compiles(num_q_heads, num_kv_heads, head_dim, head_dim, dtype)
-    return compile_in_child(_extend_kernel, compiles, device)
 
 
 class ExtendPlan:

@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 
 from sgl_piecewise.backends.triton_kernels.decode import DEFAULT_TOKENS_PER_SPLIT
-from sgl_piecewise.backends.triton_kernels.launch import FastLauncher
 from sgl_piecewise.backends.triton_kernels.tiles import check_last_dim_contiguous
 from sgl_piecewise.checks import check_positive_int, check_tensor
+from sgl_piecewise.internals.triton_launch import FastLauncher
 from sgl_piecewise.memory import DUMMY_SLOT
 
 _ROW_BLOCK = 256  # page-table entries a request's program copies per iteration

@@ -16,7 +16,7 @@ import functools
 import triton
 import triton.language as tl
 
-from sgl_piecewise.backends.triton_kernels.launch import FastLauncher
+from sgl_piecewise.internals.triton_launch import FastLauncher
 
 
 @triton.jit

@@ -1,32 +1,60 @@
 """A launcher for our Triton kernels that skips Triton's per-call Python.
 
-``kernel[grid](*args, **meta)`` goes through ``JITFunction.run``: it binds
-the arguments to the signature, computes their specialisation (dtypes,
-16-byte alignment of pointers, integers equal to 1 or divisible by 16),
-looks the compiled kernel up, builds launch metadata for the launch hooks
-and only then launches it. The attention between compiled pieces launches
-one of our kernels per layer per step; on the H200 host measured
-(docs/BENCHMARKS.md, "Where the attention's host time goes") this launcher
-took an empty kernel's launch from 18 to 14 µs, and a :class:`BoundKernel`
-given device addresses as integers to 6 µs: Triton's launcher then neither
-calls ``data_ptr()`` nor asks the driver about each pointer.
+What it bypasses: ``kernel[grid](*args, **meta)`` goes through
+``JITFunction.run``, which binds the arguments to the signature, computes
+their specialisation (dtypes, 16-byte alignment of pointers, integers equal
+to 1 or divisible by 16), looks the compiled kernel up, builds launch
+metadata for the launch hooks and only then launches it. This module calls
+the compiled kernel's own Triton launcher directly instead.
+
+Why: the piecewise step launches one attention kernel per layer between
+compiled graphs, on the host's critical path. On the H200 host measured
+(docs/BENCHMARKS.md, "Where the attention's host time goes") an empty
+kernel's launch took 18 µs through ``kernel[grid]`` and 6 µs through a
+:class:`BoundKernel` given device addresses as integers (Triton's launcher
+then neither calls ``data_ptr()`` nor asks the driver about each pointer).
+
+Private APIs it uses, written against torch 2.11-2.13 and Triton 3.4-3.6
+(checked against the 3.4.0, 3.6.0 and 3.9.0 sources):
+
+- ``triton.runtime.jit.JITFunction``: ``warmup(*args, grid=, **meta)``
+  (compiles or finds a specialisation's kernel, launches nothing),
+  ``arg_names``; whether a kernel is one (an interpreted one launches through
+  ``kernel[grid]``);
+- the compiled kernel (``triton.compiler.CompiledKernel``): its launcher
+  ``run(grid_0, grid_1, grid_2, stream, function, packed_metadata,
+  launch_metadata, enter_hook, exit_hook, *args)`` as ``JITFunction.run``
+  calls it, ``function``, ``packed_metadata``, ``launch_metadata(grid,
+  stream, *args)``;
+- ``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook`` (None or
+  a callable on 3.4, a ``HookChain`` on 3.6 and 3.9);
+- ``torch._C._cuda_getCurrentRawStream`` and ``torch._C._cuda_getDevice``
+  (:func:`current_stream`, :func:`current_device`): the public
+  ``torch.cuda.current_stream().cuda_stream`` builds a ``Stream`` object a
+  launch, 4.7 µs against 0.3 µs (``torch.cuda.current_device()``: 0.34
+  against 0.15 µs); with both public, a bound launch by address took 17
+  instead of 8 µs (H200 host, torch 2.11, Triton 3.6, 2026-11-28; there
+  ``kernel[grid]`` took 15-19 µs). See :data:`RAW_STREAM`.
+
+Checked at import: :data:`AVAILABLE` is False, with :data:`UNAVAILABLE_REASON` saying
+why, when any of the Triton ones is missing or ``JITFunction.run`` no longer
+calls the launcher as above; then every launch takes the public path,
+``kernel[grid](*args, **meta)`` (the path a launcher also takes for good
+when a kernel runs under Triton's interpreter, or when a compiled launcher
+refuses its arguments). ``AVAILABLE`` is read at every launch, so a test
+sets it to False to force that path. Without the torch ones
+(:data:`RAW_STREAM` False) the stream and device come from the public
+``torch.cuda`` calls.
 
 :class:`FastLauncher` compiles (or finds) the kernel of the first call of
-each specialisation through ``JITFunction.warmup``, which binds and
-specialises the arguments as a launch does but launches nothing, and keeps
-it; every call with the same specialisation key, the first included,
-launches that kernel directly: through torch's static CUDA launcher where
-it applies (``static_launch.py``: no C launcher to build, less host time a
-launch), else through the kernel's own Triton launcher. The key is
-computed here, more finely than Triton's (every integer and float by
-value, every tensor by dtype and 16-byte alignment, the device), so a
-reused kernel was always compiled for arguments like the ones it gets.
-:meth:`FastLauncher.bound` hands that kernel to a caller that launches it
-many times with arguments of one specialisation
-(``decode.DecodePlan``, and :class:`StepLaunch` for the extend steps).
-
-Anything unexpected (the Triton interpreter, a Triton whose compiled-kernel
-launcher takes other arguments) falls back to ``kernel[grid](...)`` for good.
+each specialisation through ``JITFunction.warmup`` and keeps it; every call
+with the same specialisation key, the first included, launches that kernel
+through its own Triton launcher. The key is computed here, more finely than
+Triton's (every integer and float by value, every tensor by dtype and
+16-byte alignment, the device), so a reused kernel was always compiled for
+arguments like the ones it gets. :meth:`FastLauncher.bound` hands that
+kernel to a caller that launches it many times with arguments of one
+specialisation (:class:`StepLaunch`, for the decode and extend steps).
 Launch hooks (a profiler's) are called as ``JITFunction.run`` calls them;
 Triton's default empty hook chains are skipped.
 
@@ -37,32 +65,104 @@ extend kernel's smaller row tiles, which shorter queries take). Triton's
 compiler spends most of its time outside the GIL (MLIR and LLVM passes,
 ``ptxas``), so a start-up that would compile them one after the other, each
 in the middle of its work, finds them compiled; a first launch of one that
-is still compiling waits for it instead of compiling it again. A first
-launch, or a compile ahead, of a kernel that a child process is compiling
-(``compile_child.py``) waits for the child likewise.
+is still compiling waits for it instead of compiling it again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+import re
 import threading
 import weakref
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from triton.runtime.jit import JITFunction
-
-from sgl_piecewise.backends.triton_kernels.compile_child import wait_for_child
-from sgl_piecewise.backends.triton_kernels.static_launch import StaticKernel, static_kernel
-
-try:  # the launch hooks' home since Triton 3.4
-    from triton import knobs as _knobs
-except ImportError:  # pragma: no cover - older Triton: always the slow path
-    _knobs = None
 
 logger = logging.getLogger("sgl_piecewise.triton")
+
+# Written against these; versions outside them are not refused, only
+# checked for what this module uses (AVAILABLE).
+TORCH_VERSIONS = ("2.11", "2.13")
+TRITON_VERSIONS = ("3.4", "3.6")
+
+# JITFunction.run's launch, whitespace removed: the call BoundKernel makes.
+_RUN_LAUNCH = (
+    "kernel.run(grid_0,grid_1,grid_2,stream,kernel.function,kernel.packed_metadata,launch_metadata,"
+    "knobs.runtime.launch_enter_hook,knobs.runtime.launch_exit_hook,"
+)
+
+
+def _check_triton() -> Tuple[Any, Any, str]:
+    """(``triton.knobs`` and ``JITFunction`` where every Triton internal this
+    module uses is there, else Nones; why not, '' when it is)."""
+    try:
+        from triton.compiler import CompiledKernel
+        from triton.runtime.jit import JITFunction
+    except ImportError as exc:
+        return None, None, f"Triton's JITFunction or CompiledKernel does not import ({exc})"
+    try:
+        from triton import knobs
+    except ImportError:
+        return None, None, "triton.knobs is missing (Triton < 3.4): the launch hooks live elsewhere"
+    runtime = getattr(knobs, "runtime", None)
+    missing = [h for h in ("launch_enter_hook", "launch_exit_hook") if not hasattr(runtime, h)]
+    if missing:
+        return None, None, f"triton.knobs.runtime has no {', '.join(missing)}"
+    warmup = getattr(JITFunction, "warmup", None)
+    if not callable(warmup) or "grid" not in inspect.signature(warmup).parameters:
+        return None, None, "JITFunction has no warmup(*args, grid=..., **kwargs)"
+    if not callable(getattr(CompiledKernel, "launch_metadata", None)):
+        return None, None, "CompiledKernel has no launch_metadata(grid, stream, *args)"
+    try:
+        source = inspect.getsource(JITFunction.run)
+    except (OSError, TypeError) as exc:
+        return None, None, f"JITFunction.run's source is not readable ({exc})"
+    if _RUN_LAUNCH not in re.sub(r"\s+", "", source):
+        return (
+            None,
+            None,
+            (
+                "JITFunction.run no longer launches as kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, "
+                "kernel.packed_metadata, launch_metadata, enter_hook, exit_hook, *args)"
+            ),
+        )
+    return knobs, JITFunction, ""
+
+
+_knobs, _JITFunction, UNAVAILABLE_REASON = _check_triton()
+# Whether launches may skip JITFunction.run; read at every launch.
+AVAILABLE: bool = _knobs is not None
+if not AVAILABLE:
+    logger.info("Triton kernels launch through kernel[grid] (the fast launcher is off: %s)", UNAVAILABLE_REASON)
+
+# torch's raw current-stream and device getters (see the module docstring).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_raw_device = getattr(torch._C, "_cuda_getDevice", None)
+RAW_STREAM: bool = callable(_raw_stream) and callable(_raw_device)
+
+
+def _public_current_stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def _public_current_device() -> int:
+    return torch.cuda.current_device()
+
+
+if RAW_STREAM:
+
+    def current_stream() -> int:
+        """The current CUDA stream of the current device, as an integer handle."""
+        return _raw_stream(_raw_device())
+
+    current_device = _raw_device
+else:
+    current_stream = _public_current_stream
+    current_device = _public_current_device
+
 
 Meta = Dict[str, Any]
 
@@ -86,41 +186,6 @@ def _compile_pool() -> ThreadPoolExecutor:
     return _compile_ahead_pool
 
 
-# Triton's cache key of this process: a hash of its sources and of its
-# ~500 MB compiled library, computed once per process at the first kernel
-# Triton looks up or compiles (0.35-0.47 s of a start from a saved compile on
-# the H200 and H100 hosts measured, docs/BENCHMARKS.md). hashlib lets the GIL
-# go while it hashes, so a thread computes it while the process does other
-# start-up work.
-_triton_key_ahead: Optional[Future] = None
-
-
-def hash_triton_sources_ahead() -> None:
-    """Start computing Triton's cache key on a background thread, once per
-    process; the first launch that needs it waits for it (see above). Called
-    where a backend that launches our kernels is built."""
-    global _triton_key_ahead
-    if _triton_key_ahead is not None:
-        return
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:  # a Triton that keeps it elsewhere: its first launch computes it
-        return
-    try:
-        _triton_key_ahead = _compile_pool().submit(triton_key)
-    except RuntimeError:  # the pool was shut down: the interpreter is exiting
-        pass
-
-
-def _wait_for_triton_key() -> None:
-    """Before a launch that may look its kernel up in Triton's cache: two
-    threads computing the key at once would each hash everything."""
-    ahead = _triton_key_ahead
-    if ahead is not None and not ahead.done():
-        with contextlib.suppress(Exception):  # a failure shows again where Triton computes it itself
-            ahead.result()
-
-
 def _arg_key(arg: Any) -> Any:
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
@@ -132,43 +197,29 @@ def _active(hook: Any) -> Any:
     return None if hook is None or getattr(hook, "calls", True) == [] else hook
 
 
-def _hooked() -> bool:
-    """Whether a launch hook (a profiler's) is set: launches then go through
-    Triton's launcher, which calls it."""
-    runtime = _knobs.runtime
-    return _active(runtime.launch_enter_hook) is not None or _active(runtime.launch_exit_hook) is not None
-
-
-def _current_stream() -> int:
-    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-
-
 class BoundKernel:
     """One compiled kernel with its constexprs: ``bound(grid, *args)`` is a
-    launch through a compiled launcher and nothing else: torch's static
-    launcher where it applies (``static``, see ``static_launch.py``), else
-    the kernel's own Triton launcher. Pointer arguments may be given as
-    integers (device addresses): the launcher then skips both the
-    ``data_ptr()`` call and its pointer query per argument. Launch hooks (a
-    profiler's) are called as ``JITFunction.run`` calls them, through
-    Triton's launcher; Triton's default empty hook chains are skipped:
-    building the launch metadata for them and calling them cost more than
-    the rest of the launch."""
+    launch through the kernel's own Triton launcher and nothing else.
+    Pointer arguments may be given as integers (device addresses): the
+    launcher then skips both the ``data_ptr()`` call and its pointer query
+    per argument. Launch hooks (a profiler's) are called as
+    ``JITFunction.run`` calls them; Triton's default empty hook chains are
+    skipped: building the launch metadata for them and calling them cost
+    more than the rest of the launch."""
 
-    def __init__(self, kernel: Any, constexprs: Tuple, static: Optional[StaticKernel] = None):
-        self.kernel, self.constexprs, self.static = kernel, constexprs, static
+    def __init__(self, kernel: Any, constexprs: Tuple):
+        self.kernel, self.constexprs = kernel, constexprs
 
     def __call__(self, grid: Sequence[int], *args: Any) -> None:
-        stream = _current_stream()
-        enter, leave = _active(_knobs.runtime.launch_enter_hook), _active(_knobs.runtime.launch_exit_hook)
-        hooked = enter is not None or leave is not None
-        if self.static is not None and not hooked:
-            self.static(grid, stream, args)
-            return
+        stream = current_stream()
+        runtime = _knobs.runtime
+        enter, leave = _active(runtime.launch_enter_hook), _active(runtime.launch_exit_hook)
         kernel = self.kernel
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
+        hooked = enter is not None or leave is not None
         launch_metadata = kernel.launch_metadata(grid, stream, *args, *self.constexprs) if hooked else None
+        # kernel.run first: reading it loads the kernel, which sets kernel.function.
         kernel.run(grid[0], grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,
                    enter, leave, *args, *self.constexprs)  # fmt: skip
 
@@ -182,7 +233,9 @@ class FastLauncher:
 
     def __init__(self, fn: Any, variants: Optional[Callable[[Meta], List[Meta]]] = None):
         self.fn = fn
-        self.fast = isinstance(fn, JITFunction) and _knobs is not None
+        # False for good: not a compiled kernel (the interpreter's), internals
+        # missing, or a launcher that refused its arguments.
+        self.fast = _JITFunction is not None and isinstance(fn, _JITFunction)
         self._kernels: Dict[Tuple, BoundKernel] = {}
         # variants(meta): the other launch settings a call with the same
         # arguments is likely to take, compiled ahead (module docstring).
@@ -194,7 +247,7 @@ class FastLauncher:
     max_entries = 1024
 
     def __call__(self, grid: Sequence[int], *args: Any, **meta: Any) -> None:
-        if not self.fast:
+        if not (self.fast and AVAILABLE):
             self.fn[grid](*args, **meta)
             return
         key = self._key(args, meta)
@@ -210,23 +263,20 @@ class FastLauncher:
 
     def bound(self, args: Sequence[Any], meta: Dict[str, Any]) -> Optional[BoundKernel]:
         """The compiled kernel that launches with ``args`` and ``meta`` took
-        (None before the first such launch, or on the slow path): for a
+        (None before the first such launch, or on the public path): for a
         caller that launches it many times with arguments of the same
         specialisation (the same dtypes, alignments and integer values)."""
-        return self._kernels.get(self._key(args, meta)) if self.fast else None
+        return self._kernels.get(self._key(args, meta)) if self.fast and AVAILABLE else None
 
     def _key(self, args: Sequence[Any], meta: Dict[str, Any]) -> Tuple:
-        return torch._C._cuda_getDevice(), tuple(map(_arg_key, args)), tuple(meta.items())
+        return current_device(), tuple(map(_arg_key, args)), tuple(meta.items())
 
     def _first_launch(self, key: Tuple, grid: Sequence[int], args: Sequence[Any], meta: Dict[str, Any]) -> None:
-        _wait_for_triton_key()
         ahead = self._ahead.pop(key, None)
         if ahead is not None:
             with contextlib.suppress(CancelledError):  # cancelled only while the interpreter exits
                 ahead.result()  # compiling in the background: Triton finds it once done
-        wait_for_child(self.fn, meta)  # compiling in the child process: likewise (compile_child.py)
-        # Compiled (or found) without a launch, then launched through a
-        # BoundKernel: Triton would build its C launcher for the launch.
+        # Compiled (or found) without a launch, then launched through a BoundKernel.
         kernel = self.fn.warmup(*args, grid=grid, **meta)
         constexprs = self._constexpr_values(len(args), meta)
         if constexprs is None or kernel is None or not hasattr(kernel, "packed_metadata"):
@@ -235,16 +285,15 @@ class FastLauncher:
             return
         if len(self._kernels) >= self.max_entries:
             self._kernels.clear()
-        bound = BoundKernel(kernel, constexprs, static_kernel(kernel, len(args), key[0]))
+        bound = BoundKernel(kernel, constexprs)
         self._kernels[key] = bound
         try:
             bound(grid, *args)
-        except Exception as exc:  # the static launcher refused it (it launched nothing): Triton's, for good
-            if bound.static is None:
-                raise
-            logger.debug("static launch of %s failed, using Triton's launcher: %s", kernel.name, exc)
-            bound.static = None
-            bound(grid, *args)
+        except TypeError:  # as in __call__: it launched nothing
+            self.fast = False
+            self._kernels.clear()
+            self.fn[grid](*args, **meta)
+            return
         if self.variants is not None:
             self._compile_ahead(args, meta)
 
@@ -257,7 +306,7 @@ class FastLauncher:
         if any(isinstance(a, torch.Tensor) and a.data_ptr() % 16 for a in args):
             return
         stand_ins = [a.dtype if isinstance(a, torch.Tensor) else a for a in args]
-        device = torch._C._cuda_getDevice()
+        device = current_device()
         if len(self._ahead) >= self.max_entries:
             self._ahead.clear()
         for other in self.variants(meta):
@@ -274,7 +323,6 @@ class FastLauncher:
         the launch that needs the kernel compiles it and reports its error."""
         try:
             torch.cuda.set_device(device)
-            wait_for_child(self.fn, meta)
             self.fn.warmup(*stand_ins, grid=(1,), **meta)
         except Exception as exc:  # never let a guess break a launch
             logger.debug("compiling %s ahead for %s failed: %s", getattr(self.fn, "__name__", self.fn), meta, exc)
@@ -298,6 +346,8 @@ class StepLaunch:
     the layer's tensors are 16-byte aligned as the first layer's were (the
     kernel was compiled for that), else through the launcher again. The
     caller compares a layer's shapes, strides and dtypes with the first's.
+    On the launcher's public path (``AVAILABLE`` False, an interpreted
+    kernel) nothing is bound and every launch goes through the launcher.
 
     A launch given its ``layer`` index also keeps that layer's whole
     argument tuple, with weak references to the layer's tensors and their
@@ -305,11 +355,7 @@ class StepLaunch:
     rebuilt while it is handed the very same tensors at the same addresses
     (a piecewise graph's outputs and the pool's buffers are, step after
     step), and :meth:`rebind` swaps a step argument (the new tokens' slots)
-    for the next step's. Where the kernel launches through torch's static
-    launcher, the layer's launch is kept packed for it too: a launch again
-    is that one native call (on the H200 host measured, 0–22 µs less a
-    piecewise step than packing the same arguments anew at every launch;
-    docs/BENCHMARKS.md).
+    for the next step's.
     """
 
     def __init__(self, launcher: FastLauncher, grid: Tuple[int, ...], args: Sequence[Any],
@@ -323,8 +369,8 @@ class StepLaunch:
         self._addresses: Optional[List[Any]] = None  # after the first launch: every pointer as an int
         self._kernel: Optional[BoundKernel] = None
         self._bindable = True
-        # layer index -> (weak refs to its tensors, their addresses, its kept launch: see kept_launch)
-        self._layers: Dict[int, Tuple[tuple, tuple, Tuple[tuple, Optional[tuple]]]] = {}
+        # layer index -> (weak refs to its tensors, their addresses, its kept argument tuple)
+        self._layers: Dict[int, Tuple[tuple, tuple, tuple]] = {}
 
     def launch_again(self, layer: int, *layer_tensors: torch.Tensor) -> bool:
         """Launch ``layer`` as its last launch did, if it is handed the same
@@ -337,9 +383,8 @@ class StepLaunch:
         self.launch_kept(kept)
         return True
 
-    def kept_launch(self, layer: int, layer_tensors: Sequence[torch.Tensor]) -> Optional[Tuple[tuple, Optional[tuple]]]:
-        """The launch :meth:`launch_again` would make, or None: the argument
-        tuple and, for torch's static launcher, the same packed (or None)."""
+    def kept_launch(self, layer: int, layer_tensors: Sequence[torch.Tensor]) -> Optional[tuple]:
+        """The launch :meth:`launch_again` would make (its argument tuple), or None."""
         entry = self._layers.get(layer)
         if entry is None:
             return None
@@ -349,14 +394,9 @@ class StepLaunch:
                 return None
         return kept if tuple(map(_data_ptr, layer_tensors)) == ptrs else None
 
-    def launch_kept(self, kept: Tuple[tuple, Optional[tuple]]) -> None:
-        """Launch what :meth:`kept_launch` returned: packed, straight into the
-        static launcher, unless a launch hook wants Triton's launcher."""
-        args, packed = kept
-        if packed is not None and not _hooked():
-            self._kernel.static.launch_packed(*packed, _current_stream())
-        else:
-            self._kernel(self.grid, *args)
+    def launch_kept(self, kept: tuple) -> None:
+        """Launch what :meth:`kept_launch` returned."""
+        self._kernel(self.grid, *kept)
 
     def launch(self, *layer_tensors: torch.Tensor, layer: Optional[int] = None) -> None:
         if self._kernel is not None:
@@ -398,9 +438,7 @@ class StepLaunch:
     def _keep(self, layer: int, layer_tensors: Sequence[torch.Tensor], ptrs: List[int], args: List[Any]) -> None:
         if len(self._layers) >= _MAX_KEPT_LAYERS:
             self._layers.clear()
-        static = self._kernel.static
-        packed = static.packed(self.grid, args) if static is not None else None
-        self._layers[layer] = (tuple(map(weakref.ref, layer_tensors)), tuple(ptrs), (tuple(args), packed))
+        self._layers[layer] = (tuple(map(weakref.ref, layer_tensors)), tuple(ptrs), tuple(args))
 
     def _bind(self, args: List[Any], layer_tensors: Sequence[torch.Tensor]) -> None:
         kernel = self.launcher.bound(args, self.meta)
