@@ -259,3 +259,23 @@ def _check_device_values(batch, req_pool, prefix, extend, rows, slots) -> None:
             f"(tokens {bad}: {mapped[bad].tolist()}), got {slots[bad].tolist()}; a slot that belongs "
             f"to another request or position would overwrite its cache"
         )
+
+
+def check_metadata_batch(batch: ForwardBatch, req_pool: "ReqToTokenPool", kv_pool: "KVPool") -> None:
+    """Raise ``InvalidInputError`` if an attention backend's metadata cannot
+    describe ``batch``: ``check_batch``'s host checks less the new tokens'
+    slots and positions, which the metadata never reads (``forward_context``
+    checks them before any K/V is written; a capture batch whose every token
+    writes the dummy slot passes here on purpose). On the CPU, where it
+    costs no wait, the row indices the fills gather with are checked as well
+    as their host copy."""
+    if not isinstance(batch, ForwardBatch):
+        raise InvalidInputError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
+    if not isinstance(batch.forward_mode, ForwardMode):
+        raise InvalidInputError(f"forward_mode: expected a ForwardMode, got {batch.forward_mode!r}")
+    _, extend = _check_host_lengths(batch, req_pool.max_context_len)
+    _check_tensors(batch, kv_pool.device, sum(extend))
+    rows = _host_copy(batch.req_pool_indices_cpu, batch.req_pool_indices)
+    _check_rows(rows, req_pool)
+    if batch.req_pool_indices is not rows and batch.req_pool_indices.device.type == "cpu":
+        _check_rows(batch.req_pool_indices, req_pool)

@@ -1,7 +1,8 @@
 """Non-finite values through every backend.
 
 The contract: a non-finite value reaches an output row if and only if it is in
-that row's query, in a key or value the row may see, or in the scale. Values of
+that row's query or in a key or value the row may see (a non-finite scale is
+refused before anything runs: tests/test_bad_input_ops.py). Values of
 keys a row may not see because they lie outside its request's key extent (the
 dummy slot padded tokens write to, other requests' slots, stale table entries)
 never reach it. Keys inside the extent but masked for the row are left out:
@@ -59,7 +60,7 @@ GRAPH_BACKENDS = [(name, "cpu") for name in ("torch", "triton")] + GPU_BACKENDS
 CASE = {c.id: c for c in CASES}
 EAGER_CASES = [c for c in CASES if not c.mode.is_idle()]
 REPLAY_CASES = [c for c in GRAPH_CASES if not c.mode.is_idle()]
-PLANTS = ["query_nan", "key_inf", "value_nan", "scale_nan"]
+PLANTS = ["query_nan", "key_inf", "value_nan"]
 DUMMY_VALUES = [float("nan"), float("inf")]
 
 
@@ -127,9 +128,6 @@ def plant(kind: str, pools: Pools, batch: ForwardBatch, qkv, rng: random.Random)
     elif kind == "value_nan":
         _plant_in_key0(pools, batch, qkv, r, 2, float("nan"))
         must[request_rows, :GROUP] = True
-    elif kind == "scale_nan":
-        scales[0] = float("nan")
-        must[:] = True
     else:  # +inf key: head 0's logit +inf (softmax NaN), head 1's -inf (the key drops out)
         _plant_in_key0(pools, batch, qkv, r, 1, float("inf"))
         qkv[0][0][row, 0, 0], qkv[0][0][row, 1, 0] = 1.0, -1.0

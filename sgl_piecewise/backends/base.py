@@ -3,7 +3,9 @@
 A backend turns a ``ForwardBatch`` into kernel metadata and runs attention over
 the paged KV pool. Three ways in:
 
-* eager: ``init_forward_metadata(batch)`` before each step;
+* eager: ``init_forward_metadata(batch)`` before each step: the batch
+  checked against the backend's pools, then the backend's
+  ``prepare_metadata``;
 * CUDA graph: ``init_cuda_graph_state`` once, then per captured batch size
   ``init_forward_metadata_capture_cuda_graph`` while capturing and
   ``init_forward_metadata_replay_cuda_graph`` before each replay.
@@ -25,6 +27,7 @@ from typing import Callable, Dict, FrozenSet, Optional, Protocol, Tuple
 
 import torch
 
+from sgl_piecewise.batch_checks import check_metadata_batch
 from sgl_piecewise.errors import SglPiecewiseError, UnsupportedModeError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
 from sgl_piecewise.memory import KVPool, ReqToTokenPool
@@ -82,9 +85,21 @@ class AttentionBackend(ABC):
             )
 
     # ---- eager ------------------------------------------------------------
+    def init_forward_metadata(self, batch: ForwardBatch, *, check: bool = True) -> None:
+        """Prepare kernel metadata for ``batch`` (eager path).
+
+        ``check``: refuse first a batch the metadata cannot describe
+        (``batch_checks.check_metadata_batch``), with its reason rather than
+        an ``IndexError`` from deep in a fill; a caller that validated the
+        batch already (``check_batch``) passes False.
+        """
+        if check:
+            check_metadata_batch(batch, self.req_to_token_pool, self.kv_pool)
+        self.prepare_metadata(batch)
+
     @abstractmethod
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Prepare kernel metadata for ``batch`` (eager path)."""
+    def prepare_metadata(self, batch: ForwardBatch) -> None:
+        """The eager metadata of a validated ``batch`` (``init_forward_metadata``)."""
 
     def reserve_eager_bindings(self, max_bs: int, max_num_tokens: int) -> None:
         """Room for eager steps of up to ``max_bs`` requests and

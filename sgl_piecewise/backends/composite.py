@@ -75,9 +75,9 @@ class CompositeBackend(AttentionBackend):
                 )
 
     # ---- hooks: every member -------------------------------------------------
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+    def prepare_metadata(self, batch: ForwardBatch) -> None:
         for member in self.members:
-            member.init_forward_metadata(batch)
+            member.prepare_metadata(batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         for member in self.members:

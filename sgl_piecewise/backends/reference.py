@@ -34,7 +34,7 @@ class ReferenceBackend(AttentionBackend):
     name = "reference"
     supports_cuda_graph = False
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+    def prepare_metadata(self, batch: ForwardBatch) -> None:
         q_lens = list(batch.extend_seq_lens_cpu)
         kv = lengths.kv_lens(
             batch.forward_mode,

@@ -129,7 +129,7 @@ class StaticGraphBackend(AttentionBackend):
         tokens (a binding of a uniform mode)."""
 
     # ---- the contract ----------------------------------------------------
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+    def prepare_metadata(self, batch: ForwardBatch) -> None:
         self.check_supported(batch.forward_mode)
         if self._eager_binding_fits(batch):
             self._fill_eager_bound(batch)

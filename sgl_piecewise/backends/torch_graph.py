@@ -14,7 +14,8 @@ Eager EXTEND / MIXED / DRAFT_EXTEND use the same math over the ragged layout:
 queries are gathered into ``[bs, S = max_q_len]`` and gathered back.
 
 Non-finite values: a NaN or inf reaches an output row if it is in that row's
-query, in a key or value the row may see, or in the scale. Page-table entries
+query or in a key or value the row may see (a non-finite scale is refused
+before any backend runs, ``ops/attention.py``). Page-table entries
 past a request's ``kv_len`` point at the dummy slot, stale slots or other
 requests' slots; their logits are masked and their gathered values zeroed, so
 nothing there reaches any row (a weight of 0 alone would not do: 0 * NaN is

@@ -4,6 +4,11 @@ Two spellings of the rotary settings exist in the wild and both are read:
 transformers < 5 writes ``rope_theta`` and ``rope_scaling`` at the top level;
 transformers 5 writes one ``rope_parameters`` dict
 (``{"rope_type": ..., "rope_theta": ..., "factor": ...}``).
+
+Every field read is checked for its JSON type before it is used, so a
+config.json with a field of the wrong type (``rope_scaling`` a list, a flag
+the string ``"false"``) is refused with the field's name instead of an
+``AttributeError`` or a silently wrong model.
 """
 
 from __future__ import annotations
@@ -129,6 +134,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         """Build from the parsed ``config.json`` of a Hugging Face checkpoint."""
+        if not isinstance(d, Mapping):
+            raise InvalidTypeError(f"config.json: expected a JSON object (a dict), got {type(d).__name__}")
         architecture = _architecture(d)
         _reject_unsupported_features(d)
         rope_theta, rope_scaling = _rope_settings(d)
@@ -143,21 +150,21 @@ class ModelConfig:
         missing = [k for k in required if k not in d]
         if missing:
             raise InvalidInputError(f"config.json: expected keys {missing}, got none of them")
-        llama_bias = architecture == "LlamaForCausalLM" and bool(d.get("attention_bias", False))
+        llama_bias = architecture == "LlamaForCausalLM" and _flag(d, "attention_bias")
         return cls(
             architecture=architecture,
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            num_key_value_heads=_field_or(d, "num_key_value_heads", d["num_attention_heads"]),
             vocab_size=d["vocab_size"],
             max_position_embeddings=d["max_position_embeddings"],
             head_dim=d.get("head_dim"),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_flag(d, "tie_word_embeddings"),
             qkv_bias=architecture == "Qwen2ForCausalLM" or llama_bias,
             o_proj_bias=llama_bias,
         )
@@ -170,7 +177,11 @@ class ModelConfig:
                 f"model_dir: expected a Hugging Face checkpoint directory with config.json, "
                 f"got {os.fspath(model_dir)!r} without it"
             )
-        return cls.from_hf_dict(read_json_object(path))
+        d = read_json_object(path)
+        try:
+            return cls.from_hf_dict(d)
+        except (InvalidInputError, InvalidTypeError) as exc:  # name the file, as read_json_object does
+            raise type(exc)(f"{os.path.basename(path)} at {path}: {exc}") from exc
 
 
 def read_json_object(path: str) -> dict:
@@ -186,9 +197,33 @@ def read_json_object(path: str) -> dict:
     return value
 
 
+def _field_or(d: Mapping[str, Any], name: str, default: Any) -> Any:
+    """``d[name]``, or ``default`` where it is absent or null (not where it is 0 or false)."""
+    value = d.get(name)
+    return default if value is None else value
+
+
+def _flag(d: Mapping[str, Any], name: str) -> bool:
+    """A JSON boolean (absent or null: false); ``bool("false")`` would be True."""
+    value = _field_or(d, name, False)
+    if not isinstance(value, bool):
+        raise InvalidInputError(f"{name}: expected true or false, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _object_or_null(d: Mapping[str, Any], name: str) -> Optional[Mapping[str, Any]]:
+    """A field that holds a JSON object or null."""
+    value = d.get(name)
+    if value is not None and not isinstance(value, Mapping):
+        raise InvalidInputError(
+            f"{name}: expected a JSON object (a dict) or null, got {value!r} ({type(value).__name__})"
+        )
+    return value
+
+
 def _architecture(d: Mapping[str, Any]) -> str:
-    archs = d.get("architectures") or []
-    if len(archs) != 1:
+    archs = _field_or(d, "architectures", [])
+    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
         raise InvalidInputError(f"architectures: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}, got {archs!r}")
     return archs[0]
 
@@ -198,21 +233,21 @@ def _reject_unsupported_features(d: Mapping[str, Any]) -> None:
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise InvalidInputError(f"hidden_act: expected 'silu', got {act!r}")
-    if d.get("mlp_bias", False):
+    if _flag(d, "mlp_bias"):
         raise InvalidInputError("mlp_bias: expected false (no MLP bias is implemented), got true")
-    if d.get("use_sliding_window", False):
+    if _flag(d, "use_sliding_window"):
         raise InvalidInputError("use_sliding_window: expected false (full attention only), got true")
 
 
 def _rope_settings(d: Mapping[str, Any]) -> tuple[float, Optional[Llama3RopeScaling]]:
     """``(rope_theta, scaling)`` from either the transformers 4 or 5 spelling."""
-    params = d.get("rope_parameters")
+    params = _object_or_null(d, "rope_parameters")
     if params is not None:
         theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
         scaling = params
     else:
         theta = d.get("rope_theta", 10000.0)
-        scaling = d.get("rope_scaling") or {}
+        scaling = _object_or_null(d, "rope_scaling") or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise InvalidInputError(f"rope type: expected one of {', '.join(SUPPORTED_ROPE_TYPES)}, got {rope_type!r}")

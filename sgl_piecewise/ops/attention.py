@@ -30,11 +30,11 @@ import math
 from typing import Optional
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from sgl_piecewise.checks import check_tensor
 from sgl_piecewise.context import ForwardContext, get_forward_context
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, NoForwardContextError
+from sgl_piecewise.internals.fake_tensor import is_fake
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -99,8 +99,10 @@ def _resolved_scale(q: torch.Tensor, scale: Optional[float]) -> float:
 def _check_scale(scale: Optional[float]) -> None:
     """A scale is a setting, not data: refuse NaN, an infinity and a scale
     <= 0 (uniform or inverted attention, never meant) before anything runs.
-    One chained comparison for a valid one: NaN compares False."""
-    if scale is None or 0.0 < scale < math.inf:
+    One chained comparison for a valid one: NaN compares False. No module
+    constant is read (``math.inf``): Dynamo would guard on it, and a saved
+    compile runs only with guards it can check without Dynamo."""
+    if scale is None or 0.0 < scale < float("inf"):
         return
     if not math.isfinite(scale):
         raise InvalidInputError(f"scale: expected a finite attention scale, got {scale!r}")

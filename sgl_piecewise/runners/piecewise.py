@@ -128,7 +128,7 @@ class PiecewiseCudaGraphRunner:
                 extend,
                 torch.full((num_tokens,), DUMMY_SLOT, dtype=torch.int64),
             )
-            mr.backend.init_forward_metadata(batch)
+            mr.backend.init_forward_metadata(batch, check=False)  # every token on the dummy slot
             # check=False: every token writing the dummy slot is the point here.
             with forward_context(batch, mr.backend, check=False), outputs_unused():
                 self.compiled(batch.input_ids, batch.positions)
