@@ -28,10 +28,10 @@ import torch
 from common import QWEN_05B  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.compile import CompiledModel, CompileOptions
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.graphs.capture import shared_capture
 from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners import CudaGraphRunner, PiecewiseCudaGraphRunner
-from sgl_piecewise.runners.capture import shared_capture
 from sgl_piecewise.runners.whole_model import default_capture_sizes
 
 

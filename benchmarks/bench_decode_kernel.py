@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from bench_steps import copy_rate, cuda_median_ms
+from common import copy_rate, median_ms  # noqa: E402 (benchmarks/ is the script's folder)
 
 from sgl_piecewise.backends.lengths import cumsum_with_zero
 from sgl_piecewise.backends.triton_kernels import choose_num_kv_splits, decode_attention
@@ -102,7 +102,7 @@ def graph_us(point: Point, call: Callable[[Batch], None]) -> float:
     with torch.cuda.graph(graph):
         for i in range(CALLS_PER_GRAPH):
             call(point.batches[i % len(point.batches)])
-    ms = cuda_median_ms(graph.replay, 3, 20)
+    ms = median_ms(graph.replay, 3, 20)
     del graph
     return ms * 1e3 / CALLS_PER_GRAPH
 

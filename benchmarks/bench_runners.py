@@ -28,9 +28,9 @@ import torch
 from common import QWEN_05B  # noqa: E402 (benchmarks/ is the script's folder)
 
 import sgl_piecewise as sp
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.testing import place_requests, release_batch
 from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.runner import ModelRunner
-from sgl_piecewise.testing import place_requests, release_batch
 
 TINY = dict(
     architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -25,9 +25,9 @@ import time
 import torch
 from common import QWEN_05B, write_json  # noqa: E402 (benchmarks/ is the script's folder)
 
-from sgl_piecewise.drafts import parse_draft_spec
+from sgl_piecewise.engine.drafts import parse_draft_spec
+from sgl_piecewise.engine.speculative_bench import compare_greedy_and_speculative
 from sgl_piecewise.models import ModelConfig, build_random_model, load_model
-from sgl_piecewise.speculative_bench import compare_greedy_and_speculative
 
 TINY = dict(
     architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=4,

@@ -7,20 +7,17 @@ runs of the scripts' logic), wall time. Nothing here is a test.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 
 import sgl_piecewise as sp
-from sgl_piecewise.runners import capture as capture_core
-from sgl_piecewise.testing import place_requests, release_batch
+from sgl_piecewise.engine.testing import place_requests, release_batch
 
 # Hugging Face config.json dicts of the shapes the benchmarks run.
 SHAPES: Dict[str, dict] = {
@@ -70,19 +67,6 @@ SHAPES: Dict[str, dict] = {
 QWEN_05B = SHAPES["0.5b"]
 
 
-NO_INDUCTOR_AUTOTUNE_HELP = (
-    "Inductor keeps each kernel's first launch setting instead of timing them all at its first launch "
-    "(torch._inductor.config.triton.autotune_pointwise = False)"
-)
-
-
-def turn_off_inductor_autotune() -> None:
-    """See ``NO_INDUCTOR_AUTOTUNE_HELP``: for the scripts' ``--no-inductor-autotune``."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.triton.autotune_pointwise = False
-
-
 def write_json(folder: str, name: str, result: object) -> str:
     """Write ``result`` to ``folder/name`` as indented JSON (the folder made
     if missing); the file's path."""
@@ -91,25 +75,6 @@ def write_json(folder: str, name: str, result: object) -> str:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return path
-
-
-def measure_rows(measure: Callable[[str, int], dict], shapes, sizes) -> List[dict]:
-    """``measure(shape, size)`` for every shape and size, each row printed
-    as JSON as it comes."""
-    rows = []
-    for shape in shapes:
-        for size in sizes:
-            rows.append(measure(shape, size))
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
-
-
-def card_info(**extra) -> dict:
-    """The card, torch and Triton versions and today's date, then ``extra``."""
-    import triton
-
-    return dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=time.strftime("%Y-%m-%d"), **extra)  # fmt: skip
 
 
 def step_times_ms(fn: Callable[[], object], iters: int) -> List[float]:
@@ -131,34 +96,11 @@ def step_times_ms(fn: Callable[[], object], iters: int) -> List[float]:
     return times
 
 
-def host_ms(run: Callable[[], object], reps: int = 30, warmup: int = 5, sync_each: bool = True) -> float:
-    """Median host time of one ``run`` in ms: the time to enqueue it, the
-    device synchronised after each call, outside the timing
-    (``sync_each=False``: calls back to back, as a step issues its
-    launches, synchronised once after them)."""
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(1e3 * (time.perf_counter() - start))
-        if sync_each:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
-# A step right after the card idled runs slower, and about 10 ms of work
-# brings it back: a whole-model decode step right after 50 ms of idleness
-# took 1.2-1.4x its time in a run of steps on H100s (`bench_idle_clocks.py`,
-# docs/BENCHMARKS.md; one card read 345 MHz idle, another kept 1980 MHz, so
-# the host may share the cause). Timings follow at least this
-# much wall time of the timed function's own work, each call synchronised as
-# the timed ones are: after 75-170 steps queued without synchronising, the
-# next synchronised whole-model steps ran slower (0.5b bs 32: 2.07 ms for the
-# first 10 against 1.47 for the next 40), so the timing measured the burst.
+# A step right after the card idled runs slower (its clocks are down), and
+# about 10 ms of work brings it back: every timing follows at least this much
+# wall time of the timed function's own work, each call synchronised as the
+# timed ones are (steps queued back to back without synchronising would time
+# the burst instead).
 STEADY_CLOCKS_S = 0.025
 
 
@@ -190,36 +132,6 @@ def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> flo
         fn()
     keep_busy(fn)
     return statistics.median(step_times_ms(fn, iters))
-
-
-cuda_median_ms = median_ms
-
-
-def graph_us_per_layer(run: Callable[[], object], layers: int) -> float:
-    """µs of device time per layer of ``run`` (one call launching every
-    layer's kernels), recorded as one CUDA graph after a first call (which
-    compiles): the median replay divided by ``layers``."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return 1e3 * median_ms(graph.replay, 5, 40) / layers
-
-
-def best_launch(make_run: Callable, launches: list, layers: int) -> Optional[dict]:
-    """The fastest of ``launches`` by :func:`graph_us_per_layer` of
-    ``make_run(launch)``; settings Triton cannot compile (past the card's
-    shared memory or registers) are skipped. None if none compiled."""
-    best = None
-    for launch in launches:
-        try:
-            us = graph_us_per_layer(make_run(launch), layers)
-        except Exception:
-            continue
-        if best is None or us < best["us_per_layer"]:
-            best = {"us_per_layer": us, "launch": list(launch)}
-    return best
 
 
 def time_paths(
@@ -356,79 +268,3 @@ def graph_step_fn(runner, decode_graphs, batch):
         return runner.last_token_logits(decode_graphs.try_replay(batch), batch)
 
     return run
-
-
-@contextlib.contextmanager
-def timed(components: list, totals: collections.Counter, calls: collections.Counter):
-    """Replace each ``(owner, attribute, label)``'s attribute by a timed
-    wrapper (``owner`` a class, or an instance's ``__dict__``) while inside:
-    ``totals[label]`` gets the nanoseconds spent in it, ``calls[label]`` its
-    calls."""
-
-    def put(owner, name, value):
-        if isinstance(owner, dict):
-            owner[name] = value
-        else:
-            setattr(owner, name, value)
-
-    saved = []
-    for owner, name, label in components:
-        fn = owner[name] if isinstance(owner, dict) else getattr(owner, name)
-        saved.append((owner, name, fn))
-
-        def wrapper(*args, _fn=fn, _label=label, **kwargs):
-            start = time.perf_counter_ns()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                totals[_label] += time.perf_counter_ns() - start
-                calls[_label] += 1
-
-        put(owner, name, wrapper)
-    try:
-        yield
-    finally:
-        for owner, name, fn in reversed(saved):
-            put(owner, name, fn)
-
-
-@contextlib.contextmanager
-def cublas_workspaces_kept():
-    """While inside, a capture does not free cuBLAS's workspaces before it
-    begins (``capture.cublas_workspaces_into_pool`` does nothing): to time
-    what freeing them costs."""
-    free = capture_core.cublas_workspaces_into_pool
-    capture_core.cublas_workspaces_into_pool = lambda: None
-    try:
-        yield
-    finally:
-        capture_core.cublas_workspaces_into_pool = free
-
-
-@contextlib.contextmanager
-def blas_library(name: str):
-    """While inside, torch prefers BLAS library ``name`` ("cublas",
-    "cublaslt"); the preference before is restored after."""
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(name)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
-
-
-def each_step_within(context: Callable[[], contextlib.AbstractContextManager], make: Callable[[], Callable]):
-    """A factory (for :func:`time_paths`) of ``make()``'s step, each step run
-    inside ``context()``. Give every path of a comparison a context of the
-    same kind (a patch to the original, say), so their steps pay the same."""
-
-    def factory():
-        run = make()
-
-        def step():
-            with context():
-                return run()
-
-        return step
-
-    return factory

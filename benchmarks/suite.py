@@ -5,11 +5,11 @@ one card, side by side in one process per model shape.
     python benchmarks/suite.py run --shape 0.5b --startup-only --out results/  # warm start: a 2nd process
     # --cache-dir DIR on both runs: the 2nd process starts from the 1st's compile artifacts
     python benchmarks/suite.py run --shape 1b --out results/
-    python benchmarks/suite.py report results/ --out docs/   # markdown table and PNG plot (matplotlib)
+    python benchmarks/suite.py report results/ --out results/   # markdown tables and PNG plot (matplotlib)
     python benchmarks/suite.py run --shape tiny --device cpu --out /tmp/smoke  # the logic, on a CPU
 
 One ``run`` builds the shape with random bf16 weights and the ``triton``
-backend (``--backend``) and measures, in this order:
+backend (``--backend``; ``torch`` on a CPU) and measures, in this order:
 
 * start-up: compile and capture of the piecewise graphs of the default 52
   token counts (cold when the Inductor cache is empty; ``--startup-only`` in
@@ -31,8 +31,7 @@ backend (``--backend``) and measures, in this order:
   (docs/BENCHMARKS.md defines it);
 * where the time goes: CUDA kernels per layer in one whole-model replay
   (torch.profiler, after every timing: a profiler slows the launches that
-  follow it in the process) and the host time of the attention between
-  pieces, per layer (``hop_us_per_layer``).
+  follow it in the process).
 
 Writes ``suite_<shape>.json`` (``startup_<shape>.json`` with
 ``--startup-only``). A failing path is recorded with its error and the rest
@@ -69,12 +68,12 @@ from common import (  # noqa: E402 (benchmarks/ is the script's folder)
     time_paths,
     weight_bytes,
 )
-from suite_profile import hop_host_us_per_layer, kernels_per_replay  # noqa: E402
+from suite_profile import kernels_per_replay  # noqa: E402
 
 import sgl_piecewise as sp
 from sgl_piecewise.compile import CompiledModel, CompileOptions, counters
+from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.runner import ModelRunner
 from sgl_piecewise.runners import CudaGraphRunner, PiecewiseCudaGraphRunner
 from sgl_piecewise.runners.whole_model import default_capture_sizes
 
@@ -113,19 +112,8 @@ def start_up(runner, cache_dir=None) -> tuple:
     result = timed_capture(lambda: piecewise.capture(progress=False))
     result.update(first_size_seconds=piecewise.first_size_seconds, sizes=len(piecewise.options.capture_sizes),
                   compiles_loaded=counters.compiles_loaded, compiles_saved=counters.compiles_saved,
-                  artifacts_loaded=counters.artifacts_loaded, artifacts_saved=counters.artifacts_saved,
-                  compile_child=compile_children())  # fmt: skip
+                  artifacts_loaded=counters.artifacts_loaded, artifacts_saved=counters.artifacts_saved)  # fmt: skip
     return piecewise, result
-
-
-def compile_children() -> list:
-    """What the child processes compiling our Triton kernels answered
-    (``compile_child.py``); none without Triton or on a CPU."""
-    try:
-        from sgl_piecewise.backends.triton_kernels.compile_child import child_answers
-    except ImportError:
-        return []
-    return child_answers()
 
 
 def whole_model_runners(runner, max_bs: int) -> tuple:
@@ -203,7 +191,6 @@ def decode_rows(args, model, runner, piecewise, whole, ceilings, hf) -> dict:
         if ceilings:
             row["floor"] = decode_floor_ms(read_bytes, kv_bytes_per_token(model.config), bs, args.context,
                                            ceilings["copy_rate_Bps"])  # fmt: skip
-        row["hop_us_per_layer"] = hop_host_us_per_layer(piecewise, runner, batch)
         rows[bs] = row
         print("decode", bs, json.dumps(row), flush=True)
         free_batch(runner, batch)
@@ -213,8 +200,7 @@ def decode_rows(args, model, runner, piecewise, whole, ceilings, hf) -> dict:
 def add_kernel_counts(args, model, runner, whole, rows: dict) -> None:
     """Each decode row's CUDA kernels per layer in one replay of each
     whole-model graph (torch.profiler). Run after every timing: once a
-    profiler has run, later launches in the process are slower (a graph
-    replay's host time rose from 6 to 61 µs on an H100, docs/BENCHMARKS.md)."""
+    profiler has run, later launches in the process are slower."""
     if args.device != "cuda":
         return
     for bs, row in rows.items():
@@ -282,7 +268,7 @@ def main() -> None:
     r.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     r.add_argument("--out", required=True)
     r.add_argument("--device", default="cuda")
-    r.add_argument("--backend", default="triton")
+    r.add_argument("--backend", default=None, help="default: triton on cuda, torch on the cpu")
     r.add_argument("--context", type=int, default=1024)
     r.add_argument("--decode-bs", type=int, nargs="+", default=[1, 8, 32, 128])
     r.add_argument("--extend", type=int, nargs="+", default=[16, 128, 512])
@@ -295,6 +281,8 @@ def main() -> None:
     rep.add_argument("results")
     rep.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.command == "run":
+        args.backend = args.backend or ("triton" if args.device == "cuda" else "torch")
     if args.command == "report":
         from suite_report import report
 

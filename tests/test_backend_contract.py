@@ -73,9 +73,9 @@ def test_registry_names_every_backend_and_builds_it_by_name():
 
 
 def triton_runs_on_cpu_tensors() -> bool:
-    from sgl_piecewise.backends.triton_kernels.decode import _INTERPRETED
+    from sgl_piecewise.backends.triton_kernels.decode import INTERPRETED
 
-    return _INTERPRETED
+    return INTERPRETED
 
 
 def test_registry_rejects_an_unknown_name_listing_the_known_ones():

@@ -13,7 +13,7 @@ from suite_report import report  # noqa: E402
 
 def run_file(shape: str) -> dict:
     decode = {str(bs): {"eager": 20.0, "piecewise": 4.0, "whole_model": 1.0 + bs / 100, "floor": 0.25,
-                        "hop_us_per_layer": 30.0, "whole_model_kernels_per_layer": 11.5} for bs in (1, 8)}  # fmt: skip
+                        "whole_model_kernels_per_layer": 11.5} for bs in (1, 8)}  # fmt: skip
     decode["8"]["reduce_overhead"] = None  # a path that failed
     return {
         "shape": shape, "card": "NVIDIA H200", "torch": "2.11.0", "backend": "triton", "date": "2026-11-26",
@@ -31,5 +31,6 @@ def test_report_writes_a_table_of_ratios_to_the_floor_and_a_plot(tmp_path):
     text = (tmp_path / "out" / "suite.md").read_text()
     assert "| 1 | 0.250 | 20.00 (80.0×) | failed |" not in text  # bs 1 had no reduce-overhead run
     assert "| 8 | 0.250 | 20.00 (80.0×) | failed | 4.00 (16.0×) | 1.08 (4.3×) |" in text
+    assert "| 1 | 11.5 | — |" in text  # kernels per layer: whole_model's, no whole_model_pieces run
     assert "| piecewise, 2nd process | 52 | 3.0 | 1.5 | 0.100 GiB |" in text
     assert (tmp_path / "out" / "suite.png").stat().st_size > 10_000
