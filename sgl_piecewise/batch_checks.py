@@ -48,15 +48,8 @@ def check_batch(
     Host checks always; device checks with ``debug_checks`` or on the CPU
     (module docstring).
     """
-    if not isinstance(batch, ForwardBatch):
-        raise InvalidInputError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
-    if not isinstance(batch.forward_mode, ForwardMode):
-        raise InvalidInputError(f"forward_mode: expected a ForwardMode, got {batch.forward_mode!r}")
-    prefix, extend = _check_host_lengths(batch, req_pool.max_context_len)
-    _check_tensors(batch, kv_pool.device, sum(extend))
-    rows = _host_copy(batch.req_pool_indices_cpu, batch.req_pool_indices)
+    prefix, extend, rows = _check_lengths_tensors_rows(batch, req_pool, kv_pool)
     slots = _host_copy(batch.out_cache_loc_cpu, batch.out_cache_loc)[: sum(extend)]
-    _check_rows(rows, req_pool)
     _check_slots(slots, kv_pool)
     device_checks = debug_checks or batch.device.type == "cpu"
     _check_accept_lengths(batch, extend, kv_pool.device, values=device_checks)
@@ -269,13 +262,21 @@ def check_metadata_batch(batch: ForwardBatch, req_pool: "ReqToTokenPool", kv_poo
     writes the dummy slot passes here on purpose). On the CPU, where it
     costs no wait, the row indices the fills gather with are checked as well
     as their host copy."""
+    _check_lengths_tensors_rows(batch, req_pool, kv_pool)
+    rows, host = batch.req_pool_indices, batch.req_pool_indices_cpu
+    if host is not None and rows is not host and rows.device.type == "cpu":  # the rows the fills gather with
+        _check_rows(rows, req_pool)
+
+
+def _check_lengths_tensors_rows(batch: ForwardBatch, req_pool: "ReqToTokenPool", kv_pool: "KVPool"):
+    """What both checks share: the batch's kind, its host lengths, its
+    tensors, and its request rows (from the host copy); ``(prefix, extend, rows)``."""
     if not isinstance(batch, ForwardBatch):
         raise InvalidInputError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
     if not isinstance(batch.forward_mode, ForwardMode):
         raise InvalidInputError(f"forward_mode: expected a ForwardMode, got {batch.forward_mode!r}")
-    _, extend = _check_host_lengths(batch, req_pool.max_context_len)
+    prefix, extend = _check_host_lengths(batch, req_pool.max_context_len)
     _check_tensors(batch, kv_pool.device, sum(extend))
     rows = _host_copy(batch.req_pool_indices_cpu, batch.req_pool_indices)
     _check_rows(rows, req_pool)
-    if batch.req_pool_indices is not rows and batch.req_pool_indices.device.type == "cpu":
-        _check_rows(batch.req_pool_indices, req_pool)
+    return prefix, extend, rows
