@@ -68,6 +68,45 @@ def test_batched_generate_equals_each_prompt_generated_alone(model):
     assert together == alone
 
 
+def test_each_request_stops_at_its_eos_and_frees_its_row_and_slots_at_once(model):
+    """Requests finish at different steps: each output is the plain run's cut
+    after its first EOS, and a finished request's row and slots are back in
+    the pools while the others go on."""
+    runner = _runner(model)
+    prompts = _prompts([5, 2, 9, 4], seed=3)
+    plain = runner.generate(prompts, max_new_tokens=10)
+    eos = {plain[0][2], plain[2][6]}  # request 0 stops at its 3rd token, request 2 by its 7th at most
+
+    def cut(seq):
+        first = next((n for n, t in enumerate(seq) if t in eos), len(seq) - 1)
+        return seq[: first + 1]
+
+    freed_rows = []
+    free_rows = runner.req_to_token_pool.free
+    runner.req_to_token_pool.free = lambda rows: (
+        freed_rows.append((len(runner.step_stats), list(rows))),
+        free_rows(rows),
+    )
+    before = _pool_state(runner)
+    runner.step_stats.clear()
+    out = runner.generate(prompts, max_new_tokens=10, eos_token_ids=eos)
+    assert out == [cut(seq) for seq in plain]
+    assert _pool_state(runner) == before
+    # Request 0 is freed right after the step that made its EOS (its 3rd token:
+    # the prefill and 2 decode steps), before the run's last step.
+    first_step, first_rows = freed_rows[0]
+    assert len(first_rows) == 1 and first_step == len(out[0]) < len(runner.step_stats)
+    # The decode batches shrink as requests finish.
+    sizes = [s.batch_size for s in runner.step_stats]
+    assert sizes[0] == 4 and sizes[-1] < 4 and sizes == sorted(sizes, reverse=True)
+
+
+@pytest.mark.parametrize("eos, err", [(["2"], InvalidInputError), ([VOCAB], InvalidInputError), (7, InvalidTypeError)])
+def test_bad_eos_token_ids_are_refused(model, eos, err):
+    with pytest.raises(err, match="eos_token_ids: expected"):
+        _runner(model).generate(_prompts([3]), max_new_tokens=2, eos_token_ids=eos)
+
+
 def test_step_stats_record_one_extend_then_one_decode_per_further_token(model):
     runner = _runner(model)
     runner.generate(_prompts([4, 6]), max_new_tokens=3)

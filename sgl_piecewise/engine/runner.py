@@ -22,7 +22,7 @@ import collections
 import logging
 import numbers
 import time
-from typing import Callable, Deque, List, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Collection, Deque, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -252,56 +252,62 @@ class ModelRunner:
         max_new_tokens: int,
         progress: Optional[bool] = None,
         *,
+        eos_token_ids: Collection[int] = (),
         draft: Optional["ModelRunner"] = None,
         num_draft_tokens: Optional[int] = None,
     ) -> List[List[int]]:
-        """Greedy-decode ``max_new_tokens`` tokens for each prompt; return the new tokens.
+        """Greedy-decode up to ``max_new_tokens`` tokens for each prompt; return the new tokens.
 
         One EXTEND step prefills every prompt (a ragged batch), then DECODE
-        steps add one token per request. Room for the whole run is checked
-        before anything is allocated, and every request row and KV slot is
-        freed at the end, on error too. ``progress=None`` shows a bar only for
-        runs of at least ``AUTO_PROGRESS_MIN_STEPS`` steps.
+        steps add one token per unfinished request. A request finishes at
+        ``max_new_tokens`` or once it generates one of ``eos_token_ids`` (kept
+        as its last token): its request row and KV slots are freed at once and
+        the batch goes on with the others. Room for the whole run is checked
+        before anything is allocated, and every row and slot is freed by the
+        end, on error too. ``progress=None`` shows a bar only for runs of at
+        least ``AUTO_PROGRESS_MIN_STEPS`` steps.
 
         With ``draft`` (a ``ModelRunner`` of its own over a draft model of the
         same vocabulary) and ``num_draft_tokens`` ``k``: greedy speculative
         decoding (``sgl_piecewise.engine.speculative``), the same tokens in fewer
-        target steps.
+        target steps, without ``eos_token_ids``.
         """
         if draft is not None or num_draft_tokens is not None:
+            if eos_token_ids:
+                raise InvalidInputError("eos_token_ids: expected none with a draft (speculative decoding), got some")
             from sgl_piecewise.engine.speculative import speculative_generate  # imports this module
 
             return speculative_generate(self, draft, prompts, max_new_tokens, num_draft_tokens, progress).tokens
         prompts = self._check_prompts(prompts)
         check_positive_int("max_new_tokens", max_new_tokens)
+        eos = self._check_eos(eos_token_ids)
         self._check_room(prompts, max_new_tokens)
-        bs = len(prompts)
-        lens = [len(p) for p in prompts]
-        rows: Optional[torch.Tensor] = None
-        held: List[torch.Tensor] = []
+        run = _Requests(self, [len(p) for p in prompts])
         try:
-            rows, loc = allocate_requests(self.req_to_token_pool, self.kv_pool, [0] * bs, lens)
-            held.append(loc)
-            flat = [t for p in prompts for t in p]
-            ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
-            batch = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [0] * bs, lens, loc)
-            next_ids = self.forward_step(batch).argmax(dim=-1)  # [bs]
-            out = [[t] for t in next_ids.tolist()]
+            ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=self.device)
+            next_ids = self.forward_step(run.prefill(ids)).argmax(dim=-1)  # [bs]
+            out: List[List[int]] = [[] for _ in prompts]
             show = max_new_tokens >= AUTO_PROGRESS_MIN_STEPS if progress is None else progress
-            for step in tqdm(range(1, max_new_tokens), desc="decode", disable=not show):
-                prefix = [n + step - 1 for n in lens]  # tokens cached before this one
-                loc = self._alloc_decode_slots(rows, prefix)
-                held.append(loc)
-                batch = ForwardBatch.build(ForwardMode.DECODE, next_ids, rows, prefix, [1] * bs, loc)
-                next_ids = self.forward_step(batch).argmax(dim=-1)
-                for seq, t in zip(out, next_ids.tolist()):
-                    seq.append(t)
+            for _ in tqdm(range(1, max_new_tokens), desc="decode", disable=not show):
+                kept = run.take(next_ids.tolist(), out, eos, max_new_tokens)
+                if not kept:
+                    break
+                next_ids = self.forward_step(run.decode(next_ids[kept] if len(kept) < len(next_ids) else next_ids))
+                next_ids = next_ids.argmax(dim=-1)
+            else:
+                run.take(next_ids.tolist(), out, eos, max_new_tokens)
             return out
         finally:
-            if held:
-                self.kv_pool.free(torch.cat(held))
-            if rows is not None:
-                self.req_to_token_pool.free(rows.tolist())
+            run.free_all()
+
+    def _check_eos(self, eos_token_ids: Collection[int]) -> frozenset:
+        vocab = self.config.vocab_size
+        if isinstance(eos_token_ids, (str, bytes)) or not isinstance(eos_token_ids, Collection):
+            raise InvalidTypeError(f"eos_token_ids: expected a collection of int token ids, got {eos_token_ids!r}")
+        for t in eos_token_ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab:
+                raise InvalidInputError(f"eos_token_ids: expected token ids in [0, {vocab}), got {t!r}")
+        return frozenset(int(t) for t in eos_token_ids)
 
     def _alloc_decode_slots(self, rows: torch.Tensor, positions: List[int]) -> torch.Tensor:
         """One fresh slot per request (host), recorded at its new token's position."""
@@ -372,3 +378,60 @@ def _make_backend(backend, config, req_pool: ReqToTokenPool, kv_pool: KVPool) ->
     if not isinstance(built, AttentionBackend):
         raise InvalidTypeError(f"backend factory: expected an AttentionBackend, got {type(built).__name__}")
     return built
+
+
+class _Requests:
+    """The requests of one ``generate`` run: their rows and KV slots, which
+    are freed as each request finishes, and the batch of those still going."""
+
+    def __init__(self, runner: ModelRunner, prompt_lens: List[int]):
+        self.runner = runner
+        self.prompt_lens = prompt_lens
+        self.rows: List[int] = []  # request row of each request
+        self.slots: List[List[torch.Tensor]] = [[] for _ in prompt_lens]  # KV slots of each request
+        self.active: List[int] = []  # the requests still generating, in batch order
+        self.generated: List[int] = [0] * len(prompt_lens)
+
+    def prefill(self, ids: torch.Tensor) -> ForwardBatch:
+        bs, lens = len(self.prompt_lens), self.prompt_lens
+        rows, loc = allocate_requests(self.runner.req_to_token_pool, self.runner.kv_pool, [0] * bs, lens)
+        self.rows, self.active = rows.tolist(), list(range(bs))
+        for i, part in enumerate(torch.split(loc, lens)):
+            self.slots[i].append(part)
+        return ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [0] * bs, lens, loc)
+
+    def take(self, tokens: List[int], out: List[List[int]], eos: frozenset, max_new_tokens: int) -> List[int]:
+        """Append each active request's new token; finish (and free) those
+        done; return the batch positions of the requests that go on."""
+        kept, going = [], []
+        for pos, (i, t) in enumerate(zip(self.active, tokens)):
+            out[i].append(t)
+            self.generated[i] += 1
+            if t in eos or self.generated[i] == max_new_tokens:
+                self._free(i)
+            else:
+                kept.append(pos)
+                going.append(i)
+        self.active = going
+        return kept
+
+    def decode(self, next_ids: torch.Tensor) -> ForwardBatch:
+        """The DECODE step of the active requests, ``next_ids`` their last tokens."""
+        prefix = [self.prompt_lens[i] + self.generated[i] - 1 for i in self.active]  # tokens cached
+        rows = torch.tensor([self.rows[i] for i in self.active], dtype=torch.int64)
+        loc = self.runner._alloc_decode_slots(rows, prefix)
+        for j, i in enumerate(self.active):
+            self.slots[i].append(loc[j : j + 1])
+        return ForwardBatch.build(ForwardMode.DECODE, next_ids, rows, prefix, [1] * len(prefix), loc)
+
+    def _free(self, i: int) -> None:
+        if self.slots[i]:
+            self.runner.kv_pool.free(torch.cat(self.slots[i]))
+            self.slots[i] = []
+        if i < len(self.rows) and self.rows[i] >= 0:
+            self.runner.req_to_token_pool.free([self.rows[i]])
+            self.rows[i] = -1
+
+    def free_all(self) -> None:
+        for i in range(len(self.prompt_lens)):
+            self._free(i)
