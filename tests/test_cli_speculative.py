@@ -9,7 +9,7 @@ import pytest
 
 from sgl_piecewise.engine.cli import main
 
-SMALL = ["--device", "cpu", "--batch-size", "3", "--prompt-len", "6", "--new-tokens", "8"]
+SMALL = ["--model", "random", "--device", "cpu", "--batch-size", "3", "--prompt-len", "6", "--new-tokens", "8"]
 
 
 def test_bench_with_the_target_as_draft_accepts_everything_and_agrees(capsys):

