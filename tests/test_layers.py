@@ -2,6 +2,7 @@
 CI), and no module imports another module's private name."""
 
 import ast
+import importlib.util
 import pathlib
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ def _private_imports():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sgl_piecewise"):
                 for alias in node.names:
-                    if alias.name.startswith("_"):
+                    if alias.name.startswith("_") and not alias.name.endswith("__"):  # dunders are public
                         yield f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {node.module}.{alias.name}"
 
 
@@ -29,3 +30,17 @@ def test_the_layers_contract_holds():
     root = PACKAGE.parent
     done = subprocess.run(["lint-imports"], cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("grimp") is None, reason="grimp (import-linter's graph) is not installed")
+def test_no_module_takes_part_in_an_import_cycle():
+    import grimp
+
+    graph = grimp.build_graph("sgl_piecewise")
+    cycles = [
+        (module, other)
+        for module in sorted(graph.modules)
+        for other in graph.find_modules_directly_imported_by(module)
+        if graph.chain_exists(importer=other, imported=module)
+    ]
+    assert cycles == []

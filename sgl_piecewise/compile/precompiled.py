@@ -58,6 +58,7 @@ from sgl_piecewise.compile.artifacts import device_id, triton_version, write_ato
 from sgl_piecewise.compile.direct_call import GraphInputs
 from sgl_piecewise.compile.token_axis import TokenAxis
 from sgl_piecewise.internals import dynamo_trace
+from sgl_piecewise.version import __version__
 
 logger = logging.getLogger("sgl_piecewise.compile")
 
@@ -88,10 +89,9 @@ class SavedCompile:
 # ---- the key -------------------------------------------------------------
 def model_key(model: torch.nn.Module, args: Sequence[Any], options: Any) -> str:
     """Hex digest of everything a saved compile depends on (module docstring)."""
-    import sgl_piecewise
 
     parts: List[str] = [
-        f"format {FORMAT}", sgl_piecewise.__version__, torch.__version__, triton_version(), sys.version,
+        f"format {FORMAT}", __version__, torch.__version__, triton_version(), sys.version,
         repr(dataclasses.replace(options, cache_dir=None)), f"grad {torch.is_grad_enabled()}",
         f"default dtype {torch.get_default_dtype()}", f"deterministic {torch.are_deterministic_algorithms_enabled()}",
     ]  # fmt: skip

@@ -253,8 +253,6 @@ class ModelRunner:
         progress: Optional[bool] = None,
         *,
         eos_token_ids: Collection[int] = (),
-        draft: Optional["ModelRunner"] = None,
-        num_draft_tokens: Optional[int] = None,
     ) -> List[List[int]]:
         """Greedy-decode up to ``max_new_tokens`` tokens for each prompt; return the new tokens.
 
@@ -267,17 +265,9 @@ class ModelRunner:
         end, on error too. ``progress=None`` shows a bar only for runs of at
         least ``AUTO_PROGRESS_MIN_STEPS`` steps.
 
-        With ``draft`` (a ``ModelRunner`` of its own over a draft model of the
-        same vocabulary) and ``num_draft_tokens`` ``k``: greedy speculative
-        decoding (``sgl_piecewise.engine.speculative``), the same tokens in fewer
-        target steps, without ``eos_token_ids``.
+        Greedy speculative decoding, the same tokens in fewer target steps:
+        ``engine.speculative.speculative_generate(target, draft, ...)``.
         """
-        if draft is not None or num_draft_tokens is not None:
-            if eos_token_ids:
-                raise InvalidInputError("eos_token_ids: expected none with a draft (speculative decoding), got some")
-            from sgl_piecewise.engine.speculative import speculative_generate  # imports this module
-
-            return speculative_generate(self, draft, prompts, max_new_tokens, num_draft_tokens, progress).tokens
         prompts = self._check_prompts(prompts)
         check_positive_int("max_new_tokens", max_new_tokens)
         eos = self._check_eos(eos_token_ids)

@@ -34,18 +34,16 @@ steps; graphs pad the smaller batches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from sgl_piecewise.checks import check_positive_int
+from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, KVPoolExhaustedError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
 from sgl_piecewise.memory import allocate_requests
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sgl_piecewise.engine.runner import ModelRunner
 
 
 @dataclass
@@ -71,8 +69,8 @@ class SpeculativeOutput:
 
 
 def speculative_generate(
-    target: "ModelRunner",
-    draft: "ModelRunner",
+    target: ModelRunner,
+    draft: ModelRunner,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     num_draft_tokens: int,
@@ -92,8 +90,6 @@ def speculative_generate(
 
 # ---- checks, before anything is allocated ----------------------------------------
 def _check_inputs(target, draft, prompts, max_new_tokens, k) -> List[List[int]]:
-    from sgl_piecewise.engine.runner import ModelRunner  # imports this module lazily
-
     if not isinstance(draft, ModelRunner):
         raise InvalidTypeError(f"draft: expected a ModelRunner over the draft model, got {type(draft).__name__}")
     if draft is target:

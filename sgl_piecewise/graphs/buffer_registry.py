@@ -48,7 +48,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -63,15 +63,13 @@ from sgl_piecewise.graphs.graph_slot import (  # noqa: F401 (AXES, check_count: 
     PadValue,
     PostFill,
     ShapeFn,
+    SharedBufferPool,
     SizedValue,
     SliceFn,
     SourceFn,
     canonical_device,
     check_count,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sgl_piecewise.graphs.input_registries import SharedBufferPool
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +213,7 @@ class CudaGraphBufferRegistry:
 
     ``max_bs`` / ``max_num_tokens``: the largest captured sizes; every buffer
     holds at least that many rows along its axis. ``pool``: allocate through a
-    ``input_registries.SharedBufferPool``, so registries alias identical buffers.
+    ``graph_slot.SharedBufferPool``, so registries alias identical buffers.
     ``poison_tails`` (debug): KEEP_PAD tails get a value no computation
     survives (NaN, the most negative int), so a graph that reads them shows it.
     """
@@ -226,7 +224,7 @@ class CudaGraphBufferRegistry:
         max_num_tokens: int,
         device: Union[torch.device, str],
         *,
-        pool: Optional["SharedBufferPool"] = None,
+        pool: Optional[SharedBufferPool] = None,
         poison_tails: bool = False,
     ):
         self.max_bs = check_positive_int("max_bs", max_bs)

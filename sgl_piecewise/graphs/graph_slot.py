@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -203,3 +203,31 @@ class GraphSlot:
                 f"use the slot returned by CudaGraphBufferRegistry.register_slot"
             )
         return self.buffer
+
+
+class SharedBufferPool:
+    """Flat buffers shared by every registry built with this pool.
+
+    Keyed by ``(name, numel, dtype, device)``: two requests with the same key
+    get the same memory whatever order they come in, and requests that differ
+    in any part never alias. Sharing is safe because the graphs of one device
+    run one at a time and every fill rewrites what its graph reads. Build all
+    registries before capturing: registration initialises the shared memory.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: Dict[Tuple[str, int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def share_input_buffer(
+        self, name: str, numel: int, dtype: torch.dtype, device: Union[torch.device, str]
+    ) -> torch.Tensor:
+        """The 1-D buffer of ``numel`` elements for this key, zeroed when first created."""
+        key = (name, check_count("numel", numel), dtype, canonical_device(device))
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = torch.zeros(numel, dtype=dtype, device=key[3])
+            self._buffers[key] = buf
+        return buf
+
+    def __len__(self) -> int:
+        return len(self._buffers)

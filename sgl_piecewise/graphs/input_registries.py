@@ -20,7 +20,7 @@ Padding invariants (docs/ARCHITECTURE.md, "Graph inputs: the registry"), in both
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -32,9 +32,9 @@ from sgl_piecewise.graphs.buffer_registry import (
     MissingSource,
     PaddingPolicy,
     SizedValue,
-    canonical_device,
     check_count,
 )
+from sgl_piecewise.graphs.graph_slot import SharedBufferPool
 from sgl_piecewise.memory import DUMMY_SLOT
 
 Device = Union[torch.device, str]
@@ -51,32 +51,6 @@ DECODE_SLOTS = (
 )
 DECODE_OPTIONAL_SLOTS = ("accept_lengths",)  # with_accept_lengths=True
 PREFILL_SLOTS = DECODE_SLOTS + ("extend_prefix_lens",)
-
-
-class SharedBufferPool:
-    """Flat buffers shared by every registry built with this pool.
-
-    Keyed by ``(name, numel, dtype, device)``: two requests with the same key
-    get the same memory whatever order they come in, and requests that differ
-    in any part never alias. Sharing is safe because the graphs of one device
-    run one at a time and every fill rewrites what its graph reads. Build all
-    registries before capturing: registration initialises the shared memory.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: Dict[Tuple[str, int, torch.dtype, torch.device], torch.Tensor] = {}
-
-    def share_input_buffer(self, name: str, numel: int, dtype: torch.dtype, device: Device) -> torch.Tensor:
-        """The 1-D buffer of ``numel`` elements for this key, zeroed when first created."""
-        key = (name, check_count("numel", numel), dtype, canonical_device(device))
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = torch.zeros(numel, dtype=dtype, device=key[3])
-            self._buffers[key] = buf
-        return buf
-
-    def __len__(self) -> int:
-        return len(self._buffers)
 
 
 # ---- num_token_non_padded (upstream SGLang PR 22404) -----------------------------------

@@ -7,9 +7,9 @@ the caller (``torch.compile(model, backend="sgl_piecewise")``).
 
 from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
 from sgl_piecewise.models.gguf import load_gguf_model
+from sgl_piecewise.models.hf_weights import MODEL_CLASSES
 from sgl_piecewise.models.llama import LlamaForCausalLM
 from sgl_piecewise.models.loader import (
-    MODEL_CLASSES,
     build_random_model,
     default_config,
     load_model,

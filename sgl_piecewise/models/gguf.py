@@ -49,8 +49,8 @@ from tqdm.auto import tqdm
 
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
+from sgl_piecewise.models.hf_weights import INDEX_FILE, check_hf_weights, fuse_hf_weights, hf_weight_shapes, new_model
 from sgl_piecewise.models.llama import LlamaForCausalLM
-from sgl_piecewise.models.loader import INDEX_FILE, check_hf_weights, fuse_hf_weights, hf_weight_shapes, new_model
 
 # GGUF ``general.architecture`` -> our (Hugging Face) architecture name.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
