@@ -58,8 +58,8 @@ DECODE_MAX_BLOCK_H = 64
 SPLIT_GRANULE = 32
 # The launch settings below come from `benchmarks/bench_decode_kernel.py
 # --sweep` on an H200 (docs/BENCHMARKS.md): splits 1-128 x six launch settings
-# at batch 1/32/128, context 1k/4k/16k; the split counts from
-# `benchmarks/bench_decode_layers.py` on an H100.
+# at batch 1/32/128, context 1k/4k/16k; the split counts from a sweep of whole
+# decode layers on an H100.
 #
 # choose_num_kv_splits: one split per this many keys. Fewer keys a split leave
 # too little loop to amortise the q load and the merge; since the merge loads
@@ -395,8 +395,8 @@ def default_programs_per_sm(head_dim: int, v_head_dim: int) -> int:
     """Programs per SM the split axis fills by default: 4 for heads of at most
     64 values, 2 for wider ones.
 
-    Measured, not derived: on an H100 (`benchmarks/bench_decode_layers.py`,
-    batch 1, 8 and 32, 1k and 4k keys) 4 was the faster of 2 and 4 for the
+    Measured, not derived: on an H100 (whole decode layers, batch 1, 8 and
+    32, 1k and 4k keys) 4 was the faster of 2 and 4 for the
     0.5b and 1b attention (head_dim 64) and 2 for Llama-3-8B's (128). Against
     the earlier rule, the fewest splits for two programs per SM, this was up
     to 17% faster at batch 8 and 32 (Llama-3-8B, batch 32, 4k keys: 245 ->

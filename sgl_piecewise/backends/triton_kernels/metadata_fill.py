@@ -6,8 +6,8 @@ The torch helpers (``metadata.fill_lengths``, ``metadata.fill_kv_indices``,
 kernels: on an H200 host, for a 0.5B decode step, 0.40-0.46 ms and
 379-413 µs of host time launched one by one, 0.04-0.05 ms replayed as a
 recorded graph; this kernel, 0.09 ms and 74-77 µs of host time, its
-argument checks included (docs/BENCHMARKS.md,
-``benchmarks/profile_whole_step.py``). Recorded in a graph, as whole-model
+argument checks included (measured on an H200 with a profile of a
+whole-model step). Recorded in a graph, as whole-model
 graphs and the triton backend's bound fills are, it is one kernel instead
 of 25, and its checks run once. It writes every value they write,
 bit for bit (the tests compare the two on ragged batches), and keeps their
