@@ -18,12 +18,8 @@ gguf = pytest.importorskip("gguf", reason="GGUF loading needs the gguf package")
 
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor  # noqa: E402
 
-from sgl_piecewise.backends import ReferenceBackend  # noqa: E402
-from sgl_piecewise.context import forward_context  # noqa: E402
-from sgl_piecewise.engine.testing import place_requests  # noqa: E402
+from sgl_piecewise.engine.testing import prefill_logits  # noqa: E402
 from sgl_piecewise.errors import InvalidInputError  # noqa: E402
-from sgl_piecewise.forward import ForwardBatch, ForwardMode  # noqa: E402
-from sgl_piecewise.memory import KVPool, ReqToTokenPool  # noqa: E402
 from sgl_piecewise.models import (  # noqa: E402
     Llama3RopeScaling,
     LlamaForCausalLM,
@@ -167,19 +163,6 @@ def save_safetensors_checkpoint(path, kind: str, tensors: dict[str, np.ndarray],
     architectures = [HF_CLASSES[kind][1].__name__]
     (path / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": architectures}))
     save_file({n: torch.from_numpy(np.ascontiguousarray(t)) for n, t in tensors.items()}, path / "model.safetensors")
-
-
-def prefill_logits(model, prompt: list[int]) -> torch.Tensor:
-    """``[len, vocab]`` float32 logits of one EXTEND step over ``prompt``."""
-    cfg = model.config
-    req_pool = ReqToTokenPool(max_reqs=1, max_context_len=len(prompt))
-    kv_pool = KVPool(len(prompt), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    backend = ReferenceBackend(req_pool, kv_pool)
-    rows, loc = place_requests(req_pool, kv_pool, [0], [len(prompt)], fill_prefix=False)
-    batch = ForwardBatch.build(ForwardMode.EXTEND, torch.tensor(prompt), rows, [0], [len(prompt)], loc)
-    backend.init_forward_metadata(batch)
-    with torch.no_grad(), forward_context(batch, backend):
-        return model.compute_logits(model(batch.input_ids, batch.positions))
 
 
 def _arch(kind: str) -> str:

@@ -27,12 +27,8 @@ pytest.importorskip("gguf", reason="GGUF loading needs the gguf package")
 import transformers  # noqa: E402
 from conftest import smollm2_or_skip  # noqa: E402
 
-from sgl_piecewise.backends import ReferenceBackend  # noqa: E402
-from sgl_piecewise.context import forward_context  # noqa: E402
 from sgl_piecewise.engine.runner import ModelRunner  # noqa: E402
-from sgl_piecewise.engine.testing import place_requests  # noqa: E402
-from sgl_piecewise.forward import ForwardBatch, ForwardMode  # noqa: E402
-from sgl_piecewise.memory import KVPool, ReqToTokenPool  # noqa: E402
+from sgl_piecewise.engine.testing import prefill_logits  # noqa: E402
 from sgl_piecewise.models import LlamaForCausalLM, load_model  # noqa: E402
 
 GGUF_PATH = smollm2_or_skip()
@@ -91,19 +87,6 @@ def _until_eos(tokens: list[int]) -> list[int]:
     return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 
-def _prefill_logits(model: LlamaForCausalLM, prompt: list[int]) -> torch.Tensor:
-    """``[vocab]`` float32 logits of the prompt's last token, one EXTEND step."""
-    cfg = model.config
-    req_pool = ReqToTokenPool(max_reqs=1, max_context_len=len(prompt))
-    kv_pool = KVPool(len(prompt), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    backend = ReferenceBackend(req_pool, kv_pool)
-    rows, loc = place_requests(req_pool, kv_pool, [0], [len(prompt)], fill_prefix=False)
-    batch = ForwardBatch.build(ForwardMode.EXTEND, torch.tensor(prompt), rows, [0], [len(prompt)], loc)
-    backend.init_forward_metadata(batch)
-    with torch.no_grad(), forward_context(batch, backend):
-        return model.compute_logits(model(batch.input_ids, batch.positions)[-1:])[0]
-
-
 def test_config_is_smollm2_135m(ours, theirs):
     c = ours.config
     assert isinstance(ours, LlamaForCausalLM)
@@ -131,7 +114,7 @@ def test_weights_equal_transformers_own_gguf_load(ours, theirs):
 def test_first_step_logits_match_transformers(ours, theirs, prompts):
     _, hf = theirs
     for prompt in prompts:
-        got = _prefill_logits(ours, prompt)
+        got = prefill_logits(ours, prompt)[-1]
         with torch.no_grad():
             want = hf(torch.tensor([prompt])).logits[0, -1].float()
         scale = want.abs().max().item()

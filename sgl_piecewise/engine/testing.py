@@ -9,6 +9,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from sgl_piecewise.backends.reference import ReferenceBackend
+from sgl_piecewise.context import forward_context
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
 from sgl_piecewise.memory import KVPool, ReqToTokenPool, allocate_requests
 from sgl_piecewise.models.config import ModelConfig
@@ -85,3 +87,23 @@ def release_batch(req_pool: ReqToTokenPool, kv_pool: KVPool, batch: ForwardBatch
     if slots:
         kv_pool.free(torch.cat(slots).to(torch.int64))
     req_pool.free(rows)
+
+
+def prefill_logits(model: torch.nn.Module, prompt: Sequence[int]) -> torch.Tensor:
+    """``[len(prompt), vocab]`` float32 logits of one eager EXTEND step over
+    ``prompt`` (reference attention, pools of its own): the plain forward a
+    loaded model's outputs are compared with."""
+    cfg = model.config
+    param = next(model.parameters())
+    device = param.device
+    req_pool = ReqToTokenPool(max_reqs=1, max_context_len=len(prompt), device=device)
+    kv_pool = KVPool(
+        len(prompt), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype=param.dtype, device=device
+    )
+    backend = ReferenceBackend(req_pool, kv_pool)
+    rows, loc = place_requests(req_pool, kv_pool, [0], [len(prompt)], fill_prefix=False)
+    ids = torch.tensor(list(prompt), dtype=torch.int64, device=device)
+    batch = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [0], [len(prompt)], loc)
+    backend.init_forward_metadata(batch)
+    with torch.no_grad(), forward_context(batch, backend):
+        return model.compute_logits(model(batch.input_ids, batch.positions))
