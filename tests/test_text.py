@@ -52,3 +52,10 @@ def test_the_chat_template_wraps_each_prompt_as_a_user_turn(tokenizer):
 def test_bad_prompts_are_refused(tokenizer, prompts, err):
     with pytest.raises(err, match="prompts"):
         chat_prompt_ids(tokenizer, prompts)
+
+
+def test_a_checkpoint_path_without_a_tokenizer_is_refused_naming_it(tmp_path):
+    with pytest.raises(InvalidInputError, match="expected a GGUF file or a checkpoint directory"):
+        load_tokenizer(str(tmp_path / "missing.gguf"))
+    with pytest.raises(InvalidInputError, match="expected tokenizer.json or tokenizer_config.json"):
+        load_tokenizer(str(tmp_path))

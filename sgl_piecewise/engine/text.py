@@ -58,9 +58,13 @@ def load_tokenizer(checkpoint: str) -> Any:
         raise SglPiecewiseError(
             "a tokenizer: expected transformers installed, got none; `pip install transformers gguf`"
         ) from None
+    if not isinstance(checkpoint, (str, os.PathLike)) or not os.path.exists(checkpoint):
+        raise InvalidInputError(f"checkpoint: expected a GGUF file or a checkpoint directory, got {checkpoint!r}")
     if os.path.isfile(checkpoint):
         folder, name = os.path.split(os.path.abspath(checkpoint))
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if not has_tokenizer(checkpoint):
+        raise InvalidInputError(f"{checkpoint}: expected tokenizer.json or tokenizer_config.json in it, got neither")
     return AutoTokenizer.from_pretrained(checkpoint)
 
 
