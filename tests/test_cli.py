@@ -137,3 +137,20 @@ def test_bench_compiles_and_captures_nothing_while_it_times(capsys):
     assert result.compiled_while_timed == 0
     assert main(argv) == 0
     assert "a graph capture is a pass-through" in capsys.readouterr().out
+
+
+def test_a_differing_token_is_reported_with_eager_logit_gap():
+    """bench's text check names, at the first differing token, how far apart
+    eager's logits held the two tokens: eager's own choice leads by the gap."""
+    from sgl_piecewise.engine.bench import logit_gap_note
+    from sgl_piecewise.engine.testing import prefill_logits
+
+    model = load_model_or_default(None)
+    prompt = [5, 9, 17, 3]
+    logits = prefill_logits(model, prompt)[-1]
+    first, second = logits.topk(2).indices.tolist()
+    note = logit_gap_note(model, prompt, [first], [second], 0)
+    gap = float(re.search(r"logit gap (\S+) of", note).group(1))
+    assert f"{first} vs {second}" in note
+    assert gap == pytest.approx(float(logits[first] - logits[second]), rel=1e-3) and gap >= 0
+    assert "ends there" in logit_gap_note(model, prompt, [first], [], 0)

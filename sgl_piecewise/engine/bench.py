@@ -22,6 +22,7 @@ from sgl_piecewise.backends.factory import backend_names, create_backend, get_ba
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.options import default_capture_sizes
 from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.testing import prefill_logits
 from sgl_piecewise.engine.text import SMOLLM2, chat_prompt_ids, eos_ids, has_tokenizer, load_tokenizer, smollm2_path
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.graphs.counters import counters
@@ -195,7 +196,7 @@ def bench(args: argparse.Namespace, console: Console) -> int:
             "with eager, not graphs; graph speed-ups show on a GPU"
         )
     if tokenizer is not None:
-        return _check_text(results, tokenizer, questions, dtype, console)
+        return _check_text(results, tokenizer, questions, prompts, model, console)
     agree = agreement(results)
     for line in agree:
         console.print(line)
@@ -207,9 +208,10 @@ def bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _check_text(results: Sequence[PolicyResult], tokenizer, questions, dtype, console: Console) -> int:
+def _check_text(results: Sequence[PolicyResult], tokenizer, questions, prompts, model, console: Console) -> int:
     """Print each question with the first policy's answer; check that every
-    policy gives its text, else name the first token each differs at."""
+    policy gives its text, else name the first token each differs at with
+    eager's logit gap between the two tokens there."""
     ref = results[0]
     for question, seq in zip(questions, ref.tokens):
         console.print(Text.assemble(("Q: ", "bold"), question))
@@ -219,14 +221,29 @@ def _check_text(results: Sequence[PolicyResult], tokenizer, questions, dtype, co
         for i, (a, b) in enumerate(zip(ref.tokens, r.tokens)):
             if a != b:
                 at = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                differ.append(f"{r.policy}, question {i + 1}: first differs at new token {at}")
+                differ.append(
+                    f"{r.policy}, question {i + 1}: first differs at new token {at}"
+                    + logit_gap_note(model, prompts[i], a, b, at)
+                )
     if not differ:
         console.print(f"check: every policy gives {ref.policy}'s text")
         return 0
     for line in differ:
         console.print(line)
-    if dtype == torch.float32:
+    if next(model.parameters()).dtype == torch.float32:
         console.print("[red]check failed: float32 runs must give identical text[/red]")
         return 1
     console.print("check: texts differ (expected in reduced precision)")
     return 0
+
+
+def logit_gap_note(model, prompt: Sequence[int], ref: Sequence[int], other: Sequence[int], at: int) -> str:
+    """Where one run stopped early (EOS) there is no second token to compare;
+    else eager's logits after the common prefix: how far apart the two
+    tokens were (a tie within the dtype's rounding flips under any change
+    of kernel or order)."""
+    if at >= min(len(ref), len(other)):
+        return " (one answer ends there)"
+    logits = prefill_logits(model, list(prompt) + list(ref[:at]))[-1]
+    a, b = ref[at], other[at]
+    return f" ({a} vs {b}; eager's logit gap {float(logits[a] - logits[b]):.4g} of top {float(logits.max()):.4g})"
