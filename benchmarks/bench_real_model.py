@@ -95,6 +95,8 @@ def hf_side(args, dtype, device, compiled: bool) -> dict:
     hf = hf.to(device).eval()
     tokenizer = load_tokenizer(path)
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # SmolLM2's has none; padded rows are masked out anyway
+        tokenizer.pad_token = tokenizer.eos_token
     kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
     if compiled:
         kwargs["cache_implementation"] = "static"
@@ -103,7 +105,7 @@ def hf_side(args, dtype, device, compiled: bool) -> dict:
     for bs in args.batch_sizes:
         texts = [tokenizer.decode(p) for p in prompts_for(tokenizer, bs)]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id
 
         def run(enc=enc, pad=pad):
             with torch.no_grad():
