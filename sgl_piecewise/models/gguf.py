@@ -5,8 +5,15 @@ every tensor, possibly quantised. Loading maps the metadata onto a Hugging
 Face-style config dict and the tensor names onto Hugging Face's, dequantises
 tensor by tensor (to float32, then the requested dtype), and then takes the
 safetensors loader's path: ``ModelConfig.from_hf_dict``, ``check_hf_weights``,
-``fuse_hf_weights``. Reading needs the ``gguf`` package (``pip install gguf``);
-it is imported only when a GGUF file is loaded.
+``load_hf_weights`` (each rank's slice, fused). Reading needs the ``gguf``
+package (``pip install gguf``); it is imported only when a GGUF file is loaded.
+
+Under tensor parallelism every rank dequantises every tensor whole and then
+takes its slice: a quantised tensor is stored in blocks of 32 or 256 values
+along a row, with scales per block (and, in the k-quants, per super-block),
+so a rank's columns of a row-parallel weight need not fall on block bounds,
+and reading only a rank's bytes would mean re-deriving each type's block
+layout here.
 
 Two things differ from a Hugging Face checkpoint besides the names:
 
@@ -49,7 +56,7 @@ from tqdm.auto import tqdm
 
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
-from sgl_piecewise.models.hf_weights import INDEX_FILE, check_hf_weights, fuse_hf_weights, hf_weight_shapes, new_model
+from sgl_piecewise.models.hf_weights import INDEX_FILE, check_hf_weights, hf_weight_shapes, load_hf_weights, new_model
 from sgl_piecewise.models.llama import LlamaForCausalLM
 
 # GGUF ``general.architecture`` -> our (Hugging Face) architecture name.
@@ -439,11 +446,5 @@ def load_gguf_model(
         check_hf_weights(config, tensors)
     except InvalidInputError as exc:
         raise InvalidInputError(f"{_label(path)}: {exc}") from exc
-    params = dict(model.named_parameters())
-    weights = fuse_hf_weights(config, tensors)
-    del tensors
-    assert set(weights) == set(params), sorted(set(weights) ^ set(params))
-    with torch.no_grad():
-        for name in list(weights):
-            params[name].copy_(weights.pop(name))  # casts to the model's device
+    load_hf_weights(model, tensors)  # dequantised whole, then sliced: see the module's docstring
     return model.eval()

@@ -1,17 +1,22 @@
 """Hugging Face weights into our models, whatever file they come from: the
 model class of a config, the weights a config expects by Hugging Face name,
-their checks, and their fusion into our parameters (QKV, gate/up)."""
+their checks, their fusion into our parameters (QKV, gate/up), and the one
+path that copies this rank's slice of each into a model (``load_hf_weights``)."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 from sgl_piecewise.models.config import ModelConfig
 from sgl_piecewise.models.llama import LlamaForCausalLM
+from sgl_piecewise.models.parallel import TPLayout, shard_hf_tensor
 from sgl_piecewise.models.qwen2 import Qwen2ForCausalLM
+
+if TYPE_CHECKING:
+    from sgl_piecewise.distributed import TensorParallel
 
 MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": Qwen2ForCausalLM}
 
@@ -23,12 +28,43 @@ _TIED_HEAD = "lm_head.weight"
 
 INDEX_FILE = "model.safetensors.index.json"
 
+# Our fused projections and the Hugging Face ones each concatenates, in
+# order, on its first axis.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
-def new_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
-    """The model class of ``config.architecture``, parameters uninitialised."""
+
+def new_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: Optional[TensorParallel] = None
+) -> LlamaForCausalLM:
+    """The model class of ``config.architecture``, parameters uninitialised,
+    holding the shard of ``tp`` (by default the current group)."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InvalidTypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
-    return MODEL_CLASSES[config.architecture](config, dtype=dtype, device=device)
+    return MODEL_CLASSES[config.architecture](config, dtype=dtype, device=device, tp=tp)
+
+
+def hf_parts(name: str) -> List[str]:
+    """The Hugging Face tensors our parameter ``name`` concatenates on its
+    first axis (``...qkv_proj.weight`` -> q, k and v ``_proj.weight``), or
+    ``[name]`` for a parameter named as in Hugging Face."""
+    stem, kind = name.rsplit(".", 1)
+    for fused, parts in _FUSED.items():
+        if stem.endswith("." + fused):
+            base = stem[: -len(fused)]
+            return [f"{base}{part}.{kind}" for part in parts]
+    return [name]
+
+
+def _fused_name(hf_name: str) -> str:
+    stem, kind = hf_name.rsplit(".", 1)
+    for fused, parts in _FUSED.items():
+        for part in parts:
+            if stem.endswith("." + part):
+                return f"{stem[: -len(part)]}{fused}.{kind}"
+    return hf_name
 
 
 def hf_weight_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
@@ -69,14 +105,27 @@ def hf_weight_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
     return shapes
 
 
-def check_hf_weights(config: ModelConfig, tensors: Dict[str, torch.Tensor]) -> None:
+def param_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
+    """Every parameter of the whole (one-rank) model of ``config``, fused,
+    with its shape: the full tensors each rank takes its slice of."""
+    meta = {n: torch.empty(shape, device="meta") for n, shape in hf_weight_shapes(config).items()}
+    return {n: tuple(t.shape) for n, t in fuse_hf_weights(config, meta).items()}
+
+
+def check_hf_weights(config: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> None:
     """Raise naming every missing, unexpected or misshapen checkpoint tensor."""
+    check_hf_shapes(config, {n: tuple(t.shape) for n, t in tensors.items()})
+
+
+def check_hf_shapes(config: ModelConfig, shapes: Mapping[str, Sequence[int]]) -> None:
+    """:func:`check_hf_weights` from the checkpoint's names and shapes alone,
+    so a reader checks a file before reading any tensor."""
     expected = hf_weight_shapes(config)
-    ignorable = {n for n in tensors if n.endswith(_ROTARY_BUFFER_SUFFIX)}
+    ignorable = {n for n in shapes if n.endswith(_ROTARY_BUFFER_SUFFIX)}
     if config.tie_word_embeddings:
         ignorable.add(_TIED_HEAD)
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected) - ignorable)
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected) - ignorable)
     if missing or unexpected:
         found = [
             f"{what} {_abbrev(names)}" for what, names in (("missing", missing), ("unexpected", unexpected)) if names
@@ -86,9 +135,9 @@ def check_hf_weights(config: ModelConfig, tensors: Dict[str, torch.Tensor]) -> N
             f"config.json implies, got {' and '.join(found)}"
         )
     bad = [
-        f"{n}: expected {list(shape)}, got {list(tensors[n].shape)}"
+        f"{n}: expected {list(shape)}, got {list(shapes[n])}"
         for n, shape in expected.items()
-        if tuple(tensors[n].shape) != shape
+        if tuple(shapes[n]) != shape
     ]
     if bad:
         raise InvalidInputError("checkpoint weight shapes do not match config.json: " + "; ".join(bad[:8]))
@@ -99,15 +148,38 @@ def _abbrev(names: List[str], limit: int = 8) -> str:
     return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > limit else ''}]"
 
 
-def fuse_hf_weights(config: ModelConfig, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def fuse_hf_weights(config: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Checked checkpoint tensors -> our parameter names (fused projections)."""
-    ours = {n: t for n, t in tensors.items() if n in hf_weight_shapes(config)}
-    for i in range(config.num_hidden_layers):
-        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        kinds = ("weight", "bias") if config.qkv_bias else ("weight",)
-        for kind in kinds:
-            parts = [ours.pop(f"{attn}{p}_proj.{kind}") for p in "qkv"]
-            ours[f"{attn}qkv_proj.{kind}"] = torch.cat(parts, dim=0)
-        parts = [ours.pop(f"{mlp}{p}_proj.weight") for p in ("gate", "up")]
-        ours[f"{mlp}gate_up_proj.weight"] = torch.cat(parts, dim=0)
-    return ours
+    names = dict.fromkeys(_fused_name(n) for n in hf_weight_shapes(config))
+    return {name: _cat([tensors[p] for p in hf_parts(name)]) for name in names}
+
+
+def _cat(parts: List[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def shard_param(layout: TPLayout, config: ModelConfig, name: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of our parameter ``name`` from its whole (fused)
+    value ``full``: the fused parts split apart, each sliced by
+    ``parallel.shard_hf_tensor`` as a checkpoint's tensor is, and fused again,
+    so a parameter drawn whole gets the slice a checkpoint would give."""
+    parts = hf_parts(name)
+    shapes = hf_weight_shapes(config)
+    pieces = full.split([shapes[p][0] for p in parts]) if len(parts) > 1 else [full]
+    return _cat([shard_hf_tensor(layout, p, piece) for p, piece in zip(parts, pieces)])
+
+
+def load_hf_weights(model: LlamaForCausalLM, sources: Mapping[str, Any]) -> None:
+    """Copy into each parameter of ``model`` its rank's slice of the checked
+    checkpoint tensors ``sources`` (Hugging Face name -> the whole tensor, or
+    anything indexed like one: a safetensors slice reads only the indexed
+    bytes). Every source of weights loads through here, one parameter at a
+    time: its parts sliced (``parallel.shard_hf_tensor``), fused, copied
+    (cast to the model's dtype and device)."""
+    layout = model.tp_layout
+    params = dict(model.named_parameters())
+    names = dict.fromkeys(_fused_name(n) for n in hf_weight_shapes(model.config))
+    assert set(names) == set(params), sorted(set(names) ^ set(params))
+    with torch.no_grad():
+        for name in names:
+            params[name].copy_(_cat([shard_hf_tensor(layout, p, sources[p]) for p in hf_parts(name)]))

@@ -1,5 +1,6 @@
 """Building blocks of the Llama-family models: linear, embedding, RMSNorm,
-rotary embedding, gated MLP, attention and the decoder layer.
+rotary embedding, gated MLP, attention and the decoder layer, each holding
+its rank's shard under tensor parallelism (``parallel.py``).
 
 Everything is token-major: activations are ``[T, ...]`` with ``T`` the number
 of tokens of the step (all requests concatenated, padding included). Nothing
@@ -9,12 +10,17 @@ from these traces into one graph under ``torch.compile(dynamic=True)``.
 Parameters are allocated uninitialised (``torch.empty``): a checkpoint or
 ``build_random_model`` fills every one of them, and skipping a random init we
 would overwrite keeps loading a large model fast.
+
+Tensor parallelism adds communication only where the group has more than one
+rank: the checks are on Python ints fixed at build time, so a model of one
+rank is the plain model, op for op, and a model of several traces its
+collectives (custom ops) without a graph break.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +29,12 @@ from torch import nn
 from sgl_piecewise.checks import check_tensor
 from sgl_piecewise.models import fused_ops
 from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
+from sgl_piecewise.models.parallel import TPLayout
 from sgl_piecewise.ops import unified_attention
 from sgl_piecewise.regions import repeated_region
+
+if TYPE_CHECKING:
+    from sgl_piecewise.distributed import TensorParallel
 
 
 def _eager_fused(x: torch.Tensor) -> bool:
@@ -63,6 +73,22 @@ def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, weight).float()
 
 
+class RowParallelLinear(Linear):
+    """A linear layer over this rank's input columns (``o_proj``,
+    ``down_proj``): each rank's product is a partial sum, all-reduced; the
+    bias, whole on every rank, is added once after the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device, tp: TensorParallel):
+        super().__init__(in_features, out_features, bias, dtype, device)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int, dtype, device):
         super().__init__()
@@ -70,6 +96,45 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)  # [T] -> [T, dim]
+
+
+class VocabParallelEmbedding(Embedding):
+    """This rank's rows ``[vocab_start, vocab_start + Vp)`` of the embedding.
+    An id outside them gives a zero row, so the all-reduce of the ranks' rows
+    is the embedding of every id. The range test is a mask, not a branch:
+    nothing reads the ids on the host."""
+
+    def __init__(self, layout: TPLayout, dim: int, dtype, device, tp: TensorParallel):
+        super().__init__(layout.vocab_per_rank, dim, dtype, device)
+        self.tp = tp
+        self.vocab_start = layout.vocab_start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.weight.shape[0])  # [T]
+        rows = F.embedding(torch.where(inside, local, 0), self.weight)
+        return self.tp.all_reduce(rows.masked_fill(~inside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(Linear):
+    """The LM head's rows of this rank's vocabulary (``[Vp, H]``; the same
+    rows as the embedding's, so a tied head shares its shard). ``logits``
+    gathers every rank's columns; the padded ones, past the vocabulary, are
+    cut off."""
+
+    def __init__(self, layout: TPLayout, hidden_size: int, dtype, device, tp: TensorParallel):
+        super().__init__(hidden_size, layout.vocab_per_rank, bias=False, dtype=dtype, device=device)
+        self.tp = tp
+        self.vocab_size = layout.vocab_size
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, H] -> [N, vocab]`` float32 logits, whole on every rank."""
+        local = float32_logits(hidden, self.weight)  # [N, Vp]
+        if self.tp.size == 1:
+            return local
+        return self.tp.all_gather(local, dim=-1)[:, : self.vocab_size]
 
 
 class RMSNorm(nn.Module):
@@ -144,13 +209,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused in one matmul."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused in one matmul:
+    this rank's gate rows, then its up rows, so ``chunk(2)`` pairs them."""
 
-    def __init__(self, config: ModelConfig, dtype, device):
+    def __init__(self, config: ModelConfig, layout: TPLayout, dtype, device, tp: TensorParallel):
         super().__init__()
-        h, f = config.hidden_size, config.intermediate_size
+        h, f = config.hidden_size, layout.intermediate_size  # f: this rank's columns of gate and of up
         self.gate_up_proj = Linear(h, 2 * f, bias=False, dtype=dtype, device=device)
-        self.down_proj = Linear(f, h, bias=False, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(f, h, bias=False, dtype=dtype, device=device, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2F]
@@ -164,19 +230,22 @@ class Attention(nn.Module):
     """Fused QKV projection and rotary (``project_qkv``), paged attention (the
     custom op, ``attend``) and the output projection ``o_proj``, which
     ``DecoderLayer`` calls in turn: the attention call between its two
-    repeated regions."""
+    repeated regions.
 
-    def __init__(self, config: ModelConfig, layer_id: int, dtype, device):
+    Heads are this rank's (``layout``): ``qkv_proj`` holds its q, k and v
+    rows back to back, and ``o_proj`` its columns."""
+
+    def __init__(self, config: ModelConfig, layout: TPLayout, layer_id: int, dtype, device, tp: TensorParallel):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size, self.kv_size = layout.q_size, layout.kv_size
         self.scaling = self.head_dim**-0.5
         h = config.hidden_size
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype, device=device)
-        self.o_proj = Linear(self.q_size, h, bias=config.o_proj_bias, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(self.q_size, h, bias=config.o_proj_bias, dtype=dtype, device=device, tp=tp)
 
     def project_qkv(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> tuple:
         """``x [T, H]`` -> q and k rotated as one ``[T, Hq + Hkv, D]`` tensor,
@@ -196,13 +265,13 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention, then the gated MLP."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, dtype, device):
+    def __init__(self, config: ModelConfig, layout: TPLayout, layer_id: int, dtype, device, tp: TensorParallel):
         super().__init__()
         eps, h = config.rms_norm_eps, config.hidden_size
         self.input_layernorm = RMSNorm(h, eps, dtype, device)
-        self.self_attn = Attention(config, layer_id, dtype, device)
+        self.self_attn = Attention(config, layout, layer_id, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
-        self.mlp = GatedMLP(config, dtype, device)
+        self.mlp = GatedMLP(config, layout, dtype, device, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         # x: [T, H]. The attention call names its layer, so it stays outside

@@ -11,6 +11,12 @@ Example::
     with sgl_piecewise.forward_context(batch, backend):
         hidden = model(batch.input_ids, batch.positions)   # [T, hidden]
     logits = model.compute_logits(hidden[last_rows])       # [bs, vocab] float32
+
+Built while a tensor-parallel group of several ranks is current
+(``sgl_piecewise.distributed``), a model holds its rank's shard of every
+weight (``parallel.py``) under the same names; ``num_local_heads`` and
+``num_local_kv_heads`` are what its attention and KV pool hold, ``config``
+stays the whole model's, and the logits are whole on every rank.
 """
 
 from __future__ import annotations
@@ -18,18 +24,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sgl_piecewise.distributed import TensorParallel, tensor_parallel
 from sgl_piecewise.models.config import ModelConfig
-from sgl_piecewise.models.layers import DecoderLayer, Embedding, Linear, RMSNorm, RotaryEmbedding, float32_logits
+from sgl_piecewise.models.layers import (
+    DecoderLayer,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+)
+from sgl_piecewise.models.parallel import TPLayout, tp_layout
 
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self, config: ModelConfig, layout: TPLayout, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel
+    ):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.embed_tokens = VocabParallelEmbedding(layout, config.hidden_size, dtype, device, tp)
         self.rotary_emb = RotaryEmbedding(config, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, layout, i, dtype, device, tp) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -46,6 +64,9 @@ class LlamaForCausalLM(nn.Module):
     backend)``: attention reads the step's metadata and KV pool from there.
     Logits are a separate call so a caller computes them only for the rows it
     samples from.
+
+    ``tp``: the tensor-parallel group whose shard the model holds; by default
+    the current one (``tensor_parallel()``, one rank unless set up).
     """
 
     def __init__(
@@ -53,11 +74,15 @@ class LlamaForCausalLM(nn.Module):
         config: ModelConfig,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype, device)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+        self.tp = tensor_parallel() if tp is None else tp
+        # Refuses a group the heads or the MLP width do not split over.
+        self.tp_layout = tp_layout(config, self.tp.rank, self.tp.size)
+        self.model = LlamaModel(config, self.tp_layout, dtype, device, self.tp)
+        self.lm_head = ParallelLMHead(self.tp_layout, config.hidden_size, dtype, device, self.tp)
         if config.tie_word_embeddings:
             # One Parameter in two places: `named_parameters()` lists it once,
             # as model.embed_tokens.weight.
@@ -66,6 +91,16 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)  # [T, H]
 
+    @property
+    def num_local_heads(self) -> int:
+        """The query heads this rank's attention computes (the backend's ``num_q_heads``)."""
+        return self.tp_layout.num_heads
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """The KV heads this rank's attention writes and reads (its KV pool's ``num_kv_heads``)."""
+        return self.tp_layout.num_kv_heads
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, H] -> logits [N, vocab]`` float32."""
-        return float32_logits(hidden, self.lm_head.weight)
+        """``hidden [N, H] -> logits [N, vocab]`` float32, on every rank."""
+        return self.lm_head.logits(hidden)

@@ -7,15 +7,20 @@ are concatenated into ``qkv_proj`` and ``gate_proj/up_proj`` into
 ``gate_up_proj``, and a tied ``lm_head`` shares the embedding. Every tensor is
 checked against the shape the config implies *before* anything is fused, so
 an error names the checkpoint's own tensor.
+
+Under tensor parallelism each rank reads only its slices of the safetensors
+files (``safe_open(...).get_slice(name)[...]``, ``parallel.py``), and a random
+model's rank holds the slices of the weights its seed gives one rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 from importlib import resources
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -25,9 +30,11 @@ from sgl_piecewise.models import gguf
 from sgl_piecewise.models.config import ModelConfig, read_json_object
 from sgl_piecewise.models.hf_weights import (
     INDEX_FILE,
-    check_hf_weights,
-    fuse_hf_weights,
+    check_hf_shapes,
+    load_hf_weights,
     new_model,
+    param_shapes,
+    shard_param,
 )
 from sgl_piecewise.models.layers import RMSNorm
 from sgl_piecewise.models.llama import LlamaForCausalLM
@@ -83,26 +90,46 @@ def _shard_path(model_dir: str, index_path: str, shard: object, tensor: str) -> 
     )
 
 
-def read_safetensors(files: Iterable[str]) -> Dict[str, torch.Tensor]:
-    tensors: Dict[str, torch.Tensor] = {}
-    for path in files:
-        for name, tensor in _read_safetensors_file(path).items():
-            if name in tensors:
-                raise InvalidInputError(f"{name}: expected in one shard, got it twice (in {path})")
-            tensors[name] = tensor
-    return tensors
+class FileSlice:
+    """A tensor of a safetensors file, read only where indexed (its
+    ``get_slice``); a read error names the file, as an open error does."""
+
+    def __init__(self, path: str, handle: Any, name: str):
+        self.path, self.name = path, name
+        self.slice = _reading(path, lambda: handle.get_slice(name))
+
+    @property
+    def shape(self) -> List[int]:
+        return list(self.slice.get_shape())
+
+    def __getitem__(self, index: tuple) -> torch.Tensor:
+        return _reading(self.path, lambda: self.slice[index])
 
 
-def _read_safetensors_file(path: str) -> dict[str, torch.Tensor]:
+def _reading(path: str, read):
     # The reader's own errors do not say which file (of many shards) is bad.
     try:
-        with safe_open(path, framework="pt") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not iterable)
+        return read()
     except SafetensorError as exc:
         raise InvalidInputError(
             f"{os.path.basename(path)} at {path}: expected a readable safetensors file, got {exc}; "
             "re-download or re-save it"
         ) from exc
+
+
+@contextlib.contextmanager
+def open_safetensors(files: Sequence[str]) -> Iterator[Dict[str, FileSlice]]:
+    """Every tensor of the files, by name, as a :class:`FileSlice`; the files
+    stay open (memory-mapped) inside the ``with``. A name in two files is refused."""
+    slices: Dict[str, FileSlice] = {}
+    with contextlib.ExitStack() as stack:
+        for path in files:
+            handle = stack.enter_context(_reading(path, lambda p=path: safe_open(p, framework="pt")))
+            for name in handle.keys():  # noqa: SIM118 (not iterable)
+                if name in slices:
+                    raise InvalidInputError(f"{name}: expected in one shard, got it twice (in {path})")
+                slices[name] = FileSlice(path, handle, name)
+        yield slices
 
 
 def load_model(
@@ -118,15 +145,10 @@ def load_model(
     if gguf_path is not None:
         return gguf.load_gguf_model(gguf_path, dtype, device)
     config = ModelConfig.from_pretrained_dir(model_dir)
-    tensors = read_safetensors(checkpoint_files(model_dir))
-    check_hf_weights(config, tensors)
-    model = new_model(config, dtype, device)
-    params = dict(model.named_parameters())
-    weights = fuse_hf_weights(config, tensors)
-    assert set(weights) == set(params), sorted(set(weights) ^ set(params))
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            params[name].copy_(tensor)  # casts to the model's dtype and device
+    with open_safetensors(checkpoint_files(model_dir)) as slices:
+        check_hf_shapes(config, {n: s.shape for n, s in slices.items()})
+        model = new_model(config, dtype, device)
+        load_hf_weights(model, slices)  # this rank's slices only
     return model.eval()
 
 
@@ -140,17 +162,21 @@ def build_random_model(
     """A model with seeded normal(0, ``std``) weights and unit norm scales.
 
     The draw happens on the CPU in float32 and is then cast, so a seed gives
-    the same weights on every device and dtype.
+    the same weights on every device and dtype. Each parameter is drawn whole,
+    in the model's order, and sliced: a rank of a tensor-parallel group holds
+    the slices of the weights the same seed gives one rank.
     """
     model = new_model(config, dtype, device)
     gen = torch.Generator().manual_seed(seed)
     norm_params = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    shapes = param_shapes(config)
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if id(p) in norm_params:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                full = torch.randn(shapes[name], generator=gen) * std
+                p.copy_(shard_param(model.tp_layout, config, name, full))
     return model.eval()
 
 

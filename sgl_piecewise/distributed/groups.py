@@ -1,0 +1,294 @@
+"""The tensor-parallel group: its ranks, its process groups, and its
+collectives as methods.
+
+:func:`init_tensor_parallel` builds the group from the environment torchrun
+sets and makes it current; :func:`tensor_parallel` returns the current one,
+or a single rank where none was built, so a model written for tensor
+parallelism runs unchanged on one device. The collectives return their
+input itself at one rank: no op, no copy, nothing in a traced graph.
+
+Two process groups on the same ranks: the device group (NCCL on CUDA, gloo
+on the CPU) runs the collectives of the forward pass; a gloo group runs
+barriers and object exchanges on the host, so those never queue behind the
+device's work (on the CPU the two are one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from sgl_piecewise.checks import check_positive_int, same_device
+from sgl_piecewise.distributed import comm_ops, registry
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
+from sgl_piecewise.internals import symm_mem
+
+logger = logging.getLogger("sgl_piecewise.distributed")
+
+# Never multicast (NVLS): set where the environment leaves them unset, before
+# NCCL or symmetric memory starts; a value already set is the user's and stays.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def set_safe_env_defaults() -> None:
+    """Set :data:`SAFE_ENV`'s variables where unset; never overrides or unsets one."""
+    for name, value in SAFE_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """One rank's view of its tensor-parallel group.
+
+    ``group_name`` is the device process group's name ("" at one rank): the
+    communication ops take it. ``device`` is this rank's device (None for
+    the single rank :func:`tensor_parallel` returns when none was built).
+    """
+
+    rank: int
+    size: int
+    group_name: str
+    device: Optional[torch.device] = None
+    device_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    cpu_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+
+    @property
+    def is_first(self) -> bool:
+        """Rank 0: the rank that prints."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the ranks, as a new tensor; ``x`` itself at one rank."""
+        if self.size == 1:
+            return x
+        return torch.ops.sgl_piecewise.all_reduce(x, self.group_name)
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` in rank order; ``x`` at one rank."""
+        if self.size == 1:
+            return x
+        return torch.ops.sgl_piecewise.all_gather(x, dim, self.size, self.group_name)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks, then this rank's ``1/size`` share of dim 0
+        (which ``size`` must divide); ``x`` at one rank."""
+        if self.size == 1:
+            return x
+        return torch.ops.sgl_piecewise.reduce_scatter(x, self.size, self.group_name)
+
+    def barrier(self) -> None:
+        """Wait for every rank, on the host (the gloo group)."""
+        if self.size > 1:
+            dist.barrier(group=self.cpu_group)
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        """Every rank's picklable ``obj``, in rank order (the gloo group)."""
+        if self.size == 1:
+            return [obj]
+        out: List[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
+
+_SINGLE = TensorParallel(rank=0, size=1, group_name="")
+_current: Optional[TensorParallel] = None
+_owns_world = False  # whether destroy_tensor_parallel destroys torch.distributed's default group
+
+
+def tensor_parallel() -> TensorParallel:
+    """The current group; a single rank where none was initialised."""
+    return _SINGLE if _current is None else _current
+
+
+def init_tensor_parallel(*, device: Union[str, torch.device, None] = None, timeout_s: float = 300) -> TensorParallel:
+    """Build the group from torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and make it current.
+
+    ``device``: ``cuda`` (NCCL; this rank's GPU is ``LOCAL_RANK``, or the
+    index given, and becomes the current device), ``cpu`` (gloo), or None
+    for ``cuda`` where a GPU is visible. Without ``WORLD_SIZE``, or with 1,
+    the group is a single rank and no process group is made. ``timeout_s``
+    bounds every collective's wait. A second call with the same world
+    returns the current group; with another, it raises (destroy first). If
+    ``torch.distributed`` was initialised already, its default group is the
+    device group (it must match the environment and the device).
+    """
+    _check_timeout(timeout_s)
+    world = _env_int("WORLD_SIZE", 1)
+    if world < 1:
+        raise InvalidInputError(f"WORLD_SIZE: expected a positive int in the environment, got {world}")
+    rank = _env_int("RANK", None) if world > 1 else 0
+    if not 0 <= rank < world:
+        raise InvalidInputError(f"RANK: expected 0 <= RANK < WORLD_SIZE={world}, got {rank}")
+    dev = _rank_device(device, world)
+    if _current is not None and _current.size > 1:
+        if (_current.rank, _current.size, _current.device) == (rank, world, dev):
+            return _current
+        raise InvalidInputError(
+            f"init_tensor_parallel: expected the world already initialised (rank {_current.rank} of "
+            f"{_current.size} on {_current.device}), got rank {rank} of {world} on {dev}; "
+            "call destroy_tensor_parallel() first"
+        )
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    tp = (
+        TensorParallel(rank=0, size=1, group_name="", device=dev)
+        if world == 1
+        else _init_world(rank, world, dev, timeout_s)
+    )
+    _set_current(tp)
+    return tp
+
+
+def destroy_tensor_parallel() -> None:
+    """Destroy the current group's process groups and forget its buffers;
+    :func:`tensor_parallel` returns a single rank again. Every rank calls it."""
+    global _current, _owns_world
+    tp, _current = _current, None
+    if tp is None or tp.size == 1:
+        return
+    registry.forget_group(tp.group_name)
+    if tp.cpu_group is not tp.device_group:
+        dist.destroy_process_group(tp.cpu_group)
+    if _owns_world:
+        dist.destroy_process_group()
+    _owns_world = False
+
+
+def prepare_communication(max_tokens: int, hidden_size: int, dtype: torch.dtype, device) -> None:
+    """Allocate the symmetric-memory buffer the current group's small
+    all-reduces use: for ``max_tokens x hidden_size`` of ``dtype``, at most
+    ``comm_ops.SMALL_ALL_REDUCE_MAX_BYTES`` (larger messages go through
+    NCCL anyway).
+
+    Call it once, on every rank with the same arguments (the buffer's
+    handles are exchanged: a collective), before any CUDA graph is
+    captured: a capture bakes in the buffer's address and cannot allocate
+    one. A no-op at one rank, on the CPU, for a dtype the one-shot op does
+    not take, where symmetric memory is unavailable (logged), and where the
+    buffer is large enough already. A larger request allocates a new buffer
+    and keeps the old one for the graphs that use it. Where allocation
+    fails (no peer access between the GPUs), a warning is logged and the
+    all-reduces go through NCCL.
+    """
+    check_positive_int("max_tokens", max_tokens)
+    check_positive_int("hidden_size", hidden_size)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidTypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
+    device = torch.device(device)
+    tp = tensor_parallel()
+    if tp.size == 1 or device.type != "cuda" or dtype not in symm_mem.DTYPES:
+        return
+    if tp.device is not None and not same_device(device, tp.device):
+        raise InvalidInputError(f"device: expected this rank's device {tp.device}, got {device}")
+    if not symm_mem.AVAILABLE:
+        logger.info("tensor parallel: all-reduces through NCCL only (%s)", symm_mem.UNAVAILABLE_REASON)
+        return
+    nbytes = _buffer_bytes(max_tokens * hidden_size * dtype.itemsize)
+    if registry.symmetric_buffer_bytes(tp.group_name) >= nbytes:
+        return
+    if torch.cuda.is_current_stream_capturing():
+        raise InvalidInputError("prepare_communication: expected a call before any CUDA graph capture, got one during")
+    try:
+        buffer = symm_mem.allocate(nbytes, device, tp.group_name)
+    except (RuntimeError, symm_mem.SymmMemUnavailable) as e:
+        logger.warning("tensor parallel: no symmetric memory (%s); all-reduces go through NCCL", e)
+        return
+    registry.add_buffer(tp.group_name, buffer)
+
+
+def symmetric_buffer_bytes() -> int:
+    """The current group's symmetric-memory buffer size; 0 when its small
+    all-reduces go through NCCL."""
+    return registry.symmetric_buffer_bytes(tensor_parallel().group_name)
+
+
+def _buffer_bytes(needed: int) -> int:
+    """``needed`` capped at the small-message threshold, rounded up to 16
+    bytes (the op's widest vector access)."""
+    nbytes = min(needed, comm_ops.SMALL_ALL_REDUCE_MAX_BYTES)
+    return -(-nbytes // 16) * 16
+
+
+def _init_world(rank: int, world: int, dev: torch.device, timeout_s: float) -> TensorParallel:
+    """The process groups of a world of several ranks."""
+    global _owns_world
+    set_safe_env_defaults()
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if dist.is_initialized():
+        _check_existing_world(rank, world, backend)
+    else:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if not os.environ.get(name):
+                raise InvalidInputError(f"{name}: expected it set in the environment (torchrun sets it), got nothing")
+        kwargs = {"device_id": dev} if dev.type == "cuda" else {}  # NCCL's communicator made now, not in a capture
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout, **kwargs)
+        _owns_world = True
+    device_group = dist.group.WORLD
+    cpu_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    name = registry.register_group(device_group)
+    return TensorParallel(rank, world, name, dev, device_group, cpu_group)
+
+
+def _check_existing_world(rank: int, world: int, backend: str) -> None:
+    """A world torch.distributed was initialised with by the caller must be this one."""
+    got = (dist.get_rank(), dist.get_world_size())
+    if got != (rank, world):
+        raise InvalidInputError(
+            f"torch.distributed: expected rank {rank} of {world} (the environment), got rank {got[0]} of {got[1]}"
+        )
+    if backend not in str(dist.get_backend()):
+        raise InvalidInputError(f"torch.distributed: expected the {backend} backend, got {dist.get_backend()}")
+
+
+def _set_current(tp: TensorParallel) -> None:
+    global _current
+    _current = tp
+
+
+def _rank_device(device: Union[str, torch.device, None], world: int) -> torch.device:
+    """This rank's device: ``cuda`` means ``cuda:LOCAL_RANK``."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(device, (str, torch.device)):
+        raise InvalidTypeError(f"device: expected a str or torch.device, got {type(device).__name__}")
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise InvalidInputError(f"device: expected cpu or cuda, got {dev}")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    if local_world > visible:
+        raise InvalidInputError(f"WORLD_SIZE: expected at most the {visible} visible GPUs, got {local_world} ranks")
+    index = _env_int("LOCAL_RANK", 0) if dev.index is None else dev.index
+    if not 0 <= index < visible:
+        raise InvalidInputError(f"LOCAL_RANK: expected a visible GPU index below {visible}, got {index}")
+    return torch.device("cuda", index)
+
+
+def _env_int(name: str, default: Optional[int]) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise InvalidInputError(
+                f"{name}: expected it set in the environment (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, "
+                "MASTER_ADDR, MASTER_PORT), got nothing"
+            )
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidInputError(f"{name}: expected an int in the environment, got {raw!r}") from None
+
+
+def _check_timeout(timeout_s: object) -> None:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        raise InvalidInputError(f"timeout_s: expected a finite number of seconds > 0, got {timeout_s!r}")

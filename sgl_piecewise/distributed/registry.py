@@ -1,0 +1,64 @@
+"""The process groups and symmetric-memory buffers the communication ops
+find by a group's name.
+
+The ops take the name, a string, rather than the group: a custom op's
+arguments are tensors and plain values, and a string is what Dynamo puts
+in a graph as a constant. ``torch.distributed`` keeps its own name-to-group
+table, but only privately; this one holds the groups
+:func:`~sgl_piecewise.distributed.init_tensor_parallel` made.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from sgl_piecewise.errors import InvalidInputError
+
+_groups: Dict[str, "dist.ProcessGroup"] = {}
+# Per group, every buffer allocated, the newest last: the ops use the newest;
+# the older ones stay allocated, because a graph captured with one replays it.
+_buffers: Dict[str, List[torch.Tensor]] = {}
+
+
+def register_group(group: "dist.ProcessGroup") -> str:
+    """Make ``group`` findable by its name; return the name."""
+    name = group.group_name
+    _groups[name] = group
+    return name
+
+
+def resolve_group(name: str) -> "dist.ProcessGroup":
+    group = _groups.get(name)
+    if group is None:
+        known = sorted(_groups) or "none"
+        raise InvalidInputError(
+            f"group_name: expected the name of a process group made by init_tensor_parallel (known: {known}), "
+            f"got {name!r}"
+        )
+    return group
+
+
+def forget_group(name: str) -> None:
+    """Drop the group and its buffers (when the group is destroyed)."""
+    _groups.pop(name, None)
+    _buffers.pop(name, None)
+
+
+def add_buffer(name: str, buffer: torch.Tensor) -> None:
+    _buffers.setdefault(name, []).append(buffer)
+
+
+def symmetric_buffer(name: str) -> Optional[torch.Tensor]:
+    """The group's newest symmetric-memory buffer, or None."""
+    buffers = _buffers.get(name)
+    return buffers[-1] if buffers else None
+
+
+def symmetric_buffer_bytes(name: str) -> int:
+    """The size of the buffer the group's small all-reduces use; 0 when none
+    was allocated (they then go through NCCL)."""
+    buffer = symmetric_buffer(name)
+    return 0 if buffer is None else buffer.numel() * buffer.element_size()
