@@ -21,7 +21,7 @@ from rich.text import Text
 from sgl_piecewise.backends.factory import backend_names, create_backend, get_backend_class
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.options import default_capture_sizes
-from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.runner import ModelRunner, attention_heads
 from sgl_piecewise.engine.testing import prefill_logits
 from sgl_piecewise.engine.text import SMOLLM2, chat_prompt_ids, eos_ids, has_tokenizer, load_tokenizer, smollm2_path
 from sgl_piecewise.errors import InvalidInputError
@@ -77,7 +77,7 @@ def check_backend(name: str, policies: Sequence[str]) -> None:
 def backend_factory(name: str, model):
     """``ModelRunner``'s ``backend`` argument: backend ``name`` over the runner's pools."""
 
-    heads = model.config.num_attention_heads
+    heads, _ = attention_heads(model)
     return lambda table, pool: create_backend(name, table, pool, num_q_heads=heads)
 
 

@@ -24,7 +24,6 @@ from torch import nn
 
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 from sgl_piecewise.models.config import ModelConfig
-from sgl_piecewise.models.layers import float32_logits
 from sgl_piecewise.models.loader import build_random_model
 
 DRAFT_KINDS = ("self", "self-layers", "random")
@@ -59,6 +58,9 @@ class LayerSkipDraft(nn.Module):
         self.layers = nn.ModuleList(list(inner.layers)[:num_layers])
         self.norm = inner.norm
         self.lm_head = target.lm_head
+        # A sharded target's rank holds a share of the heads: so does its draft.
+        self.num_local_heads = target.num_local_heads
+        self.num_local_kv_heads = target.num_local_kv_heads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -67,7 +69,7 @@ class LayerSkipDraft(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return float32_logits(hidden, self.lm_head.weight)
+        return self.lm_head.logits(hidden)  # every rank's vocabulary share, gathered
 
 
 def random_draft_model(target_config: ModelConfig, *, dtype=torch.float32, device="cpu", seed: int = 1) -> nn.Module:

@@ -32,6 +32,7 @@ from sgl_piecewise.backends.factory import backend_names, create_backend
 from sgl_piecewise.backends.reference import ReferenceBackend
 from sgl_piecewise.batch_checks import check_batch
 from sgl_piecewise.checks import check_positive_int
+from sgl_piecewise.distributed import tensor_parallel
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, KVPoolExhaustedError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode
 from sgl_piecewise.graphs.counters import counters
@@ -111,17 +112,18 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.device, self.dtype = param.device, param.dtype
+        self.num_heads, self.num_kv_heads = attention_heads(model)
         num_slots = self._kv_slots(num_slots, kv_cache_gib, max_reqs, max_context_len)
         self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context_len, self.device)
         self.kv_pool = KVPool(
             num_slots,
             config.num_hidden_layers,
-            config.num_key_value_heads,
+            self.num_kv_heads,
             config.head_dim,
             dtype=self.dtype,
             device=self.device,
         )
-        self.backend = _make_backend(backend, config, self.req_to_token_pool, self.kv_pool)
+        self.backend = _make_backend(backend, self.num_heads, self.req_to_token_pool, self.kv_pool)
         self.debug_checks = bool(debug_checks)
         self.model_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = model
         self.step_graphs: Optional[StepGraphs] = None  # whole-model graphs, asked first
@@ -134,9 +136,9 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_slot(self) -> int:
-        """K and V of one token over every layer."""
+        """K and V of one token over every layer (this rank's KV heads)."""
         c = self.config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+        return 2 * c.num_hidden_layers * self.num_kv_heads * c.head_dim * self.dtype.itemsize
 
     def _kv_slots(self, num_slots: Optional[int], kv_cache_gib: Optional[float], max_reqs: int, context: int) -> int:
         """The KV pool's slot count: given, or what the memory budget holds
@@ -147,7 +149,10 @@ class ModelRunner:
             return check_positive_int("num_slots", num_slots)
         budget, source = self._kv_budget(kv_cache_gib)
         full = max_reqs * context
-        slots = min(full, int(budget // self.kv_bytes_per_slot))
+        # Every rank of a tensor-parallel group allocates and frees the same
+        # slots step by step: they must all hold the same count, the least
+        # any rank's memory allows.
+        slots = min(tensor_parallel().all_gather_object(min(full, int(budget // self.kv_bytes_per_slot))))
         if slots < 1:
             raise InvalidInputError(
                 f"KV budget: expected room for at least one token ({self.kv_bytes_per_slot} bytes), "
@@ -353,12 +358,23 @@ class ModelRunner:
             )
 
 
-def _make_backend(backend, config, req_pool: ReqToTokenPool, kv_pool: KVPool) -> AttentionBackend:
+def attention_heads(model: torch.nn.Module) -> tuple[int, int]:
+    """``(query heads, KV heads)`` this process's attention and KV pool hold:
+    a sharded model's ``num_local_heads`` and ``num_local_kv_heads`` (its
+    rank's share), else all of its config's."""
+    config = model.config
+    return (
+        getattr(model, "num_local_heads", config.num_attention_heads),
+        getattr(model, "num_local_kv_heads", config.num_key_value_heads),
+    )
+
+
+def _make_backend(backend, num_heads: int, req_pool: ReqToTokenPool, kv_pool: KVPool) -> AttentionBackend:
     """The runner's backend from a name or a factory."""
     if isinstance(backend, str):
         if backend not in backend_names():
             raise InvalidInputError(f"backend: expected one of {list(backend_names())} or a factory, got {backend!r}")
-        return create_backend(backend, req_pool, kv_pool, num_q_heads=config.num_attention_heads)
+        return create_backend(backend, req_pool, kv_pool, num_q_heads=num_heads)
     if not callable(backend):
         raise InvalidTypeError(
             f"backend: expected a backend name or a factory (req_to_token_pool, kv_pool) -> backend, "

@@ -1,7 +1,8 @@
 """Builders of random ragged batches over real pools, for tests, ``verify``
 and benchmarks, and the smallest model configuration tests compile. Nothing
 here is a stand-in: the batch is laid out in the pools exactly as
-``ModelRunner`` lays out a real one."""
+``ModelRunner`` lays out a real one. ``random_batch`` fills the prefixes
+with random K/V; ``model_written_batch`` has the model itself write them."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from typing import Optional, Sequence
 
 import torch
 
+from sgl_piecewise.backends.base import AttentionBackend
 from sgl_piecewise.backends.reference import ReferenceBackend
+from sgl_piecewise.batch_checks import check_batch
 from sgl_piecewise.context import forward_context
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
 from sgl_piecewise.memory import KVPool, ReqToTokenPool, allocate_requests
 from sgl_piecewise.models.config import ModelConfig
+from sgl_piecewise.runners.eager import run_model
 
 
 def two_layer_llama_config() -> ModelConfig:
@@ -73,6 +77,68 @@ def random_batch(
     n = sum(extend_lens)
     ids = torch.randint(0, vocab_size, (n,), generator=generator).to(kv_pool.device)
     return ForwardBatch.build(mode, ids, rows, list(prefix_lens), list(extend_lens), loc, spec_info)
+
+
+def model_written_batch(
+    mode: ForwardMode,
+    req_pool: ReqToTokenPool,
+    kv_pool: KVPool,
+    model: torch.nn.Module,
+    backend: AttentionBackend,
+    prefix_lens: Sequence[int],
+    extend_lens: Sequence[int],
+    *,
+    vocab_size: int = 128,
+    spec_info: Optional[SpecInfo] = None,
+    generator: Optional[torch.Generator] = None,
+) -> ForwardBatch:
+    """A batch of random token ids whose prefixes hold the K/V ``model`` writes
+    for random prefix tokens, as if an earlier step had prefilled them.
+
+    Random K/V (``random_batch``) lie far outside what a trained model
+    produces; attention over them amplifies rounding differences, so two
+    correct paths of a real model disagree in bf16. Here one eager EXTEND of
+    ``model`` (``backend``'s eager metadata, never a graph) over the prefix
+    tokens writes exactly the prefix slots: the same pools, model, lengths
+    and generator state give bit-identical prefixes on every runner.
+    ``generator`` draws the prefix token ids first, then the batch's. Release
+    the batch with ``release_batch``; on error nothing stays allocated.
+    """
+    rows, loc = place_requests(req_pool, kv_pool, prefix_lens, extend_lens, fill_prefix=False)
+    try:
+        prefix_ids = torch.randint(0, vocab_size, (sum(prefix_lens),), generator=generator)
+        _prefill_prefixes(req_pool, kv_pool, model, backend, rows, list(prefix_lens), prefix_ids)
+        ids = torch.randint(0, vocab_size, (sum(extend_lens),), generator=generator).to(kv_pool.device)
+        return ForwardBatch.build(mode, ids, rows, list(prefix_lens), list(extend_lens), loc, spec_info)
+    except BaseException:
+        kv_pool.free(req_pool.mapped_slots(rows.tolist()))
+        req_pool.free(rows.tolist())
+        raise
+
+
+def _prefill_prefixes(
+    req_pool: ReqToTokenPool,
+    kv_pool: KVPool,
+    model: torch.nn.Module,
+    backend: AttentionBackend,
+    rows: torch.Tensor,
+    prefix_lens: Sequence[int],
+    prefix_ids: torch.Tensor,
+) -> None:
+    """One eager EXTEND of the requests with a prefix, over their prefix
+    tokens, into their prefix slots (positions ``0 .. p - 1`` of each row);
+    requests without one take no part."""
+    held = [(row, p) for row, p in zip(rows.tolist(), prefix_lens) if p]
+    if not held:
+        return
+    table = req_pool.req_to_token
+    loc = torch.cat([table[row, :p] for row, p in held]).to("cpu", torch.int64)
+    lens = [p for _, p in held]
+    sub_rows = torch.tensor([row for row, _ in held], dtype=torch.int64)
+    batch = ForwardBatch.build(ForwardMode.EXTEND, prefix_ids.to(kv_pool.device), sub_rows, [0] * len(held), lens, loc)
+    check_batch(batch, req_pool, kv_pool)
+    with torch.no_grad():
+        run_model(model, batch, backend)
 
 
 def release_batch(req_pool: ReqToTokenPool, kv_pool: KVPool, batch: ForwardBatch) -> None:

@@ -33,7 +33,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from tqdm.auto import tqdm
 
+from sgl_piecewise.distributed import tensor_parallel
 from sgl_piecewise.errors import UnsupportedModeError
+from sgl_piecewise.graphs import lockstep
 from sgl_piecewise.internals import cuda_graph_pool
 
 
@@ -238,10 +240,16 @@ class GraphCapture:
     def largest_first(self, sizes: Sequence[int], desc: str, unit: str, progress: bool = True) -> Iterator[int]:
         """``sizes`` from the largest down, with gc frozen and a progress bar
         of the sizes done and the memory reserved; at the end, synchronises
-        and releases the scratch the phase left cached (``release_scratch``)."""
+        and releases the scratch the phase left cached (``release_scratch``).
+        The ranks of a tensor-parallel group go through the same sizes in
+        lockstep (``lockstep.py``); rank 0 shows the bar."""
         order = sorted(sizes, reverse=True)
-        with frozen_gc(collect_first=True), tqdm(order, desc=desc, unit=unit, disable=not progress) as bar:
+        tp = tensor_parallel()
+        lockstep.check_same_sizes(tp, order, desc)
+        shown = progress and tp.is_first
+        with frozen_gc(collect_first=True), tqdm(order, desc=desc, unit=unit, disable=not shown) as bar:
             for size in bar:
+                lockstep.meet(tp, self.device)
                 yield size
                 if self.use_cuda:
                     bar.set_postfix_str(f"reserved {torch.cuda.memory_reserved(self.device) / 2**30:.2f} GiB")
