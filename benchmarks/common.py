@@ -50,6 +50,21 @@ SHAPES: Dict[str, dict] = {
         rope_theta=500000.0,
         tie_word_embeddings=True,
     ),  # fmt: skip
+    # Llama-3-8B: 16 GB of bf16 weights; 8 KV heads (tensor parallelism up to 8).
+    "8b": dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    ),  # fmt: skip
     # A few-layer model for smoke runs of the scripts on the CPU.
     "tiny": dict(
         architectures=["LlamaForCausalLM"],

@@ -10,7 +10,7 @@ allocates the symmetric memory that makes small all-reduces one kernel;
 :func:`launch` runs a function on several local ranks (tests, benchmarks).
 """
 
-from sgl_piecewise.distributed.comm_ops import SMALL_ALL_REDUCE_MAX_BYTES
+from sgl_piecewise.distributed.comm_ops import SMALL_ALL_REDUCE_MAX_BYTES, nccl_only_all_reduces
 from sgl_piecewise.distributed.groups import (
     SAFE_ENV,
     TensorParallel,
@@ -31,6 +31,7 @@ __all__ = [
     "destroy_tensor_parallel",
     "init_tensor_parallel",
     "launch",
+    "nccl_only_all_reduces",
     "prepare_communication",
     "symmetric_buffer_bytes",
     "tensor_parallel",

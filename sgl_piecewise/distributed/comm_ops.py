@@ -34,6 +34,9 @@ every rank set up alike):
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -52,10 +55,26 @@ _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+_nccl_only = False  # set by nccl_only_all_reduces()
+
+
+@contextlib.contextmanager
+def nccl_only_all_reduces() -> Iterator[None]:
+    """All-reduces issued (or captured) in the body go through NCCL, even where
+    a symmetric-memory buffer exists: to compare the two paths (a graph keeps
+    the path it was captured with). Enter it on every rank alike."""
+    global _nccl_only
+    saved, _nccl_only = _nccl_only, True
+    try:
+        yield
+    finally:
+        _nccl_only = saved
+
+
 def uses_symmetric_memory(x: torch.Tensor, group_name: str) -> bool:
     """Does an all-reduce of ``x`` in this group take the one-shot
     symmetric-memory path (module docstring)?"""
-    if not symm_mem.AVAILABLE or x.numel() * x.element_size() > SMALL_ALL_REDUCE_MAX_BYTES:
+    if _nccl_only or not symm_mem.AVAILABLE or x.numel() * x.element_size() > SMALL_ALL_REDUCE_MAX_BYTES:
         return False
     buffer = registry.symmetric_buffer(group_name)
     return buffer is not None and symm_mem.fits(x, buffer)

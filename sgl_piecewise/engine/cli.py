@@ -15,12 +15,17 @@ the bench itself.
 ``sgl-piecewise verify`` replays the graphs of each policy against eager on
 fresh random ragged batches (``sgl_piecewise.engine.verify``) and exits non-zero on a
 mismatch.
+
+Both run tensor-parallel: ``--tp N`` starts N processes (one per GPU on
+CUDA, gloo ranks on a CPU), or, under ``torchrun``, each process is a rank
+of its world. Every rank runs the command; rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -29,6 +34,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from sgl_piecewise.checks import check_positive_int
+from sgl_piecewise.distributed import RankFailedError, init_tensor_parallel, launch, tensor_parallel
 from sgl_piecewise.engine.bench import (
     DTYPES,
     RANDOM_MODEL,
@@ -41,7 +48,7 @@ from sgl_piecewise.engine.bench import (
 from sgl_piecewise.engine.speculative_bench import add_draft_argument, bench_draft
 from sgl_piecewise.engine.text import SMOLLM2
 from sgl_piecewise.engine.verify import TOLERANCE, verify
-from sgl_piecewise.errors import SglPiecewiseError
+from sgl_piecewise.errors import InvalidInputError, SglPiecewiseError
 from sgl_piecewise.runners.dispatch import POLICIES
 
 BENCH_POLICIES = ("none", "full", "piecewise", "breakable", "auto")  # the table's order: eager first
@@ -91,6 +98,8 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str) -> None:
                         "(the oracle; no graph hooks: not for --graphs full)")  # fmt: skip
     p.add_argument("--piece-compiler", default="inductor", choices=["inductor", "eager", "tensorrt"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size: start this many ranks (under torchrun: its WORLD_SIZE)")  # fmt: skip
     p.add_argument(
         "-v", "--verbose", action="store_true", help="log what the library decides (KV pool size, fallbacks)"
     )
@@ -127,14 +136,57 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     console = Console()
+    try:
+        ranks = _ranks(args)
+        if ranks > 1 and "WORLD_SIZE" not in os.environ:  # start the ranks; each runs the command
+            return max(launch(_run_rank, ranks, argv, device=_launch_device(args.device)))
+        if ranks > 1:  # a rank of torchrun's world
+            init_tensor_parallel(device=_launch_device(args.device))
+        return _run(args, console if tensor_parallel().is_first else Console(quiet=True))
+    except RankFailedError as exc:  # its message names the rank and carries its traceback
+        console.print(Text.assemble(("error:", "red"), " ", str(exc)), soft_wrap=True)
+        return 1
+    except SglPiecewiseError as exc:  # bad input: the message says what was expected
+        console.print(Text.assemble(("error:", "red"), " ", str(exc)), soft_wrap=True)
+        return 2
+
+
+def _ranks(args: argparse.Namespace) -> int:
+    """``--tp``, or torchrun's ``WORLD_SIZE``; both given must agree."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp is None:
+        return world
+    check_positive_int("--tp", args.tp)
+    if "WORLD_SIZE" in os.environ and args.tp != world:
+        raise InvalidInputError(f"--tp: expected torchrun's WORLD_SIZE ({world}) or no --tp, got {args.tp}")
+    return args.tp
+
+
+def _launch_device(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device).type
+
+
+def _run_rank(argv: Sequence[str]) -> int:
+    """One rank of ``--tp N``: the command, printed by rank 0 only. An error
+    is raised, not printed: ``launch`` then ends every rank (one that went on
+    would wait for this one in its next collective) and names the cause."""
+    args = build_parser().parse_args(list(argv))
+    return _command(args)(args, Console(quiet=not tensor_parallel().is_first))
+
+
+def _command(args: argparse.Namespace):
     if args.verbose:
         logging.basicConfig(format="%(name)s: %(message)s")
         logging.getLogger("sgl_piecewise").setLevel(logging.INFO)
-    commands = {"bench": bench_command, "verify": verify_command}
+    return {"bench": bench_command, "verify": verify_command}[args.command]
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
     try:
-        return commands[args.command](args, console)
+        return _command(args)(args, console)
     except SglPiecewiseError as exc:  # bad input: the message says what was expected
         # As plain text, not markup: messages name tensors as "[a.b.c]". Soft
         # wrap: a console that is not a terminal would break the line at 80.

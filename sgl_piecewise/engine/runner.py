@@ -32,7 +32,7 @@ from sgl_piecewise.backends.factory import backend_names, create_backend
 from sgl_piecewise.backends.reference import ReferenceBackend
 from sgl_piecewise.batch_checks import check_batch
 from sgl_piecewise.checks import check_positive_int
-from sgl_piecewise.distributed import tensor_parallel
+from sgl_piecewise.distributed import prepare_communication, tensor_parallel
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, KVPoolExhaustedError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode
 from sgl_piecewise.graphs.counters import counters
@@ -191,6 +191,10 @@ class ModelRunner:
         (default: the piecewise schedule up to 512, capped by what one step
         can hold); ``piece_compiler``: what compiles the pieces.
         """
+        # A tensor-parallel model's small all-reduces take symmetric memory,
+        # which a capture cannot allocate: it is set up first (capped in size).
+        tokens = self.req_to_token_pool.max_reqs * self.max_context_len
+        prepare_communication(tokens, self.config.hidden_size, self.dtype, self.device)
         return capture_graphs(self, progress=progress, capture_bs=capture_bs, capture_sizes=capture_sizes,
                               piece_compiler=piece_compiler)  # fmt: skip
 

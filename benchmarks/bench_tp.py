@@ -1,0 +1,452 @@
+"""Decode step time of one model shape at tensor-parallel sizes 1 and N, side
+by side, in one run (a script, not a test).
+
+    python benchmarks/bench_tp.py --out results/      # 2 GPUs: Llama-3-8B shape, bf16, TP 1 and 2
+    python benchmarks/bench_tp.py --shape tiny --device cpu --dtype float32 --decode-bs 1 2 \\
+        --context 16 --iters 2 --out /tmp/smoke       # the logic on a CPU (gloo)
+
+Each TP size runs in its own ``distributed.launch`` (TP 1 first). In every
+rank: the shape's model with random weights in ``--dtype`` on the rank's
+device (its shard), then for each ``--paths`` entry and each all-reduce
+variant a ``ModelRunner`` (``graphs="full"`` for ``whole_model``,
+``"piecewise"`` for ``piecewise``), its graphs captured for exactly the
+``--decode-bs`` sizes, and a DECODE batch of ``bs`` requests with
+``--context`` tokens of prefix each (stand-in random K/V) timed through
+``runner.forward_step`` (validation, dispatch, replay, logits and the
+step's synchronisation): ``--warmup`` steps, then the median of ``--iters``
+steps, each timed with CUDA events (wall time on a CPU). Every rank runs
+every step, so rank 0's time is the group's step time.
+
+All-reduce variants at TP > 1 on CUDA (``--comm``): ``symm``, the
+library's default: ``prepare_communication`` (called once per rank, before
+any capture) allocates the symmetric-memory buffer and all-reduces of at
+most ``SMALL_ALL_REDUCE_MAX_BYTES`` run the one-shot kernel; ``nccl``: every
+all-reduce through NCCL: its runners are captured and run inside
+``distributed.nccl_only_all_reduces()`` (the graphs keep the path taken at
+capture). Each row
+records the buffer size and the path its small all-reduces took
+(``small_all_reduce``), and the profile names the collective kernels that
+ran. At TP 1 there is no all-reduce (comm ``none``); on a CPU the one path
+is gloo (comm ``gloo``).
+
+Where the step's device time goes (CUDA only, after every timing, as a
+profiler slows the launches that follow it): ``torch.profiler`` over
+``--profile-steps`` steps on every rank, the summed device time of the
+kernels whose name contains ``allreduce``, ``all_reduce``, ``nccl`` or
+``one_shot`` (the all-reduces, and the LM head's all-gather) over the
+summed time of every kernel of those steps, rank 0's share. A collective
+kernel's time includes its wait for the slower rank.
+
+Weights: ``--fast-init`` (the default on CUDA) fills each rank's shard on
+its device with ``torch.randn`` under a fixed seed (``std`` 0.02, norm
+scales 1): ``build_random_model`` draws every full weight on the CPU in
+float32 on every rank (2.4 s per 10^8 values on a 2-core CPU: a minute
+or more for 8B). Fast-init weights of TP 1 and TP N
+are not the same model; for a speed benchmark they need not be.
+
+Output: a line per row as it is measured, a table at the end, and
+``bench_tp_<shape>.json`` in ``--out`` (card, torch, date, the
+arguments, the rows), rewritten after every row. A failing row (or
+launch) is recorded with its error and the rest still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Callable, Dict, List, Optional
+
+import torch
+from common import SHAPES, free_batch, make_batch  # noqa: E402 (benchmarks/ is the script's folder)
+
+import sgl_piecewise as sp
+from sgl_piecewise.distributed import (
+    SMALL_ALL_REDUCE_MAX_BYTES,
+    launch,
+    nccl_only_all_reduces,
+    prepare_communication,
+    symmetric_buffer_bytes,
+    tensor_parallel,
+)
+from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.models import ModelConfig, build_random_model
+from sgl_piecewise.models.hf_weights import new_model
+from sgl_piecewise.models.layers import RMSNorm
+
+PATHS = {"whole_model": "full", "piecewise": "piecewise"}  # timed path -> ModelRunner graphs= policy
+COMM_KERNEL_MARKS = ("allreduce", "all_reduce", "nccl", "one_shot")
+INIT_STD = 0.02
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes, each in its own launch")
+    p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--context", type=int, default=1024, help="prefix tokens per request in the KV cache")
+    p.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
+    p.add_argument("--comm", choices=("both", "symm", "nccl"), default="both", help="all-reduce variants at TP > 1")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--backend", default=None, help="default: triton on cuda, torch on the cpu")
+    p.add_argument("--piece-compiler", default=None, help="default: inductor on cuda, eager on the cpu")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=None, help="default: 10 on cuda, 2 on the cpu")
+    p.add_argument("--profile-steps", type=int, default=5, help="0: no profile (never on the cpu)")
+    p.add_argument("--fast-init", action=argparse.BooleanOptionalAction, default=None,
+                   help="draw weights on the device (default on cuda; module docstring)")  # fmt: skip
+    p.add_argument("--timeout", type=float, default=600, help="seconds per launch (and per collective wait)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    args.tp = sorted(set(args.tp))
+    args.decode_bs = sorted(set(args.decode_bs))
+    args.backend = args.backend or ("triton" if cuda else "torch")
+    args.piece_compiler = args.piece_compiler or ("inductor" if cuda else "eager")
+    args.warmup = (10 if cuda else 2) if args.warmup is None else args.warmup
+    args.fast_init = cuda if args.fast_init is None else args.fast_init
+    if not hasattr(torch, args.dtype) or not isinstance(getattr(torch, args.dtype), torch.dtype):
+        p.error(f"--dtype: expected a torch dtype name, got {args.dtype!r}")
+    if min(args.tp) < 1 or min(args.decode_bs) < 1 or args.context < 1 or args.iters < 1:
+        p.error("--tp, --decode-bs, --context and --iters: expected positive ints")
+    return args
+
+
+def comm_variants(opts: dict, tp_size: int) -> List[str]:
+    if tp_size == 1:
+        return ["none"]
+    if not opts["device"].startswith("cuda"):
+        return ["gloo"]  # no symmetric memory off CUDA: one path
+    return ["symm", "nccl"] if opts["comm"] == "both" else [opts["comm"]]
+
+
+def small_all_reduce(comm: str):
+    """``nccl``: every all-reduce issued or captured inside goes through NCCL
+    (``distributed.nccl_only_all_reduces``); else nothing changes."""
+    return nccl_only_all_reduces() if comm == "nccl" else contextlib.nullcontext()
+
+
+def small_all_reduce_path(comm: str, buffer_bytes: int) -> str:
+    """What a decode step's all-reduces run: ``one_shot`` (symmetric memory),
+    ``nccl``, ``gloo``, or ``none`` (one rank)."""
+    if comm == "symm":
+        return "one_shot" if buffer_bytes else "nccl"
+    return comm
+
+
+# ---- in each rank -----------------------------------------------------------
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, fast: bool, seed: int = 0):
+    """This rank's shard: ``build_random_model``, or with ``fast`` drawn on the device."""
+    if not fast:
+        return build_random_model(config, dtype, device, seed=seed, std=INIT_STD)
+    model = new_model(config, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(seed + 1009 * tensor_parallel().rank)
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) in norms:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, INIT_STD, generator=gen)
+    return model.eval()
+
+
+def build_runner(model, opts: dict, path: str) -> ModelRunner:
+    most = max(opts["decode_bs"])
+    runner = ModelRunner(model, max_reqs=most + 1, max_context_len=opts["context"] + 8,
+                         num_slots=most * (opts["context"] + 1) + 64, backend=opts["backend"],
+                         graphs=PATHS[path])  # fmt: skip
+    for layer in range(runner.kv_pool.num_layers):  # stand-in cache contents: random, not zeros
+        runner.kv_pool.k_buffers[layer].normal_()
+        runner.kv_pool.v_buffers[layer].normal_()
+    return runner
+
+
+def decode_batch(runner: ModelRunner, opts: dict, bs: int):
+    torch.manual_seed(bs)  # every rank the same token ids
+    return make_batch(runner, sp.ForwardMode.DECODE, [opts["context"]] * bs, [1] * bs)
+
+
+def step_times_ms(step: Callable[[], object], warmup: int, iters: int, cuda: bool) -> List[float]:
+    """A fixed count of steps (the ranks step in lockstep: no time-based warm-up)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            start = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - start))
+    return times
+
+
+def comm_share(step: Callable[[], object], steps: int) -> dict:
+    """Share of the kernels' device time in collective kernels over ``steps`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    total, comm, kernels = 0.0, 0.0, {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us()
+        total += us
+        if any(mark in e.name.lower() for mark in COMM_KERNEL_MARKS):
+            comm += us
+            kernels[e.name[:120]] = kernels.get(e.name[:120], 0.0) + us / steps
+    return {"share": comm / total if total else None, "comm_us_per_step": comm / steps,
+            "kernel_us_per_step": total / steps, "comm_kernels_us_per_step": kernels}  # fmt: skip
+
+
+def agree(tp, error: Optional[str]) -> Optional[str]:
+    """Every rank's error, if any rank had one: all ranks then skip alike."""
+    errors = [e for e in tp.all_gather_object(error) if e]
+    return errors[0] if errors else None
+
+
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:500]}"
+
+
+def run_rank(opts: dict, json_path: str) -> Optional[list]:
+    """One rank of one TP size: rows recorded by rank 0 as they are measured."""
+    tp = tensor_parallel()
+    device = tp.device or torch.device(opts["device"])
+    dtype = getattr(torch, opts["dtype"])
+    config = ModelConfig.from_hf_dict(SHAPES[opts["shape"]])
+    comms = comm_variants(opts, tp.size)
+    rows: list = []
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        if tp.is_first:
+            record_row(json_path, row)
+
+    start = time.perf_counter()
+    model = build_model(config, dtype, device, opts["fast_init"])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    info = {"init_s": time.perf_counter() - start,
+            "weights_gib_per_rank": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
+            "num_local_heads": getattr(model, "num_local_heads", None),
+            "num_local_kv_heads": getattr(model, "num_local_kv_heads", None)}  # fmt: skip
+    if "symm" in comms:  # before any capture
+        try:
+            prepare_communication(max(opts["decode_bs"]), config.hidden_size, dtype, device)
+        except Exception as e:  # the symm rows then record a buffer of 0 bytes: NCCL
+            info["prepare_communication_error"] = error_text(e)
+            traceback.print_exc()
+    info["symmetric_buffer_bytes"] = symmetric_buffer_bytes()
+    if tp.is_first:
+        card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        record_rank_info(json_path, tp.size, info, card)
+        say(f"[tp {tp.size}] model built in {info['init_s']:.1f} s, {info['weights_gib_per_rank']:.2f} GiB per "
+            f"rank; symmetric buffer {info['symmetric_buffer_bytes']} B")  # fmt: skip
+
+    kept = []  # (row, runner) of every timed row, for the profile
+    for path in opts["paths"]:
+        for comm in comms:
+            unit = {"shape": opts["shape"], "tp": tp.size, "comm": comm, "path": path}
+            unit["symmetric_buffer_bytes"] = info["symmetric_buffer_bytes"] if comm == "symm" else 0
+            unit["small_all_reduce"] = small_all_reduce_path(comm, unit["symmetric_buffer_bytes"])
+            with small_all_reduce(comm):
+                runner, error, capture_s = capture_unit(tp, model, opts, path)
+                if error:
+                    for bs in opts["decode_bs"]:
+                        record({**unit, "bs": bs, "ms": None, "error": f"build/capture: {error}"})
+                    continue
+                if tp.is_first:
+                    say(f"[tp {tp.size}] {path} {comm}: captured in {capture_s:.1f} s")
+                for bs in opts["decode_bs"]:
+                    row = {**unit, "bs": bs, "ms": None, "capture_s": capture_s,
+                           "kv_pool_heads": runner.kv_pool.num_kv_heads}  # fmt: skip
+                    time_row(tp, runner, opts, row)
+                    record(row)
+                    if not row.get("error"):
+                        kept.append((row, runner))
+    if device.type == "cuda" and opts["profile_steps"] > 0:
+        for row, runner in kept:
+            with small_all_reduce(row["comm"]):
+                profile_row(tp, runner, opts, row)
+            if tp.is_first:
+                record_row(json_path, row)
+    return rows if tp.is_first else None
+
+
+def capture_unit(tp, model, opts: dict, path: str) -> tuple:
+    """``(runner, error, seconds)``: a runner of ``path``'s policy, its graphs
+    captured for the decode sizes; an error on any rank is every rank's."""
+    runner, error, start = None, None, time.perf_counter()
+    try:
+        runner = build_runner(model, opts, path)
+        sizes = opts["decode_bs"]
+        runner.capture_graphs(progress=False, capture_bs=sizes, capture_sizes=sizes,
+                              piece_compiler=opts["piece_compiler"])  # fmt: skip
+    except Exception as e:
+        error = error_text(e)
+        traceback.print_exc()
+    error = agree(tp, error)
+    return (None if error else runner), error, time.perf_counter() - start
+
+
+def time_row(tp, runner: ModelRunner, opts: dict, row: dict) -> None:
+    """``row``'s ms (median, min, max) and the path its steps took, or its error."""
+    error = None
+    cuda = runner.device.type == "cuda"
+    try:
+        batch = decode_batch(runner, opts, row["bs"])
+        try:
+            tp.barrier()
+            times = step_times_ms(lambda: runner.forward_step(batch), opts["warmup"], opts["iters"], cuda)
+            row.update(ms=statistics.median(times), ms_min=min(times), ms_max=max(times),
+                       step_path=runner.step_stats[-1].path)  # fmt: skip
+        finally:
+            free_batch(runner, batch)
+    except Exception as e:
+        error = error_text(e)
+        traceback.print_exc()
+    error = agree(tp, error)
+    if error:
+        row.update(ms=None, error=error)
+    elif row["step_path"] != row["path"]:
+        row["error"] = f"timed the {row['step_path']} path, not {row['path']}"
+
+
+def profile_row(tp, runner: ModelRunner, opts: dict, row: dict) -> None:
+    """``row``'s collective share of kernel time (rank 0's, and every rank's)."""
+    error, share = None, None
+    try:
+        batch = decode_batch(runner, opts, row["bs"])
+        try:
+            tp.barrier()
+            share = comm_share(lambda: runner.forward_step(batch), opts["profile_steps"])
+        finally:
+            free_batch(runner, batch)
+    except Exception as e:
+        error = error_text(e)
+    shares = tp.all_gather_object(None if share is None else share["share"])
+    error = agree(tp, error)
+    if error:
+        row["profile_error"] = error
+    else:
+        row.update(comm_share=share["share"], comm_share_per_rank=shares, profile=share)
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+# ---- the JSON file (written by the parent and by each launch's rank 0) -------
+ROW_KEY = ("shape", "tp", "comm", "path", "bs")
+
+
+def load(json_path: str) -> dict:
+    with open(json_path) as f:
+        return json.load(f)
+
+
+def save(json_path: str, result: dict) -> None:
+    add_ratios(result["rows"])
+    tmp = json_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, json_path)  # a reader sees a whole file
+
+
+def add_ratios(rows: List[dict]) -> None:
+    """Each row's ms over TP 1's of the same path and batch size."""
+    tp1 = {(r["path"], r["bs"]): r["ms"] for r in rows if r["tp"] == 1 and r.get("ms")}
+    for r in rows:
+        ref = tp1.get((r["path"], r["bs"]))
+        r["ratio_to_tp1"] = r["ms"] / ref if ref and r.get("ms") else None
+
+
+def record_row(json_path: str, row: dict) -> None:
+    """Add (or update) ``row`` in the file and print it."""
+    result = load(json_path)
+    key = tuple(row[k] for k in ROW_KEY)
+    result["rows"] = [r for r in result["rows"] if tuple(r[k] for k in ROW_KEY) != key] + [row]
+    save(json_path, result)
+    print("row", format_row(next(r for r in result["rows"] if tuple(r[k] for k in ROW_KEY) == key)), flush=True)
+
+
+def record_rank_info(json_path: str, tp_size: int, info: dict, card: str) -> None:
+    result = load(json_path)
+    result["card"] = card
+    result["ranks"][str(tp_size)] = info
+    save(json_path, result)
+
+
+def format_row(r: dict) -> str:
+    ms = "-" if r.get("ms") is None else f"{r['ms']:.3f}"
+    ratio = "-" if r.get("ratio_to_tp1") is None else f"{r['ratio_to_tp1']:.3f}"
+    share = "-" if r.get("comm_share") is None else f"{100 * r['comm_share']:.1f}%"
+    line = f"{r['shape']:>5} {r['tp']:>3} {r['comm']:>5} {r['path']:>12} {r['bs']:>4} {ms:>9} {ratio:>7} {share:>8}"
+    return line + (f"  {r['error']}" if r.get("error") else "")
+
+
+def print_table(result: dict) -> None:
+    header = f"{'shape':>5} {'tp':>3} {'comm':>5} {'path':>12} {'bs':>4} {'ms':>9} {'/tp1':>7} {'comm %':>8}"
+    print(f"\ndecode step, {result['shape']} shape, {result['dtype']}, context {result['context']}, "
+          f"{result['card']}, torch {result['torch']}")  # fmt: skip
+    print(header)
+    print("-" * len(header))
+    order = {p: i for i, p in enumerate(PATHS)}
+    for r in sorted(result["rows"], key=lambda r: (order[r["path"]], r["bs"], r["tp"], r["comm"])):
+        print(format_row(r))
+    for launch_error in result["launch_errors"]:
+        print(f"tp {launch_error['tp']}: launch failed: {launch_error['error'][:2000]}")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    opts = vars(args)
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, f"bench_tp_{args.shape}.json")
+    result: Dict[str, object] = {
+        "shape": args.shape, "config": SHAPES[args.shape], "card": None, "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()), "argv": sys.argv[1:] if argv is None else list(argv),
+        "options": opts, "dtype": args.dtype, "context": args.context,
+        "small_all_reduce_max_bytes": SMALL_ALL_REDUCE_MAX_BYTES, "ranks": {}, "launches": [],
+        "launch_errors": [], "rows": [],
+    }  # fmt: skip
+    save(json_path, result)
+    for size in args.tp:
+        start = time.perf_counter()
+        error = None
+        try:
+            launch(run_rank, size, opts, json_path, device=args.device, timeout_s=args.timeout)
+        except Exception as e:
+            error = error_text(e) if not hasattr(e, "cause") else f"{type(e).__name__}: {e}"
+            print(f"[tp {size}] launch failed: {error[:3000]}", file=sys.stderr, flush=True)
+        seconds = time.perf_counter() - start
+        print(f"[tp {size}] launch done in {seconds:.1f} s", file=sys.stderr, flush=True)
+        result = load(json_path)
+        result["launches"].append({"tp": size, "seconds": seconds, "error": error})
+        if error:
+            result["launch_errors"].append({"tp": size, "error": error})
+        save(json_path, result)
+    print_table(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
