@@ -69,3 +69,21 @@ def test_sizes_that_differ_between_ranks_are_refused_on_every_rank_with_both_lis
     text = str(caught.value)
     assert "expected the same sizes on every rank" in text
     assert "rank 0: [4, 2, 1]" in text and "rank 1: [8, 2, 1]" in text
+
+
+def test_the_command_line_runs_two_ranks_and_rank_0_alone_prints(capfd):
+    from sgl_piecewise.engine.cli import main
+
+    argv = ["bench", "--model", "random", "--device", "cpu", "--tp", "2", "--new-tokens", "4", "--graphs", "none,full"]
+    assert main(argv) == 0
+    out = capfd.readouterr().out
+    assert out.count("sgl-piecewise bench") == 1, out  # one table: rank 0's
+    assert "full vs none: 16/16 generated tokens identical" in out
+
+
+def test_tp_other_than_torchruns_world_is_refused(monkeypatch, capsys):
+    from sgl_piecewise.engine.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["verify", "--device", "cpu", "--tp", "2"]) == 2
+    assert "--tp: expected torchrun's WORLD_SIZE (4) or no --tp, got 2" in capsys.readouterr().out
