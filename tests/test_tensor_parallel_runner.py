@@ -87,3 +87,27 @@ def test_tp_other_than_torchruns_world_is_refused(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert main(["verify", "--device", "cpu", "--tp", "2"]) == 2
     assert "--tp: expected torchrun's WORLD_SIZE (4) or no --tp, got 2" in capsys.readouterr().out
+
+
+def _gpu_tokens_every_policy(prompts: list, new_tokens: int) -> dict:
+    model = build_random_model(default_config(), torch.float32, "cuda", seed=0)
+    tokens = {}
+    for policy in POLICIES:
+        runner = ModelRunner(model, max_reqs=8, max_context_len=160, backend="triton", graphs=policy)
+        runner.capture_graphs(progress=False, capture_bs=(1, 2, 4, 8), capture_sizes=(8, 16, 32, 64, 128, 256))
+        tokens[policy] = runner.generate(prompts, new_tokens, progress=False)
+    return tokens
+
+
+@pytest.mark.gpu
+def test_gpu_two_ranks_generate_one_ranks_fp32_tokens_for_7_ragged_prompts_under_every_policy():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(4096) for _ in range(rng.randint(24, 48))] for _ in range(7)]
+    one = _gpu_tokens_every_policy(prompts, 64)
+    two = launch(_gpu_tokens_every_policy, 2, prompts, 64, device="cuda", timeout_s=600)
+    for policy in POLICIES:
+        assert one[policy] == one["none"], f"one rank, graphs={policy}"
+        for r in range(2):
+            assert two[r][policy] == one["none"], f"rank {r} of 2, graphs={policy}"
