@@ -14,6 +14,9 @@ import random
 import pytest
 import torch
 
+from sgl_piecewise.compile import precompiled
+from sgl_piecewise.compile.artifacts import artifact_key
+from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.distributed import RankFailedError, launch, tensor_parallel
 from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.models import build_random_model, default_config
@@ -40,7 +43,13 @@ def _generate_every_policy(prompts: list, new_tokens: int, piece_compiler: str =
         runner.capture_graphs(progress=False, **{**CAPTURE, "piece_compiler": piece_compiler})
         tokens[policy] = runner.generate(prompts, new_tokens, progress=False)
         paths[policy] = {s.path for s in runner.step_stats}
-    return {"rank": tensor_parallel().rank, "tokens": tokens, "paths": paths}
+    return {"rank": tensor_parallel().rank, "tokens": tokens, "paths": paths, "keys": _saved_compile_keys(model)}
+
+
+def _saved_compile_keys(model) -> tuple:
+    """The keys a saved compile of ``model`` is stored under on this rank."""
+    args = (torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+    return precompiled.model_key(model, args, CompileOptions()), artifact_key("graph", CompileOptions(), args[0].device)
 
 
 def test_two_ranks_generate_one_ranks_tokens_under_every_policy():
@@ -54,6 +63,10 @@ def test_two_ranks_generate_one_ranks_tokens_under_every_policy():
         for policy in POLICIES:
             assert result["tokens"][policy] == eager, f"rank {r}, graphs={policy}"
             assert GRAPH_PATHS[policy] <= result["paths"][policy], f"rank {r}, graphs={policy}: {result['paths']}"
+    # One saved compile per rank and group size: no rank loads another's.
+    keys = [_saved_compile_keys(model)] + [result["keys"] for result in ranks]
+    for kind in range(2):
+        assert len({k[kind] for k in keys}) == 3, keys
 
 
 def _capture_rank_dependent_sizes() -> None:

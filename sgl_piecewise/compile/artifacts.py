@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
+from sgl_piecewise.distributed import tensor_parallel
 from sgl_piecewise.graphs.counters import counters
 from sgl_piecewise.version import __version__
 
@@ -33,7 +34,7 @@ def artifact_key(structural_key: str, options: Any, device: torch.device) -> str
     """The file name of a graph's artifacts (hex digest)."""
 
     parts = [structural_key, repr(options), __version__, torch.__version__, triton_version(),
-             device_id(device)]  # fmt: skip
+             device_id(device), tensor_parallel_id()]  # fmt: skip
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
@@ -43,6 +44,13 @@ def triton_version() -> str:
     except ImportError:
         return "no triton"
     return triton.__version__
+
+
+def tensor_parallel_id() -> str:
+    """Each rank of a tensor-parallel group saves and loads its own compile:
+    its graphs name its group and hold its share of every shape."""
+    tp = tensor_parallel()
+    return f"tensor parallel rank {tp.rank} of {tp.size}"
 
 
 def device_id(device: torch.device) -> str:

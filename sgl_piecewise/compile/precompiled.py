@@ -54,7 +54,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx
 
-from sgl_piecewise.compile.artifacts import device_id, triton_version, write_atomically
+from sgl_piecewise.compile.artifacts import device_id, tensor_parallel_id, triton_version, write_atomically
 from sgl_piecewise.compile.direct_call import GraphInputs
 from sgl_piecewise.compile.token_axis import TokenAxis
 from sgl_piecewise.internals import dynamo_trace
@@ -94,6 +94,7 @@ def model_key(model: torch.nn.Module, args: Sequence[Any], options: Any) -> str:
         f"format {FORMAT}", __version__, torch.__version__, triton_version(), sys.version,
         repr(dataclasses.replace(options, cache_dir=None)), f"grad {torch.is_grad_enabled()}",
         f"default dtype {torch.get_default_dtype()}", f"deterministic {torch.are_deterministic_algorithms_enabled()}",
+        tensor_parallel_id(),
     ]  # fmt: skip
     for a in args:
         parts.append(f"arg {a.dtype} {tuple(a.shape[1:])} {a.dim()} {device_id(a.device)}")
