@@ -1,20 +1,28 @@
 """``verify``: graph replay against eager on random ragged batches, and the
 ``sgl-piecewise verify`` command. It must pass on a correct stack, check
-every path its policies offer, and fail on a broken one."""
+every path its policies offer, run each step on the prefixes an eager
+prefill writes (alike in every runner), and fail on a broken one."""
 
 from __future__ import annotations
 
 from functools import partial
 
 import pytest
+import torch
 from test_whole_model_runner import CONFIG
 
 from sgl_piecewise.backends import create_backend
+from sgl_piecewise.engine import testing
+from sgl_piecewise.engine import verify as verify_module
 from sgl_piecewise.engine.cli import main
+from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.engine.verify import verify
 from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.forward import ForwardBatch, ForwardMode
+from sgl_piecewise.memory import KVPool, ReqToTokenPool, allocate_requests
 from sgl_piecewise.models import build_random_model
 from sgl_piecewise.runners.breakable import BreakableCudaGraphRunner
+from sgl_piecewise.runners.eager import run_model
 from sgl_piecewise.runners.whole_model import CudaGraphRunner
 
 # Each compile here adds a Dynamo cache entry for the same model code; entries
@@ -22,11 +30,16 @@ from sgl_piecewise.runners.whole_model import CudaGraphRunner
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
+BACKEND = partial(create_backend, "torch", num_q_heads=CONFIG.num_attention_heads)
+
+
+def _model():
+    return build_random_model(CONFIG, seed=2, std=0.2)
+
+
 def _verify(**kw):
-    model = build_random_model(CONFIG, seed=2, std=0.2)
-    backend = partial(create_backend, "torch", num_q_heads=CONFIG.num_attention_heads)
     kw = {"max_bs": 4, "max_context_len": 96, "progress": False, "piece_compiler": "eager", **kw}
-    return verify(model, backend, **kw)
+    return verify(_model(), BACKEND, **kw)
 
 
 def test_a_correct_stack_passes_on_every_path_its_policies_offer():
@@ -57,6 +70,92 @@ def test_a_graph_runner_that_returns_wrong_hidden_states_fails_on_its_paths_only
     if broken is None:  # every path the breakable runner took
         broken = {key for key in reports if key[1] == "breakable"}
     assert broken and failed == broken
+
+
+def _prefix_kv(req_pool: ReqToTokenPool, kv_pool: KVPool, rows, prefix_lens):
+    """Per request with a prefix, K and V of every layer at its prefix slots."""
+    out = []
+    for row, p in zip(rows, prefix_lens):
+        if p:
+            slots = req_pool.req_to_token[row, :p].to(torch.int64)
+            out.append([(k[slots].clone(), v[slots].clone()) for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers)])
+    return out
+
+
+def _direct_prefill(model, prefix_lens, seed):
+    """Prefix K/V of one plain eager EXTEND over the prefix tokens a step of
+    ``seed`` draws (its generator's first draw), in pools of its own."""
+    prompts = [p for p in prefix_lens if p]
+    ids = torch.randint(0, CONFIG.vocab_size, (sum(prompts),), generator=torch.Generator().manual_seed(seed))
+    req_pool = ReqToTokenPool(len(prompts), max(prompts))
+    kv_pool = KVPool(sum(prompts), CONFIG.num_hidden_layers, CONFIG.num_key_value_heads, CONFIG.head_dim)
+    rows, loc = allocate_requests(req_pool, kv_pool, [0] * len(prompts), prompts)
+    batch = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [0] * len(prompts), prompts, loc)
+    with torch.no_grad():
+        run_model(model, batch, BACKEND(req_pool, kv_pool))
+    return _prefix_kv(req_pool, kv_pool, rows.tolist(), prompts)
+
+
+def test_a_step_runs_on_the_prefixes_an_eager_prefill_writes_bit_identical_in_every_runner(monkeypatch):
+    model = _model()
+    eager = ModelRunner(model, max_reqs=4, max_context_len=32, backend=BACKEND)
+    graphed = ModelRunner(model, max_reqs=4, max_context_len=32, backend=BACKEND, graphs="full")
+    graphed.capture_graphs(progress=False, capture_bs=[4])
+    seen = []
+    real = ModelRunner.forward_step
+
+    def snapshot_prefixes(self, batch, **kw):  # what the step reads, before it writes its new tokens
+        rows, prefix = batch.req_pool_indices_cpu.tolist(), batch.extend_prefix_lens_cpu
+        seen.append(_prefix_kv(self.req_to_token_pool, self.kv_pool, rows, prefix))
+        return real(self, batch, **kw)
+
+    monkeypatch.setattr(ModelRunner, "forward_step", snapshot_prefixes)
+    prefix, seed = [5, 0, 12], 7
+    logits = [verify_module._step(r, ForwardMode.DECODE, prefix, [1, 1, 1], seed) for r in (eager, graphed)]
+    assert [r.step_stats[-1].path for r in (eager, graphed)] == ["eager", "whole_model"]
+    want = _direct_prefill(model, prefix, seed)
+    assert len(seen) == 2
+    for got in seen:
+        assert len(got) == len(want) == 2
+        for request, direct in zip(got, want):
+            for (k, v), (k0, v0) in zip(request, direct):
+                assert torch.equal(k, k0) and torch.equal(v, v0)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-3, rtol=1e-3)
+    for r in (eager, graphed):  # prefix and new slots, and the rows, all given back
+        assert r.kv_pool.available == r.kv_pool.num_slots and r.req_to_token_pool.available == 4
+
+
+def test_a_prefill_that_fails_gives_back_every_row_and_slot(monkeypatch):
+    runner = ModelRunner(_model(), max_reqs=4, max_context_len=32, backend=BACKEND)
+
+    def broken(*args):
+        raise RuntimeError("prefill failed")
+
+    monkeypatch.setattr(testing, "run_model", broken)
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        verify_module._step(runner, ForwardMode.MIXED, [3, 0, 9], [2, 1, 4], seed=0)
+    assert runner.kv_pool.available == runner.kv_pool.num_slots and runner.req_to_token_pool.available == 4
+
+
+def test_a_graph_that_reads_one_cached_token_from_a_wrong_slot_fails(monkeypatch):
+    """Prefixes the model wrote are smoother than noise; a graph that reads
+    a request's second cached token in place of its first (a page table off
+    by one) must still show."""
+    real = CudaGraphRunner.replay
+
+    def first_cached_token_from_the_second_slot(self, batch, padded_bs):
+        table = self.model_runner.req_to_token_pool.req_to_token
+        rows = batch.req_pool_indices_cpu[torch.tensor(batch.extend_prefix_lens_cpu) > 1]
+        kept = table[rows, 0].clone()
+        table[rows, 0] = table[rows, 1]
+        try:
+            return real(self, batch, padded_bs)
+        finally:
+            table[rows, 0] = kept
+
+    monkeypatch.setattr(CudaGraphRunner, "replay", first_cached_token_from_the_second_slot)
+    reports = _verify(steps=8, seed=3, graphs=("full",))
+    assert {key for key, r in reports.items() if not r.ok} == {("DECODE", "whole_model")}
 
 
 def test_verify_command_exits_zero_and_prints_the_table(capsys):
