@@ -143,9 +143,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ranks = _ranks(args)
         if ranks > 1 and "WORLD_SIZE" not in os.environ:  # start the ranks; each runs the command
             return max(launch(_run_rank, ranks, argv, device=_launch_device(args.device)))
-        if ranks > 1:  # a rank of torchrun's world
+        if ranks > 1:  # a rank of torchrun's world: an error ends it, and torchrun the others
             init_tensor_parallel(device=_launch_device(args.device))
-        return _run(args, console if tensor_parallel().is_first else Console(quiet=True))
+            return _run_rank(argv)
+        return _run(args, console)
     except RankFailedError as exc:  # its message names the rank and carries its traceback
         console.print(Text.assemble(("error:", "red"), " ", str(exc)), soft_wrap=True)
         return 1

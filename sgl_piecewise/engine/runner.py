@@ -146,7 +146,13 @@ class ModelRunner:
         if num_slots is not None:
             if kv_cache_gib is not None:
                 raise InvalidInputError(f"expected num_slots or kv_cache_gib, got both ({num_slots}, {kv_cache_gib})")
-            return check_positive_int("num_slots", num_slots)
+            check_positive_int("num_slots", num_slots)
+            every = tensor_parallel().all_gather_object(num_slots)
+            if any(n != num_slots for n in every):
+                raise InvalidInputError(
+                    f"num_slots: expected the same count on every tensor-parallel rank, got {every}"
+                )
+            return num_slots
         budget, source = self._kv_budget(kv_cache_gib)
         full = max_reqs * context
         # Every rank of a tensor-parallel group allocates and frees the same
