@@ -124,3 +124,36 @@ def test_gpu_two_ranks_generate_one_ranks_fp32_tokens_for_7_ragged_prompts_under
         assert one[policy] == one["none"], f"one rank, graphs={policy}"
         for r in range(2):
             assert two[r][policy] == one["none"], f"rank {r} of 2, graphs={policy}"
+
+
+SPEC_CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=101, max_position_embeddings=128)  # fmt: skip
+
+
+def _speculative_tokens(prompts: list, new_tokens: int, k: int) -> list:
+    """Greedy speculative decoding through whole-model graphs of the three step
+    kinds, the draft the target's first two layers."""
+    from sgl_piecewise import ForwardMode
+    from sgl_piecewise.engine.drafts import LayerSkipDraft
+    from sgl_piecewise.engine.speculative import speculative_generate
+    from sgl_piecewise.models import ModelConfig
+    from sgl_piecewise.runners.whole_model import CudaGraphRunner
+
+    model = build_random_model(ModelConfig(architecture="LlamaForCausalLM", **SPEC_CONFIG), seed=5, std=0.2)
+    target = ModelRunner(model, max_reqs=6, max_context_len=96, backend="torch")
+    draft = ModelRunner(LayerSkipDraft(model, 2), max_reqs=6, max_context_len=96, backend="torch")
+    CudaGraphRunner(target, (1, 2, 4), modes=[ForwardMode.TARGET_VERIFY], num_tokens_per_req=k + 1).capture(False)
+    CudaGraphRunner(draft, (1, 2, 4), modes=[ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND_V2],
+                    num_tokens_per_req=k + 1).capture(False)  # fmt: skip
+    return speculative_generate(target, draft, prompts, new_tokens, k).tokens
+
+
+def test_two_ranks_decode_speculatively_to_one_ranks_plain_greedy_tokens():
+    from sgl_piecewise.models import ModelConfig
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(101) for _ in range(n)] for n in (5, 9, 3)]
+    model = build_random_model(ModelConfig(architecture="LlamaForCausalLM", **SPEC_CONFIG), seed=5, std=0.2)
+    plain = ModelRunner(model, max_reqs=6, max_context_len=96, backend="torch").generate(prompts, 12, progress=False)
+    for rank_tokens in launch(_speculative_tokens, 2, prompts, 12, 3, timeout_s=300):
+        assert rank_tokens == plain
