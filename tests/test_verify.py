@@ -33,13 +33,13 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 BACKEND = partial(create_backend, "torch", num_q_heads=CONFIG.num_attention_heads)
 
 
-def _model():
-    return build_random_model(CONFIG, seed=2, std=0.2)
+def _model(dtype=torch.float32):
+    return build_random_model(CONFIG, dtype, seed=2, std=0.2)
 
 
-def _verify(**kw):
+def _verify(dtype=torch.float32, **kw):
     kw = {"max_bs": 4, "max_context_len": 96, "progress": False, "piece_compiler": "eager", **kw}
-    return verify(_model(), BACKEND, **kw)
+    return verify(_model(dtype), BACKEND, **kw)
 
 
 def test_a_correct_stack_passes_on_every_path_its_policies_offer():
@@ -137,7 +137,8 @@ def test_a_prefill_that_fails_gives_back_every_row_and_slot(monkeypatch):
     assert runner.kv_pool.available == runner.kv_pool.num_slots and runner.req_to_token_pool.available == 4
 
 
-def test_a_graph_that_reads_one_cached_token_from_a_wrong_slot_fails(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_graph_that_reads_one_cached_token_from_a_wrong_slot_fails(monkeypatch, dtype):
     """Prefixes the model wrote are smoother than noise; a graph that reads
     a request's second cached token in place of its first (a page table off
     by one) must still show."""
@@ -154,8 +155,18 @@ def test_a_graph_that_reads_one_cached_token_from_a_wrong_slot_fails(monkeypatch
             table[rows, 0] = kept
 
     monkeypatch.setattr(CudaGraphRunner, "replay", first_cached_token_from_the_second_slot)
-    reports = _verify(steps=8, seed=3, graphs=("full",))
+    reports = _verify(dtype, steps=8, seed=3, graphs=("full",))
     assert {key for key, r in reports.items() if not r.ok} == {("DECODE", "whole_model")}
+
+
+def test_in_bf16_the_tolerance_grows_by_the_models_own_distance_from_fp32_and_no_more():
+    """Half precision: each step also runs an fp32 copy of the model; its
+    distance from eager (the rounding of this model) widens the tolerance,
+    float32 runs none."""
+    reports = _verify(torch.bfloat16, steps=10, seed=1)
+    assert all(r.ok for r in reports.values()), reports
+    assert all(0 < r.noise < 0.5 for r in reports.values()), reports
+    assert all(r.noise == 0 for r in _verify(steps=4, seed=1).values())
 
 
 def test_verify_command_exits_zero_and_prints_the_table(capsys):

@@ -58,6 +58,11 @@ class TensorParallel:
     device_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
     cpu_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
 
+    def __deepcopy__(self, memo: dict) -> "TensorParallel":
+        """The group itself: a copy of a model (an fp32 twin) is a model of
+        the same ranks, and process groups cannot be copied."""
+        return self
+
     @property
     def is_first(self) -> bool:
         """Rank 0: the rank that prints."""

@@ -47,7 +47,7 @@ from sgl_piecewise.engine.bench import (
 )
 from sgl_piecewise.engine.speculative_bench import add_draft_argument, bench_draft
 from sgl_piecewise.engine.text import SMOLLM2
-from sgl_piecewise.engine.verify import TOLERANCE, verify
+from sgl_piecewise.engine.verify import NOISE_FACTOR, TOLERANCE, verify
 from sgl_piecewise.errors import InvalidInputError, SglPiecewiseError
 from sgl_piecewise.runners.dispatch import POLICIES
 
@@ -121,14 +121,17 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
         max_context_len=min(256, model.config.max_position_embeddings), piece_compiler=args.piece_compiler,
     )  # fmt: skip
     atol, rtol = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+    half = dtype != torch.float32  # the tolerance's third term: eager's own distance from an fp32 copy
+    noise = f" + {NOISE_FACTOR:g}·|eager - fp32|" if half else ""
     table = Table(title=f"sgl-piecewise verify ({device}, {dtype}, backend {args.backend}, "
-                        f"graphs {','.join(policies)}, tolerance {atol:g} + {rtol:g}·|eager|)")  # fmt: skip
-    for col in ("mode", "path", "steps", "batch sizes", "max |graph - eager|", "verdict"):
+                        f"graphs {','.join(policies)}, tolerance {atol:g} + {rtol:g}·|eager|{noise})")  # fmt: skip
+    columns = ("mode", "path", "steps", "batch sizes", "max |graph - eager|", *(("max |eager - fp32|",) * half))
+    for col in (*columns, "verdict"):
         # Fold, never cut: every batch size drawn is shown, however narrow the terminal.
         table.add_column(col, justify="left" if col in ("mode", "path", "batch sizes") else "right", overflow="fold")
     for _, r in sorted(reports.items()):
         sizes = ",".join(map(str, sorted(set(r.sizes)))) or "-"
-        table.add_row(r.mode, r.path, str(r.steps), sizes, f"{r.worst:.3g}",
+        table.add_row(r.mode, r.path, str(r.steps), sizes, f"{r.worst:.3g}", *((f"{r.noise:.3g}",) * half),
                       "ok" if r.ok else "[red]MISMATCH[/red]")  # fmt: skip
     console.print(table)
     return 0 if all(r.ok for r in reports.values()) else 1
