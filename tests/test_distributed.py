@@ -9,6 +9,7 @@ so one run checks every collective; the GPU test needs two CUDA devices.
 
 import math
 import multiprocessing
+import os
 import time
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sgl_piecewise.distributed import (
+    SAFE_ENV,
     SMALL_ALL_REDUCE_MAX_BYTES,
     LaunchTimeoutError,
     RankFailedError,
@@ -168,7 +170,8 @@ def _check_everything_on_two_ranks():
     _check_opcheck(tp)
     _check_compiled(tp)
     tp.barrier()
-    return {"rank": tp.rank, "objects": tp.all_gather_object({"rank": tp.rank})}
+    env = {name: os.environ.get(name) for name in SAFE_ENV}
+    return {"rank": tp.rank, "objects": tp.all_gather_object({"rank": tp.rank}), "env": env}
 
 
 def _rank_1_raises_while_rank_0_waits_in_a_collective():
@@ -185,10 +188,14 @@ def _sleep(seconds: float) -> None:
 
 
 # ---- two ranks on the CPU --------------------------------------------------------
-def test_every_collective_on_two_cpu_ranks_returns_in_rank_order():
+def test_every_collective_on_two_cpu_ranks_returns_in_rank_order(monkeypatch):
+    # Multicast stays off in every rank, even where the parent asked for it.
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)
     results = launch(_check_everything_on_two_ranks, 2, timeout_s=300)
     assert [r["rank"] for r in results] == [0, 1]
     assert [r["objects"] for r in results] == [[{"rank": 0}, {"rank": 1}]] * 2
+    assert [r["env"] for r in results] == [SAFE_ENV] * 2
 
 
 def test_a_failing_rank_ends_every_rank_and_names_itself():

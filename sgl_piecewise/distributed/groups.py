@@ -31,15 +31,20 @@ from sgl_piecewise.internals import symm_mem
 
 logger = logging.getLogger("sgl_piecewise.distributed")
 
-# Never multicast (NVLS): set where the environment leaves them unset, before
-# NCCL or symmetric memory starts; a value already set is the user's and stays.
+# Never multicast (NVLS): set before NCCL or symmetric memory starts. The
+# GPU hosts this library runs on are shared, and multicast objects there are
+# off for everyone; a value that would turn it on is overridden (logged).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def set_safe_env_defaults() -> None:
-    """Set :data:`SAFE_ENV`'s variables where unset; never overrides or unsets one."""
+def set_safe_env() -> None:
+    """Set :data:`SAFE_ENV`'s variables, whatever the environment held;
+    never unsets one."""
     for name, value in SAFE_ENV.items():
-        os.environ.setdefault(name, value)
+        held = os.environ.get(name)
+        if held is not None and held != value:
+            logger.warning("tensor parallel: %s=%s would allow NVLink multicast; set to %s", name, held, value)
+        os.environ[name] = value
 
 
 @dataclass(frozen=True)
@@ -224,7 +229,7 @@ def _buffer_bytes(needed: int) -> int:
 def _init_world(rank: int, world: int, dev: torch.device, timeout_s: float) -> TensorParallel:
     """The process groups of a world of several ranks."""
     global _owns_world
-    set_safe_env_defaults()
+    set_safe_env()
     backend = "nccl" if dev.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if dist.is_initialized():

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from sgl_piecewise.checks import check_positive_int
-from sgl_piecewise.distributed.groups import destroy_tensor_parallel, init_tensor_parallel, set_safe_env_defaults
+from sgl_piecewise.distributed.groups import destroy_tensor_parallel, init_tensor_parallel, set_safe_env
 from sgl_piecewise.errors import InvalidInputError, SglPiecewiseError
 
 # After a rank fails: how long the others get to end on their own, then again
@@ -59,7 +59,7 @@ def launch(fn: Callable, nprocs: int, *args: Any, device: str = "cpu", timeout_s
     ``fn`` must be a module-level function (spawn pickles it by name). Each
     rank gets ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, and
-    ``groups.SAFE_ENV`` where unset. ``timeout_s`` (None: no limit) bounds
+    ``groups.SAFE_ENV``. ``timeout_s`` (None: no limit) bounds
     the whole run and every collective's wait; past it every rank is ended
     and :class:`LaunchTimeoutError` raised. A rank that raises ends every
     rank, and :class:`RankFailedError` names it with its traceback.
@@ -88,7 +88,7 @@ def _run_rank(local_rank: int, setup: tuple, fn: Callable, args: tuple) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), WORLD_SIZE=str(nprocs),
         LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(nprocs),
     )  # fmt: skip
-    set_safe_env_defaults()
+    set_safe_env()
     try:
         init_tensor_parallel(device=device, **({} if timeout_s is None else {"timeout_s": timeout_s}))
         result = fn(*args)

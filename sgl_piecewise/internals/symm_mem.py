@@ -21,8 +21,8 @@ NCCL, twice per layer per step.
 No multicast: only the one-shot op is used, never the ``multimem_*`` ops
 nor the two-shot variants that need multicast objects (NVLS). The package
 sets ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NCCL_NVLS_ENABLE=0`` and
-``NVSHMEM_DISABLE_NVLS=1`` where the environment leaves them unset
-(``distributed/groups.py``).
+``NVSHMEM_DISABLE_NVLS=1`` before any group starts, overriding a value
+that would allow multicast (``distributed/groups.py``).
 
 What the op accepts (checked by :func:`fits`, so a call never reaches the
 op's own refusal): bfloat16 or float32 (the op dispatches only these), a
