@@ -19,6 +19,7 @@ from sgl_piecewise.compile.artifacts import artifact_key
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.distributed import RankFailedError, launch, tensor_parallel
 from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.engine.testing import prefill_logits
 from sgl_piecewise.models import build_random_model, default_config
 from sgl_piecewise.runners.dispatch import POLICIES
 
@@ -43,7 +44,9 @@ def _generate_every_policy(prompts: list, new_tokens: int, piece_compiler: str =
         runner.capture_graphs(progress=False, **{**CAPTURE, "piece_compiler": piece_compiler})
         tokens[policy] = runner.generate(prompts, new_tokens, progress=False)
         paths[policy] = {s.path for s in runner.step_stats}
-    return {"rank": tensor_parallel().rank, "tokens": tokens, "paths": paths, "keys": _saved_compile_keys(model)}
+    prefill = prefill_logits(model, prompts[0])  # bench's reference for a differing token's logit gap
+    return {"rank": tensor_parallel().rank, "tokens": tokens, "paths": paths, "keys": _saved_compile_keys(model),
+            "prefill": prefill}  # fmt: skip
 
 
 def _saved_compile_keys(model) -> tuple:
@@ -60,6 +63,7 @@ def test_two_ranks_generate_one_ranks_tokens_under_every_policy():
     ranks = launch(_generate_every_policy, 2, prompts, 10, timeout_s=600)
     for r, result in enumerate(ranks):
         assert result["rank"] == r
+        torch.testing.assert_close(result["prefill"], prefill_logits(model, prompts[0]), atol=1e-5, rtol=1e-5)
         for policy in POLICIES:
             assert result["tokens"][policy] == eager, f"rank {r}, graphs={policy}"
             assert GRAPH_PATHS[policy] <= result["paths"][policy], f"rank {r}, graphs={policy}: {result['paths']}"

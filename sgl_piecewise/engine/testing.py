@@ -14,6 +14,7 @@ from sgl_piecewise.backends.base import AttentionBackend
 from sgl_piecewise.backends.reference import ReferenceBackend
 from sgl_piecewise.batch_checks import check_batch
 from sgl_piecewise.context import forward_context
+from sgl_piecewise.engine.runner import attention_heads
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
 from sgl_piecewise.memory import KVPool, ReqToTokenPool, allocate_requests
 from sgl_piecewise.models.config import ModelConfig
@@ -163,9 +164,8 @@ def prefill_logits(model: torch.nn.Module, prompt: Sequence[int]) -> torch.Tenso
     param = next(model.parameters())
     device = param.device
     req_pool = ReqToTokenPool(max_reqs=1, max_context_len=len(prompt), device=device)
-    kv_pool = KVPool(
-        len(prompt), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype=param.dtype, device=device
-    )
+    _, kv_heads = attention_heads(model)  # a sharded model's rank holds a share of them
+    kv_pool = KVPool(len(prompt), cfg.num_hidden_layers, kv_heads, cfg.head_dim, dtype=param.dtype, device=device)
     backend = ReferenceBackend(req_pool, kv_pool)
     rows, loc = place_requests(req_pool, kv_pool, [0], [len(prompt)], fill_prefix=False)
     ids = torch.tensor(list(prompt), dtype=torch.int64, device=device)
