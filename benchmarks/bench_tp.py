@@ -63,7 +63,7 @@ import traceback
 from typing import Callable, Dict, List, Optional
 
 import torch
-from common import SHAPES, free_batch, make_batch  # noqa: E402 (benchmarks/ is the script's folder)
+from common import SHAPES, free_batch, make_batch, step_times_ms  # noqa: E402 (benchmarks/ is the script's folder)
 
 import sgl_piecewise as sp
 from sgl_piecewise.distributed import (
@@ -173,24 +173,11 @@ def decode_batch(runner: ModelRunner, opts: dict, bs: int):
     return make_batch(runner, sp.ForwardMode.DECODE, [opts["context"]] * bs, [1] * bs)
 
 
-def step_times_ms(step: Callable[[], object], warmup: int, iters: int, cuda: bool) -> List[float]:
+def lockstep_times_ms(step: Callable[[], object], warmup: int, iters: int, cuda: bool) -> List[float]:
     """A fixed count of steps (the ranks step in lockstep: no time-based warm-up)."""
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            start = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - start))
-    return times
+    return step_times_ms(step, iters, cuda)
 
 
 def comm_share(step: Callable[[], object], steps: int) -> dict:
@@ -315,7 +302,7 @@ def time_row(tp, runner: ModelRunner, opts: dict, row: dict) -> None:
         batch = decode_batch(runner, opts, row["bs"])
         try:
             tp.barrier()
-            times = step_times_ms(lambda: runner.forward_step(batch), opts["warmup"], opts["iters"], cuda)
+            times = lockstep_times_ms(lambda: runner.forward_step(batch), opts["warmup"], opts["iters"], cuda)
             row.update(ms=statistics.median(times), ms_min=min(times), ms_max=max(times),
                        step_path=runner.step_stats[-1].path)  # fmt: skip
         finally:

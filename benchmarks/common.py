@@ -12,7 +12,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -92,10 +92,11 @@ def write_json(folder: str, name: str, result: object) -> str:
     return path
 
 
-def step_times_ms(fn: Callable[[], object], iters: int) -> List[float]:
-    """``iters`` timings of ``fn`` in ms: CUDA events on a GPU, wall time otherwise."""
+def step_times_ms(fn: Callable[[], object], iters: int, cuda: Optional[bool] = None) -> List[float]:
+    """``iters`` timings of ``fn`` in ms: CUDA events on a GPU (``cuda``; by
+    default wherever CUDA is available), wall time otherwise."""
     times = []
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     for _ in range(iters):
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
