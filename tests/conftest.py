@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -67,21 +68,70 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+class StartedProcess:
+    """``argv`` in a new process, started at once; :meth:`stdout` waits for
+    it. Its output goes to files, not pipes: a process no one reads yet
+    never stalls on a full pipe."""
+
+    def __init__(self, argv, env: dict, timeout: float, cwd=None):
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self._popen = subprocess.Popen([str(a) for a in argv], stdout=self._out, stderr=self._err, text=True,
+                                       env=env, cwd=cwd)  # fmt: skip
+        self._timeout = timeout
+
+    def stdout(self) -> str:
+        """What it printed; it must exit with 0, within ``timeout`` s of this call."""
+        try:
+            self._popen.wait(timeout=self._timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        self._out.seek(0)
+        self._err.seek(0)
+        assert self._popen.returncode == 0, self._err.read()[-3000:]
+        return self._out.read()
+
+    def result(self) -> dict:
+        """The JSON the last line of its output prints."""
+        return json.loads(self.stdout().strip().splitlines()[-1])
+
+    def stop(self) -> None:
+        if self._popen.poll() is None:
+            self._popen.kill()
+            self._popen.wait()
+        self._out.close()
+        self._err.close()
+
+
+@pytest.fixture(scope="session")
+def started_process():
+    """:class:`StartedProcess`, for test modules (they do not import the conftest)."""
+    return StartedProcess
+
+
 @pytest.fixture
 def fresh_process():
     """``run(code, *argv, inductor_dir=..., timeout=...)``: ``code`` in a new Python
     process with an Inductor cache of its own; the JSON its last line of
     output prints. What one process leaves for the next is then only what
-    the code saves."""
+    the code saves. ``run.start(...)``, same arguments, returns the
+    :class:`StartedProcess` at once (its ``result()`` waits), so processes
+    that read nothing the other writes run side by side (on two cores, in
+    the time of the longer); any still running when the test ends is stopped."""
+    started = []
+
+    def start(code: str, *argv, inductor_dir, timeout: float = 900) -> StartedProcess:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)}
+        started.append(StartedProcess([sys.executable, "-c", code, *argv], env, timeout))
+        return started[-1]
 
     def run(code: str, *argv, inductor_dir, timeout: float = 900) -> dict:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)}
-        done = subprocess.run([sys.executable, "-c", code, *map(str, argv)],
-                              capture_output=True, text=True, timeout=timeout, env=env)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        return start(code, *argv, inductor_dir=inductor_dir, timeout=timeout).result()
 
-    return run
+    run.start = start
+    yield run
+    for process in started:
+        process.stop()
 
 
 @pytest.fixture

@@ -85,15 +85,26 @@ def _model(device="cpu", dtype=torch.float32, config=CONFIG):
     return build_random_model(config, dtype, device, seed=5, std=0.2)
 
 
-def _backend(name: str, config=CONFIG):
+# Off CUDA the triton decode grid's split axis is max_kv_splits whole (no SM
+# count sizes it), one interpreted program per split and (request, kv head).
+# A context here holds at most 96 keys and a split 64 (the kernel's
+# tokens_per_split), so no request takes more than 2 splits: 2 keeps every
+# request's split count (the merge of 2 splits, and the idle second split of
+# a 1-split request) at a 32nd of the default 64's programs.
+CPU_TRITON_OPTIONS = dict(max_kv_splits=2)
+
+
+def _backend(name: str, config=CONFIG, device="cpu"):
     if name == "triton":
         pytest.importorskip("triton")
-    return partial(create_backend, name, num_q_heads=config.num_attention_heads)
+    options = CPU_TRITON_OPTIONS if name == "triton" and torch.device(device).type == "cpu" else {}
+    return partial(create_backend, name, num_q_heads=config.num_attention_heads, **options)
 
 
 def _runners(model, name="torch", sizes=SIZES, **kw):
     """An eager runner and a breakable one over ``model`` (separate pools)."""
-    kwargs = {"max_reqs": 8, "max_context_len": 96, "backend": _backend(name, model.config), **kw}
+    device = next(model.parameters()).device
+    kwargs = {"max_reqs": 8, "max_context_len": 96, "backend": _backend(name, model.config, device), **kw}
     eager, graphs = ModelRunner(model, **kwargs), ModelRunner(model, **kwargs)
     return eager, graphs, BreakableCudaGraphRunner(graphs, sizes)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,11 +21,41 @@ def code_after_docstring(path: Path) -> str:
     return text[match.end() :] if match else text
 
 
-def run(path: Path) -> str:
+# The tests that run an example, and the example each runs.
+RUNS = {
+    "test_model_authors_example_attends_the_ragged_batch": "model_authors.py",
+    "test_compile_users_example_traces_once_and_replays_its_prefill": "compile_users.py",
+    "test_engine_builders_example_routes_every_step_and_generates_64_tokens_per_prompt": "engine_builders.py",
+    "test_speculative_decoding_example_gives_plain_greedy_tokens": "speculative_decoding.py",
+}
+
+
+@pytest.fixture(scope="module")
+def run(request, started_process):
+    """``run(name)``: the stdout of ``examples/<name>`` run as a user runs it,
+    in a process of its own (it must exit with 0 within 600 s of the call).
+
+    The examples the selected tests run all start when the first of those
+    tests starts: none reads what another writes (Inductor's cache takes
+    concurrent compiles) and each keeps mostly one core busy, so on two
+    cores they run side by side; each test waits for its own. Any still
+    running when the module ends is stopped."""
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+
+    def start(name: str):
+        return started_process([sys.executable, ROOT / "examples" / name], env, timeout=600, cwd=ROOT)
+
+    mine = [item.originalname for item in request.session.items if getattr(item, "module", None) is request.module]
+    started = {RUNS[test]: start(RUNS[test]) for test in mine if test in RUNS}
+
+    def output(name: str) -> str:
+        if name not in started:  # a test RUNS does not name: started now, alone
+            started[name] = start(name)
+        return started[name].stdout()
+
+    yield output
+    for process in started.values():
+        process.stop()
 
 
 def test_there_are_examples():
@@ -40,12 +69,12 @@ def test_the_readme_shows_each_example_verbatim(path):
     assert f"```python\n{code_after_docstring(path)}```" in readme, f"README's copy of {path.name} differs"
 
 
-def test_model_authors_example_attends_the_ragged_batch():
-    assert run(ROOT / "examples" / "model_authors.py").strip() == "8 new tokens -> output (8, 64)"
+def test_model_authors_example_attends_the_ragged_batch(run):
+    assert run("model_authors.py").strip() == "8 new tokens -> output (8, 64)"
 
 
-def test_compile_users_example_traces_once_and_replays_its_prefill():
-    lines = run(ROOT / "examples" / "compile_users.py").strip().splitlines()
+def test_compile_users_example_traces_once_and_replays_its_prefill(run):
+    lines = run("compile_users.py").strip().splitlines()
     first, second, counters = lines[-3], lines[-2], ast.literal_eval(lines[-1])
     assert first == second  # the graphs give the tokens the first run's captures gave
     # One Dynamo graph for every token count: no recompile. The default model
@@ -63,8 +92,8 @@ def test_compile_users_example_traces_once_and_replays_its_prefill():
                         "step_paths": {"model_forward: graphs='none'": 32}}  # fmt: skip
 
 
-def test_engine_builders_example_routes_every_step_and_generates_64_tokens_per_prompt():
-    lines = run(ROOT / "examples" / "engine_builders.py").strip().splitlines()
+def test_engine_builders_example_routes_every_step_and_generates_64_tokens_per_prompt(run):
+    lines = run("engine_builders.py").strip().splitlines()
     assert lines[:3] == [
         lines[0],
         "  piecewise: 36 sizes, tokens 1..256",
@@ -83,7 +112,7 @@ def test_engine_builders_example_routes_every_step_and_generates_64_tokens_per_p
     ]
 
 
-def test_speculative_decoding_example_gives_plain_greedy_tokens():
-    lines = run(ROOT / "examples" / "speculative_decoding.py").strip().splitlines()
+def test_speculative_decoding_example_gives_plain_greedy_tokens(run):
+    lines = run("speculative_decoding.py").strip().splitlines()
     assert lines[-2] == "True"  # exactly plain greedy's tokens
     assert re.fullmatch(r"acceptance rate [01]\.\d\d, \d+ verify steps for 15 tokens", lines[-1]), lines[-1]

@@ -35,9 +35,19 @@ def _model(device="cpu", dtype=torch.float32, config=CONFIG):
     return build_random_model(config, dtype, device, seed=7, std=0.2)
 
 
+# Off CUDA the triton decode grid's split axis is max_kv_splits whole (no SM
+# count sizes it), one interpreted program per split and (request, kv head).
+# A context here holds at most 96 keys and a split 64 (the kernel's
+# tokens_per_split), so no request takes more than 2 splits: 2 keeps every
+# request's split count at a 32nd of the default 64's programs.
+CPU_TRITON_OPTIONS = dict(max_kv_splits=2)
+
+
 def _runner(model, graphs="none", backend="torch", **kw) -> ModelRunner:
     if backend != "reference" and isinstance(backend, str):
-        backend = partial(create_backend, backend, num_q_heads=model.config.num_attention_heads)
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        options = CPU_TRITON_OPTIONS if backend == "triton" and on_cpu else {}
+        backend = partial(create_backend, backend, num_q_heads=model.config.num_attention_heads, **options)
     elif backend == "reference":
         backend = ReferenceBackend
     return ModelRunner(model, **{"max_reqs": 8, "max_context_len": 96, "backend": backend, "graphs": graphs, **kw})

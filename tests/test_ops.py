@@ -21,6 +21,13 @@ from sgl_piecewise.memory import DUMMY_SLOT
 from sgl_piecewise.ops import unified_attention, unified_attention_with_output
 
 HQ, HKV, D, LAYERS = 4, 2, 8, 2
+# Off CUDA the triton decode grid's split axis is max_kv_splits whole (no SM
+# count sizes it), one interpreted program per split and (request, kv head).
+# The triton tests' contexts hold at most 64 keys, one split's worth (the
+# kernel's tokens_per_split): with 2, every request keeps its one split and
+# the grid still holds a split program with nothing to do, at a 32nd of the
+# default 64's programs.
+CPU_MAX_KV_SPLITS = 2
 
 
 @pytest.fixture
@@ -236,7 +243,7 @@ def test_a_later_layer_takes_the_steps_plan_and_anything_else_the_full_path(mode
 
     table = ReqToTokenPool(max_reqs=8, max_context_len=64)
     pool = KVPool(num_slots=256, num_layers=3, num_kv_heads=HKV, head_dim=D)
-    backend = TritonBackend(table, pool, HQ)
+    backend = TritonBackend(table, pool, HQ, max_kv_splits=CPU_MAX_KV_SPLITS)
     batch = random_batch(mode, table, pool, [5, 9, 2], extend)
     layers = [qkv(batch.num_tokens) for _ in range(3)]
     full_path_calls, write_kv_and_attend = [], backend.write_kv_and_attend
@@ -290,7 +297,7 @@ def test_a_step_of_the_same_sizes_over_bound_metadata_takes_the_last_steps_plan(
     def fresh():
         table = ReqToTokenPool(max_reqs=8, max_context_len=64)
         pool = KVPool(num_slots=256, num_layers=2, num_kv_heads=HKV, head_dim=D)
-        return table, pool, TritonBackend(table, pool, HQ)
+        return table, pool, TritonBackend(table, pool, HQ, max_kv_splits=CPU_MAX_KV_SPLITS)
 
     (table, pool, bound), (table2, pool2, per_step) = fresh(), fresh()
     bound.init_cuda_graph_state(max_bs=4, max_num_tokens=16)

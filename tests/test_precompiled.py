@@ -50,8 +50,10 @@ PROCESS = textwrap.dedent(
 
 @pytest.fixture
 def start_a_process(fresh_process):
-    def start(cache_dir, inductor_dir, layers: int, device: str = "cpu") -> dict:
-        return fresh_process(PROCESS, cache_dir, layers, device, inductor_dir=inductor_dir)
+    """The process started; its ``result()`` waits for what it printed."""
+
+    def start(cache_dir, inductor_dir, layers: int, device: str = "cpu"):
+        return fresh_process.start(PROCESS, cache_dir, layers, device, inductor_dir=inductor_dir)
 
     return start
 
@@ -62,15 +64,18 @@ def test_a_second_process_runs_the_saved_compile_without_dynamo_and_a_changed_mo
     cache = tmp_path / "compiles"
     # Each process has an empty Inductor cache of its own: only the saved
     # compile can carry the pieces from one process to the next.
-    first = start_a_process(cache, tmp_path / "inductor1", layers=2)
+    first = start_a_process(cache, tmp_path / "inductor1", layers=2).result()
     assert (first["loaded"], first["saved"], first["traced"], first["split"]) == (0, 1, 1, 1)
     assert first["tokens"] == first["eager"]
     assert first["paths"] == ["piecewise"]
+    # Both start from the first's entry, and each reads only its own model's
+    # (entries are keyed and written whole): they run side by side.
     second = start_a_process(cache, tmp_path / "inductor2", layers=2)
+    changed = start_a_process(cache, tmp_path / "inductor3", layers=3)
+    second, changed = second.result(), changed.result()
     assert (second["loaded"], second["saved"], second["traced"], second["split"]) == (1, 0, 0, 0)
     assert second["tokens"] == first["tokens"]
     assert second["paths"] == ["piecewise"]
-    changed = start_a_process(cache, tmp_path / "inductor3", layers=3)
     assert (changed["loaded"], changed["saved"], changed["traced"]) == (0, 1, 1)
     assert changed["tokens"] == changed["eager"]
     assert len(list(cache.glob("graph-*/entry.pkl"))) == 2
@@ -80,8 +85,8 @@ def test_a_second_process_runs_the_saved_compile_without_dynamo_and_a_changed_mo
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_second_process_on_cuda_replays_the_first_process_compile(tmp_path, start_a_process):
     cache = tmp_path / "compiles"
-    first = start_a_process(cache, tmp_path / "inductor1", layers=2, device="cuda")
-    second = start_a_process(cache, tmp_path / "inductor2", layers=2, device="cuda")
+    first = start_a_process(cache, tmp_path / "inductor1", layers=2, device="cuda").result()
+    second = start_a_process(cache, tmp_path / "inductor2", layers=2, device="cuda").result()
     assert (first["saved"], second["loaded"], second["traced"]) == (1, 1, 0)
     assert second["tokens"] == first["tokens"] == first["eager"]
 
