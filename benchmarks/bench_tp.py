@@ -37,6 +37,11 @@ kernels whose name contains ``allreduce``, ``all_reduce``, ``nccl`` or
 summed time of every kernel of those steps, rank 0's share. A collective
 kernel's time includes its wait for the slower rank.
 
+``--sequence-parallel on`` (or ``both``) runs each TP size above 1 with
+the residual stream split across the ranks by tokens as well (rows marked
+``sp``): the row-parallel projections reduce-scatter and the
+column-parallel ones all-gather first, each through NCCL.
+
 Weights: ``--fast-init`` (the default on CUDA) fills each rank's shard on
 its device with ``torch.randn`` under a fixed seed (``std`` 0.02, norm
 scales 1): ``build_random_model`` draws every full weight on the CPU in
@@ -78,6 +83,7 @@ from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.models.hf_weights import new_model
 from sgl_piecewise.models.layers import RMSNorm
+from sgl_piecewise.runners.dispatch import token_split
 
 PATHS = {"whole_model": "full", "piecewise": "piecewise"}  # timed path -> ModelRunner graphs= policy
 COMM_KERNEL_MARKS = ("allreduce", "all_reduce", "nccl", "one_shot")
@@ -92,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024, help="prefix tokens per request in the KV cache")
     p.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
     p.add_argument("--comm", choices=("both", "symm", "nccl"), default="both", help="all-reduce variants at TP > 1")
+    p.add_argument("--sequence-parallel", choices=("off", "on", "both"), default="off",
+                   help="at TP > 1: without, with, or both (module docstring)")  # fmt: skip
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default=None, help="default: triton on cuda, torch on the cpu")
@@ -220,6 +228,7 @@ def run_rank(opts: dict, json_path: str) -> Optional[list]:
     dtype = getattr(torch, opts["dtype"])
     config = ModelConfig.from_hf_dict(SHAPES[opts["shape"]])
     comms = comm_variants(opts, tp.size)
+    name = f"tp {tp.size}{'+sp' if tp.splits_sequence else ''}"
     rows: list = []
 
     def record(row: dict) -> None:
@@ -245,13 +254,13 @@ def run_rank(opts: dict, json_path: str) -> Optional[list]:
     if tp.is_first:
         card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         record_rank_info(json_path, tp.size, info, card)
-        say(f"[tp {tp.size}] model built in {info['init_s']:.1f} s, {info['weights_gib_per_rank']:.2f} GiB per "
+        say(f"[{name}] model built in {info['init_s']:.1f} s, {info['weights_gib_per_rank']:.2f} GiB per "
             f"rank; symmetric buffer {info['symmetric_buffer_bytes']} B")  # fmt: skip
 
     kept = []  # (row, runner) of every timed row, for the profile
     for path in opts["paths"]:
         for comm in comms:
-            unit = {"shape": opts["shape"], "tp": tp.size, "comm": comm, "path": path}
+            unit = {"shape": opts["shape"], "tp": tp.size, "sp": tp.splits_sequence, "comm": comm, "path": path}
             unit["symmetric_buffer_bytes"] = info["symmetric_buffer_bytes"] if comm == "symm" else 0
             unit["small_all_reduce"] = small_all_reduce_path(comm, unit["symmetric_buffer_bytes"])
             with small_all_reduce(comm):
@@ -261,7 +270,7 @@ def run_rank(opts: dict, json_path: str) -> Optional[list]:
                         record({**unit, "bs": bs, "ms": None, "error": f"build/capture: {error}"})
                     continue
                 if tp.is_first:
-                    say(f"[tp {tp.size}] {path} {comm}: captured in {capture_s:.1f} s")
+                    say(f"[{name}] {path} {comm}: captured in {capture_s:.1f} s")
                 for bs in opts["decode_bs"]:
                     row = {**unit, "bs": bs, "ms": None, "capture_s": capture_s,
                            "kv_pool_heads": runner.kv_pool.num_kv_heads}  # fmt: skip
@@ -285,7 +294,11 @@ def capture_unit(tp, model, opts: dict, path: str) -> tuple:
     try:
         runner = build_runner(model, opts, path)
         sizes = opts["decode_bs"]
-        runner.capture_graphs(progress=False, capture_bs=sizes, capture_sizes=sizes,
+        # Under sequence parallelism a whole-model graph's batch is a multiple
+        # of the ranks: a batch of 1 replays the graph of 2.
+        split = token_split()
+        graph_bs = sorted({-(-bs // split) * split for bs in sizes})
+        runner.capture_graphs(progress=False, capture_bs=graph_bs, capture_sizes=sizes,
                               piece_compiler=opts["piece_compiler"])  # fmt: skip
     except Exception as e:
         error = error_text(e)
@@ -342,7 +355,7 @@ def say(text: str) -> None:
 
 
 # ---- the JSON file (written by the parent and by each launch's rank 0) -------
-ROW_KEY = ("shape", "tp", "comm", "path", "bs")
+ROW_KEY = ("shape", "tp", "sp", "comm", "path", "bs")
 
 
 def load(json_path: str) -> dict:
@@ -378,7 +391,7 @@ def record_row(json_path: str, row: dict) -> None:
 def record_rank_info(json_path: str, tp_size: int, info: dict, card: str) -> None:
     result = load(json_path)
     result["card"] = card
-    result["ranks"][str(tp_size)] = info
+    result["ranks"][f"{tp_size}{'+sp' if tensor_parallel().splits_sequence else ''}"] = info
     save(json_path, result)
 
 
@@ -386,21 +399,29 @@ def format_row(r: dict) -> str:
     ms = "-" if r.get("ms") is None else f"{r['ms']:.3f}"
     ratio = "-" if r.get("ratio_to_tp1") is None else f"{r['ratio_to_tp1']:.3f}"
     share = "-" if r.get("comm_share") is None else f"{100 * r['comm_share']:.1f}%"
-    line = f"{r['shape']:>5} {r['tp']:>3} {r['comm']:>5} {r['path']:>12} {r['bs']:>4} {ms:>9} {ratio:>7} {share:>8}"
+    tp = f"{r['tp']}{'+sp' if r.get('sp') else ''}"
+    line = f"{r['shape']:>5} {tp:>6} {r['comm']:>5} {r['path']:>12} {r['bs']:>4} {ms:>9} {ratio:>7} {share:>8}"
     return line + (f"  {r['error']}" if r.get("error") else "")
 
 
 def print_table(result: dict) -> None:
-    header = f"{'shape':>5} {'tp':>3} {'comm':>5} {'path':>12} {'bs':>4} {'ms':>9} {'/tp1':>7} {'comm %':>8}"
+    header = f"{'shape':>5} {'tp':>6} {'comm':>5} {'path':>12} {'bs':>4} {'ms':>9} {'/tp1':>7} {'comm %':>8}"
     print(f"\ndecode step, {result['shape']} shape, {result['dtype']}, context {result['context']}, "
           f"{result['card']}, torch {result['torch']}")  # fmt: skip
     print(header)
     print("-" * len(header))
     order = {p: i for i, p in enumerate(PATHS)}
-    for r in sorted(result["rows"], key=lambda r: (order[r["path"]], r["bs"], r["tp"], r["comm"])):
+    for r in sorted(result["rows"], key=lambda r: (order[r["path"]], r["bs"], r["tp"], r.get("sp", False), r["comm"])):
         print(format_row(r))
     for launch_error in result["launch_errors"]:
-        print(f"tp {launch_error['tp']}: launch failed: {launch_error['error'][:2000]}")
+        sp = "+sp" if launch_error.get("sp") else ""
+        print(f"tp {launch_error['tp']}{sp}: launch failed: {launch_error['error'][:2000]}")
+
+
+def launches(sizes: List[int], sequence_parallel: str) -> List[tuple]:
+    """``(tp size, sequence parallel)`` of each launch, in order: TP 1 alone."""
+    modes = {"off": [False], "on": [True], "both": [False, True]}[sequence_parallel]
+    return [(size, split) for size in sizes for split in (modes if size > 1 else [False])]
 
 
 def main(argv=None) -> dict:
@@ -416,20 +437,21 @@ def main(argv=None) -> dict:
         "launch_errors": [], "rows": [],
     }  # fmt: skip
     save(json_path, result)
-    for size in args.tp:
+    for size, split in launches(args.tp, args.sequence_parallel):
+        name = f"tp {size}{'+sp' if split else ''}"
         start = time.perf_counter()
         error = None
         try:
-            launch(run_rank, size, opts, json_path, device=args.device, timeout_s=args.timeout)
+            launch(run_rank, size, opts, json_path, device=args.device, timeout_s=args.timeout, sequence_parallel=split)
         except Exception as e:
             error = error_text(e) if not hasattr(e, "cause") else f"{type(e).__name__}: {e}"
-            print(f"[tp {size}] launch failed: {error[:3000]}", file=sys.stderr, flush=True)
+            print(f"[{name}] launch failed: {error[:3000]}", file=sys.stderr, flush=True)
         seconds = time.perf_counter() - start
-        print(f"[tp {size}] launch done in {seconds:.1f} s", file=sys.stderr, flush=True)
+        print(f"[{name}] launch done in {seconds:.1f} s", file=sys.stderr, flush=True)
         result = load(json_path)
-        result["launches"].append({"tp": size, "seconds": seconds, "error": error})
+        result["launches"].append({"tp": size, "sp": split, "seconds": seconds, "error": error})
         if error:
-            result["launch_errors"].append({"tp": size, "error": error})
+            result["launch_errors"].append({"tp": size, "sp": split, "error": error})
         save(json_path, result)
     print_table(result)
     return result

@@ -14,12 +14,14 @@ import random
 import pytest
 import torch
 
+from sgl_piecewise import ForwardMode
 from sgl_piecewise.compile import precompiled
 from sgl_piecewise.compile.artifacts import artifact_key
 from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.distributed import RankFailedError, launch, tensor_parallel
 from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.engine.testing import prefill_logits
+from sgl_piecewise.graphs.input_registries import compute_local_num_token_non_padded
 from sgl_piecewise.models import build_random_model, default_config
 from sgl_piecewise.runners.dispatch import POLICIES
 
@@ -55,12 +57,13 @@ def _saved_compile_keys(model) -> tuple:
     return precompiled.model_key(model, args, CompileOptions()), artifact_key("graph", CompileOptions(), args[0].device)
 
 
-def test_two_ranks_generate_one_ranks_tokens_under_every_policy():
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_two_ranks_generate_one_ranks_tokens_under_every_policy(sequence_parallel):
     prompts = _prompts()
     # One rank, eager: the single-rank tests show every policy gives these tokens.
     model = build_random_model(default_config(), torch.float32, "cpu", seed=0)
     eager = ModelRunner(model, max_reqs=8, max_context_len=96, backend="torch").generate(prompts, 10, progress=False)
-    ranks = launch(_generate_every_policy, 2, prompts, 10, timeout_s=600)
+    ranks = launch(_generate_every_policy, 2, prompts, 10, timeout_s=600, sequence_parallel=sequence_parallel)
     for r, result in enumerate(ranks):
         assert result["rank"] == r
         torch.testing.assert_close(result["prefill"], prefill_logits(model, prompts[0]), atol=1e-5, rtol=1e-5)
@@ -71,6 +74,47 @@ def test_two_ranks_generate_one_ranks_tokens_under_every_policy():
     keys = [_saved_compile_keys(model)] + [result["keys"] for result in ranks]
     for kind in range(2):
         assert len({k[kind] for k in keys}) == 3, keys
+
+
+# Sequence parallelism, padding that crosses from one rank's share of the
+# rows into the other's: prompts of 3 and 2 tokens. Their prefill (5 tokens)
+# replays the piecewise or breakable graph of 8, whose rows 0-3 are rank 0's
+# (all real) and 4-7 rank 1's (one real, three padding); the odd captured
+# sizes make the model pad inside those graphs too. Each decode step (2
+# requests) replays the whole-model graph of 4 requests: rank 0's rows real,
+# rank 1's padding, and the count of real rows its registry writes is each
+# rank's own.
+CROSSING_PROMPTS = [[17, 4011, 250], [99, 7]]
+CROSSING_CAPTURE = dict(capture_bs=(4,), capture_sizes=(3, 8, 13))
+
+
+def _crossing_tokens(piece_compiler: str) -> dict:
+    model = build_random_model(default_config(), torch.float32, "cpu", seed=0)
+    out = {}
+    for policy in ("full", "piecewise", "breakable"):
+        runner = ModelRunner(model, max_reqs=4, max_context_len=32, backend="torch", graphs=policy)
+        runner.capture_graphs(progress=False, piece_compiler=piece_compiler, **CROSSING_CAPTURE)
+        tokens = runner.generate(CROSSING_PROMPTS, 6, progress=False)
+        out[policy] = (tokens, sorted({s.path for s in runner.step_stats}))
+        if policy == "full":  # what the last decode replay (2 requests in the graph of 4) read
+            registry = runner.step_graphs.registries[ForwardMode.DECODE]
+            out["num_token_non_padded"] = int(registry.get_slot("num_token_non_padded").slice_for(4, 4))
+    return out
+
+
+def test_sequence_parallel_padding_across_the_ranks_shares_gives_one_ranks_tokens_in_every_graph_path():
+    # The premise: rank 1's share of the prefill's 8 rows holds 1 real token.
+    assert [compute_local_num_token_non_padded(5, 8, 2, r) for r in range(2)] == [4, 1]
+    model = build_random_model(default_config(), torch.float32, "cpu", seed=0)
+    eager = ModelRunner(model, max_reqs=4, max_context_len=32, backend="torch")
+    expected = eager.generate(CROSSING_PROMPTS, 6, progress=False)
+    ranks = launch(_crossing_tokens, 2, "inductor", timeout_s=900, sequence_parallel=True)
+    for r, result in enumerate(ranks):
+        for policy, path in (("full", "whole_model"), ("piecewise", "piecewise"), ("breakable", "breakable")):
+            tokens, paths = result[policy]
+            assert tokens == expected, f"rank {r}, graphs={policy}"
+            assert path in paths, f"rank {r}, graphs={policy}: {paths}"
+        assert result["num_token_non_padded"] == compute_local_num_token_non_padded(2, 4, 2, r) == [2, 0][r]
 
 
 def _capture_rank_dependent_sizes() -> None:
@@ -98,6 +142,34 @@ def test_the_command_line_runs_two_ranks_and_rank_0_alone_prints(capfd):
     assert "full vs none: 16/16 generated tokens identical" in out
 
 
+def test_verify_on_the_command_line_with_sequence_parallelism_passes_on_two_ranks(capfd):
+    from sgl_piecewise.engine.cli import main
+
+    argv = [
+        "verify",
+        "--device",
+        "cpu",
+        "--tp",
+        "2",
+        "--sequence-parallel",
+        "--steps",
+        "4",
+        "--piece-compiler",
+        "eager",
+    ]
+    assert main(argv) == 0
+    captured = capfd.readouterr()
+    assert captured.out.count("sgl-piecewise verify") == 1 and "MISMATCH" not in captured.out, captured.out
+    assert captured.err.count("verify: 100%") <= 2, captured.err  # rank 0's bar only (refreshed once at the end)
+
+
+def test_sequence_parallelism_at_one_rank_is_refused(capsys):
+    from sgl_piecewise.engine.cli import main
+
+    assert main(["verify", "--device", "cpu", "--sequence-parallel"]) == 2
+    assert "--sequence-parallel: expected --tp 2 or more" in capsys.readouterr().out
+
+
 def test_tp_other_than_torchruns_world_is_refused(monkeypatch, capsys):
     from sgl_piecewise.engine.cli import main
 
@@ -117,13 +189,15 @@ def _gpu_tokens_every_policy(prompts: list, new_tokens: int) -> dict:
 
 
 @pytest.mark.gpu
-def test_gpu_two_ranks_generate_one_ranks_fp32_tokens_for_7_ragged_prompts_under_every_policy():
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_gpu_two_ranks_generate_one_ranks_fp32_tokens_for_7_ragged_prompts_under_every_policy(sequence_parallel):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
     rng = random.Random(7)
     prompts = [[rng.randrange(4096) for _ in range(rng.randint(24, 48))] for _ in range(7)]
     one = _gpu_tokens_every_policy(prompts, 64)
-    two = launch(_gpu_tokens_every_policy, 2, prompts, 64, device="cuda", timeout_s=600)
+    two = launch(_gpu_tokens_every_policy, 2, prompts, 64, device="cuda", timeout_s=600,
+                 sequence_parallel=sequence_parallel)  # fmt: skip
     for policy in POLICIES:
         assert one[policy] == one["none"], f"one rank, graphs={policy}"
         for r in range(2):

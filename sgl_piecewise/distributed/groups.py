@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, List, Optional, Union
 
@@ -54,6 +54,9 @@ class TensorParallel:
     ``group_name`` is the device process group's name ("" at one rank): the
     communication ops take it. ``device`` is this rank's device (None for
     the single rank :func:`tensor_parallel` returns when none was built).
+    ``sequence_parallel``: models built in this group split their residual
+    stream across the ranks by tokens (``models/layers.py``); nothing at one
+    rank.
     """
 
     rank: int
@@ -62,11 +65,17 @@ class TensorParallel:
     device: Optional[torch.device] = None
     device_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
     cpu_group: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+    sequence_parallel: bool = False
 
     def __deepcopy__(self, memo: dict) -> "TensorParallel":
         """The group itself: a copy of a model (an fp32 twin) is a model of
         the same ranks, and process groups cannot be copied."""
         return self
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Is the residual stream split across several ranks by tokens?"""
+        return self.size > 1 and self.sequence_parallel
 
     @property
     def is_first(self) -> bool:
@@ -116,7 +125,9 @@ def tensor_parallel() -> TensorParallel:
     return _SINGLE if _current is None else _current
 
 
-def init_tensor_parallel(*, device: Union[str, torch.device, None] = None, timeout_s: float = 300) -> TensorParallel:
+def init_tensor_parallel(
+    *, device: Union[str, torch.device, None] = None, timeout_s: float = 300, sequence_parallel: bool = False
+) -> TensorParallel:
     """Build the group from torchrun's environment (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and make it current.
 
@@ -124,12 +135,17 @@ def init_tensor_parallel(*, device: Union[str, torch.device, None] = None, timeo
     index given, and becomes the current device), ``cpu`` (gloo), or None
     for ``cuda`` where a GPU is visible. Without ``WORLD_SIZE``, or with 1,
     the group is a single rank and no process group is made. ``timeout_s``
-    bounds every collective's wait. A second call with the same world
-    returns the current group; with another, it raises (destroy first). If
+    bounds every collective's wait. ``sequence_parallel``: the models built
+    in the group split their residual stream by tokens
+    (:attr:`TensorParallel.sequence_parallel`). A second call with the same
+    world returns the current group (with this ``sequence_parallel`` for
+    the models built from then on); with another, it raises (destroy first). If
     ``torch.distributed`` was initialised already, its default group is the
     device group (it must match the environment and the device).
     """
     _check_timeout(timeout_s)
+    if not isinstance(sequence_parallel, bool):
+        raise InvalidTypeError(f"sequence_parallel: expected a bool, got {sequence_parallel!r}")
     world = _env_int("WORLD_SIZE", 1)
     if world < 1:
         raise InvalidInputError(f"WORLD_SIZE: expected a positive int in the environment, got {world}")
@@ -139,6 +155,8 @@ def init_tensor_parallel(*, device: Union[str, torch.device, None] = None, timeo
     dev = _rank_device(device, world)
     if _current is not None and _current.size > 1:
         if (_current.rank, _current.size, _current.device) == (rank, world, dev):
+            if _current.sequence_parallel != sequence_parallel:
+                _set_current(replace(_current, sequence_parallel=sequence_parallel))
             return _current
         raise InvalidInputError(
             f"init_tensor_parallel: expected the world already initialised (rank {_current.rank} of "
@@ -152,8 +170,8 @@ def init_tensor_parallel(*, device: Union[str, torch.device, None] = None, timeo
         if world == 1
         else _init_world(rank, world, dev, timeout_s)
     )
-    _set_current(tp)
-    return tp
+    _set_current(replace(tp, sequence_parallel=sequence_parallel))
+    return _current
 
 
 def destroy_tensor_parallel() -> None:

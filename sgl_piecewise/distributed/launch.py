@@ -50,11 +50,18 @@ class LaunchTimeoutError(SglPiecewiseError, TimeoutError):
     every rank was ended."""
 
 
-def launch(fn: Callable, nprocs: int, *args: Any, device: str = "cpu", timeout_s: Optional[float] = None) -> List[Any]:
+def launch(
+    fn: Callable,
+    nprocs: int,
+    *args: Any,
+    device: str = "cpu",
+    timeout_s: Optional[float] = None,
+    sequence_parallel: bool = False,
+) -> List[Any]:
     """Run ``fn(*args)`` on ``nprocs`` new processes, each a rank of a
-    tensor-parallel group on ``device`` (``init_tensor_parallel(device=...)``
-    done before ``fn`` runs); return every rank's (picklable) return value,
-    in rank order.
+    tensor-parallel group on ``device`` (``init_tensor_parallel(device=...,
+    sequence_parallel=...)`` done before ``fn`` runs); return every rank's
+    (picklable) return value, in rank order.
 
     ``fn`` must be a module-level function (spawn pickles it by name). Each
     rank gets ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``RANK``,
@@ -70,8 +77,10 @@ def launch(fn: Callable, nprocs: int, *args: Any, device: str = "cpu", timeout_s
         isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0
     ):
         raise InvalidInputError(f"timeout_s: expected None or a number of seconds > 0, got {timeout_s!r}")
+    if not isinstance(sequence_parallel, bool):
+        raise InvalidInputError(f"sequence_parallel: expected a bool, got {sequence_parallel!r}")
     with tempfile.TemporaryDirectory(prefix="sgl-piecewise-launch-") as folder:
-        setup = (nprocs, _free_port(), str(device), timeout_s, folder)
+        setup = (nprocs, _free_port(), str(device), timeout_s, sequence_parallel, folder)
         context = mp.start_processes(_run_rank, args=(setup, fn, args), nprocs=nprocs, join=False, start_method="spawn")
         try:
             _join(context, timeout_s, folder)
@@ -83,14 +92,15 @@ def launch(fn: Callable, nprocs: int, *args: Any, device: str = "cpu", timeout_s
 def _run_rank(local_rank: int, setup: tuple, fn: Callable, args: tuple) -> None:
     """One rank: torchrun's environment, the group, ``fn``, its result or
     failure written where :func:`launch` reads it."""
-    nprocs, port, device, timeout_s, folder = setup
+    nprocs, port, device, timeout_s, sequence_parallel, folder = setup
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), WORLD_SIZE=str(nprocs),
         LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(nprocs),
     )  # fmt: skip
     set_safe_env()
     try:
-        init_tensor_parallel(device=device, **({} if timeout_s is None else {"timeout_s": timeout_s}))
+        timeout = {} if timeout_s is None else {"timeout_s": timeout_s}
+        init_tensor_parallel(device=device, sequence_parallel=sequence_parallel, **timeout)
         result = fn(*args)
         _dump(Path(folder) / f"result-{local_rank}.pkl", result)
     except Exception:

@@ -21,6 +21,7 @@ from rich.text import Text
 from sgl_piecewise.backends.factory import backend_names, create_backend, get_backend_class
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.options import default_capture_sizes
+from sgl_piecewise.distributed import tensor_parallel
 from sgl_piecewise.engine.runner import ModelRunner, attention_heads
 from sgl_piecewise.engine.testing import prefill_logits
 from sgl_piecewise.engine.text import SMOLLM2, chat_prompt_ids, eos_ids, has_tokenizer, load_tokenizer, smollm2_path
@@ -125,7 +126,8 @@ def run_policy(policy: str, model, args, prompts, eos: frozenset = frozenset()) 
         graphs=policy,
     )
     start = time.perf_counter()
-    runner.capture_graphs(progress=True, capture_sizes=default_capture_sizes(args.max_capture_size),
+    runner.capture_graphs(progress=tensor_parallel().is_first,  # rank 0's bar only
+                          capture_sizes=default_capture_sizes(args.max_capture_size),
                           piece_compiler=args.piece_compiler)  # fmt: skip
     # The timed run repeats an untimed one of the same prompts and length, so
     # every step size it takes has been compiled and captured, and the
@@ -134,7 +136,9 @@ def run_policy(policy: str, model, args, prompts, eos: frozenset = frozenset()) 
     setup = time.perf_counter() - start
     runner.step_stats.clear()
     before = _compile_work()
-    tokens = runner.generate(prompts, args.new_tokens, progress=args.new_tokens >= 64, eos_token_ids=eos)
+    tokens = runner.generate(
+        prompts, args.new_tokens, progress=args.new_tokens >= 64 and tensor_parallel().is_first, eos_token_ids=eos
+    )
     compiled_while_timed = _compile_work() - before
     steps = list(runner.step_stats)
     decode = [s.seconds for s in steps[1:]]

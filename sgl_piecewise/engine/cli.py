@@ -19,6 +19,8 @@ mismatch.
 Both run tensor-parallel: ``--tp N`` starts N processes (one per GPU on
 CUDA, gloo ranks on a CPU), or, under ``torchrun``, each process is a rank
 of its world. Every rank runs the command; rank 0 prints.
+``--sequence-parallel`` splits the residual stream across the ranks by
+tokens (``sgl_piecewise.models.layers``).
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel size: start this many ranks (under torchrun: its WORLD_SIZE)")  # fmt: skip
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp N > 1: split the residual stream across the ranks by tokens")  # fmt: skip
     p.add_argument(
         "-v", "--verbose", action="store_true", help="log what the library decides (KV pool size, fallbacks)"
     )
@@ -119,6 +123,7 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
         backend_factory(args.backend, model),
         graphs=policies, steps=args.steps, max_bs=args.max_bs, seed=args.seed,
         max_context_len=min(256, model.config.max_position_embeddings), piece_compiler=args.piece_compiler,
+        progress=tensor_parallel().is_first,  # one bar, rank 0's, as one table
     )  # fmt: skip
     atol, rtol = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
     half = dtype != torch.float32  # the tolerance's third term: eager's own distance from an fp32 copy
@@ -144,10 +149,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     console = Console()
     try:
         ranks = _ranks(args)
+        sp = args.sequence_parallel
         if ranks > 1 and "WORLD_SIZE" not in os.environ:  # start the ranks; each runs the command
-            return max(launch(_run_rank, ranks, argv, device=_launch_device(args.device)))
+            return max(launch(_run_rank, ranks, argv, device=_launch_device(args.device), sequence_parallel=sp))
         if ranks > 1:  # a rank of torchrun's world: an error ends it, and torchrun the others
-            init_tensor_parallel(device=_launch_device(args.device))
+            init_tensor_parallel(device=_launch_device(args.device), sequence_parallel=sp)
             return _run_rank(argv)
         return _run(args, console)
     except RankFailedError as exc:  # its message names the rank and carries its traceback
@@ -161,12 +167,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _ranks(args: argparse.Namespace) -> int:
     """``--tp``, or torchrun's ``WORLD_SIZE``; both given must agree."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.tp is None:
-        return world
-    check_positive_int("--tp", args.tp)
-    if "WORLD_SIZE" in os.environ and args.tp != world:
+    ranks = world if args.tp is None else check_positive_int("--tp", args.tp)
+    if "WORLD_SIZE" in os.environ and ranks != world:
         raise InvalidInputError(f"--tp: expected torchrun's WORLD_SIZE ({world}) or no --tp, got {args.tp}")
-    return args.tp
+    if args.sequence_parallel and ranks == 1:
+        raise InvalidInputError("--sequence-parallel: expected --tp 2 or more (or torchrun's ranks), got one rank")
+    return ranks
 
 
 def _launch_device(device: str) -> str:

@@ -37,7 +37,7 @@ from sgl_piecewise.engine.testing import model_written_batch, release_batch
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.forward import ForwardMode
 from sgl_piecewise.memory import KVPool, ReqToTokenPool
-from sgl_piecewise.runners.dispatch import POLICIES
+from sgl_piecewise.runners.dispatch import POLICIES, token_split
 
 # |graph - eager| <= atol + rtol * |eager| on the logits. Graphs run the
 # compiled pieces (Inductor fusions), eager runs the model's own kernels: in
@@ -144,9 +144,10 @@ def _runners(model, backend, graphs, max_bs: int, max_context_len: int, piece_co
     kwargs = dict(max_reqs=max_bs + 1, max_context_len=max_context_len, backend=backend)
     eager = ModelRunner(model, **kwargs)
     runners = []
+    decode_bs = [bs for bs in default_capture_sizes(max_bs) if bs % token_split() == 0]
     for policy in graphs:
         runner = ModelRunner(model, graphs=policy, **kwargs)
-        runner.capture_graphs(progress=False, capture_bs=default_capture_sizes(max_bs),
+        runner.capture_graphs(progress=False, capture_bs=decode_bs,
                               capture_sizes=default_capture_sizes(max_bs * MAX_NEW_TOKENS_PER_EXTEND),
                               piece_compiler=piece_compiler)  # fmt: skip
         runners.append(runner)

@@ -15,6 +15,17 @@ Tensor parallelism adds communication only where the group has more than one
 rank: the checks are on Python ints fixed at build time, so a model of one
 rank is the plain model, op for op, and a model of several traces its
 collectives (custom ops) without a graph break.
+
+Sequence parallelism (``tp.splits_sequence``): between the projections the
+residual stream is split across the ranks by tokens. The ``T`` rows of a
+step are padded (zeros) to ``Tp``, the next multiple of the group's size
+``N``, and rank ``r`` holds rows ``[r * Tp / N, (r + 1) * Tp / N)``: the
+row-parallel projections and the embedding reduce-scatter their partial
+sums into those rows instead of all-reducing them, each rank normalises
+only its rows, and the column-parallel projections all-gather them back
+first. The same bytes cross the link as with an all-reduce; the norms and
+residual adds do ``1/N`` of the work. The rows past ``T`` are never read
+into a real row: every op on the stream is per row.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from sgl_piecewise.checks import check_tensor
 from sgl_piecewise.models import fused_ops
@@ -73,10 +85,42 @@ def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, weight).float()
 
 
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to a multiple of ``multiple`` rows;
+    ``x`` itself where its row count is one already (also when that is
+    known from a symbolic shape, as for rows gathered from every rank)."""
+    rows = x.shape[0]
+    missing = (rows + multiple - 1) // multiple * multiple - rows
+    if statically_known_true(missing == 0):
+        return x
+    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, missing))
+
+
+def reduce_partial_sums(tp: TensorParallel, y: torch.Tensor) -> torch.Tensor:
+    """The sum over the ranks of each rank's partial ``y [T, H]``: whole on
+    every rank (all-reduce), or, under sequence parallelism, this rank's
+    share of its rows padded to a multiple of the group's size
+    (reduce-scatter)."""
+    if tp.splits_sequence:
+        return tp.reduce_scatter(pad_rows(y, tp.size))
+    return tp.all_reduce(y)
+
+
+def gather_rows(tp: TensorParallel, x: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
+    """Every rank's share of the rows, in rank order: the padded ``[Tp, H]``
+    stream from this rank's ``[Tp / N, H]``, its first ``rows`` where given
+    (the step's ``T``); ``x`` itself where the stream is not split."""
+    if not tp.splits_sequence:
+        return x
+    gathered = tp.all_gather(x, dim=0)
+    return gathered if rows is None else gathered[:rows]
+
+
 class RowParallelLinear(Linear):
     """A linear layer over this rank's input columns (``o_proj``,
-    ``down_proj``): each rank's product is a partial sum, all-reduced; the
-    bias, whole on every rank, is added once after the reduction."""
+    ``down_proj``): each rank's product is a partial sum, reduced over the
+    ranks (``reduce_partial_sums``); the bias, whole on every rank, is added
+    once after the reduction."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device, tp: TensorParallel):
         super().__init__(in_features, out_features, bias, dtype, device)
@@ -85,7 +129,9 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        if self.tp.splits_sequence:  # pad the narrower input, not the [Tp, H] product
+            x = pad_rows(x, self.tp.size)
+        y = reduce_partial_sums(self.tp, F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -100,9 +146,10 @@ class Embedding(nn.Module):
 
 class VocabParallelEmbedding(Embedding):
     """This rank's rows ``[vocab_start, vocab_start + Vp)`` of the embedding.
-    An id outside them gives a zero row, so the all-reduce of the ranks' rows
-    is the embedding of every id. The range test is a mask, not a branch:
-    nothing reads the ids on the host."""
+    An id outside them gives a zero row, so the sum of the ranks' rows is
+    the embedding of every id (under sequence parallelism, this rank's share
+    of the tokens). The range test is a mask, not a branch: nothing reads
+    the ids on the host."""
 
     def __init__(self, layout: TPLayout, dim: int, dtype, device, tp: TensorParallel):
         super().__init__(layout.vocab_per_rank, dim, dtype, device)
@@ -115,7 +162,7 @@ class VocabParallelEmbedding(Embedding):
         local = ids - self.vocab_start
         inside = (local >= 0) & (local < self.weight.shape[0])  # [T]
         rows = F.embedding(torch.where(inside, local, 0), self.weight)
-        return self.tp.all_reduce(rows.masked_fill(~inside.unsqueeze(-1), 0))
+        return reduce_partial_sums(self.tp, rows.masked_fill(~inside.unsqueeze(-1), 0))
 
 
 class ParallelLMHead(Linear):
@@ -268,22 +315,27 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layout: TPLayout, layer_id: int, dtype, device, tp: TensorParallel):
         super().__init__()
         eps, h = config.rms_norm_eps, config.hidden_size
+        self.tp = tp
         self.input_layernorm = RMSNorm(h, eps, dtype, device)
         self.self_attn = Attention(config, layout, layer_id, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
         self.mlp = GatedMLP(config, layout, dtype, device, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        # x: [T, H]. The attention call names its layer, so it stays outside
-        # the two regions, which every layer shares (regions.py).
+        # x: [T, H], or this rank's [Tp / N, H] under sequence parallelism.
+        # The attention call names its layer, so it stays outside the two
+        # regions, which every layer shares (regions.py).
         qk, v = self._before_attention(positions, x, rotary)
         return self._after_attention(self.self_attn.attend(qk, v), x)
 
     @repeated_region
     def _before_attention(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> tuple:
-        return self.self_attn.project_qkv(positions, self.input_layernorm(x), rotary)
+        h = gather_rows(self.tp, self.input_layernorm(x), rows=positions.shape[0])  # the step's T rows
+        return self.self_attn.project_qkv(positions, h, rotary)
 
     @repeated_region
     def _after_attention(self, attn_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn.o_proj(attn_out)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # Under sequence parallelism the MLP runs on all Tp rows, padding
+        # included: per row, and its reduce-scatter then needs no padding.
+        return x + self.mlp(gather_rows(self.tp, self.post_attention_layernorm(x)))

@@ -16,7 +16,9 @@ Built while a tensor-parallel group of several ranks is current
 (``sgl_piecewise.distributed``), a model holds its rank's shard of every
 weight (``parallel.py``) under the same names; ``num_local_heads`` and
 ``num_local_kv_heads`` are what its attention and KV pool hold, ``config``
-stays the whole model's, and the logits are whole on every rank.
+stays the whole model's, and the logits are whole on every rank. Built in a
+group with ``sequence_parallel``, its residual stream is split by tokens
+between the layers (``layers.py``); its output is whole on every rank.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from sgl_piecewise.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     VocabParallelEmbedding,
+    gather_rows,
 )
 from sgl_piecewise.models.parallel import TPLayout, tp_layout
 
@@ -43,6 +46,7 @@ class LlamaModel(nn.Module):
         self, config: ModelConfig, layout: TPLayout, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel
     ):
         super().__init__()
+        self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(layout, config.hidden_size, dtype, device, tp)
         self.rotary_emb = RotaryEmbedding(config, dtype, device)
         self.layers = nn.ModuleList(
@@ -51,10 +55,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, H]
+        x = self.embed_tokens(input_ids)  # [T, H]; this rank's [Tp / N, H] under sequence parallelism
         for layer in self.layers:
             x = layer(positions, x, self.rotary_emb)
-        return self.norm(x)
+        return gather_rows(self.tp, self.norm(x), rows=input_ids.shape[0])  # [T, H] on every rank
 
 
 class LlamaForCausalLM(nn.Module):

@@ -43,6 +43,7 @@ import torch
 
 from sgl_piecewise.compile.compiled_model import CompiledModel
 from sgl_piecewise.compile.options import DEFAULT_MAX_CAPTURE_SIZE, CompileOptions, default_capture_sizes
+from sgl_piecewise.distributed import tensor_parallel
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
 from sgl_piecewise.forward import ForwardBatch
 from sgl_piecewise.runners.breakable import BreakableCudaGraphRunner
@@ -209,18 +210,40 @@ def _capture_whole_model(
         logger.info("graphs='auto': %s", report.paths["whole_model"])
         return
     forward = _compiled_forward(model_runner, piece_compiler) if piece_compiler else None
-    runner = CudaGraphRunner(model_runner, capture_bs or _default_bs(model_runner), forward=forward)
+    # Under sequence parallelism each graph's token count splits evenly over
+    # the ranks, and its registry writes this rank's share of the real
+    # tokens as num_token_non_padded (upstream SGLang PR 22404).
+    tp = tensor_parallel()
+    split = dict(attn_tp_size=tp.size, attn_tp_rank=tp.rank) if tp.splits_sequence else {}
+    bs = capture_bs or _default_bs(model_runner, token_split())
+    runner = CudaGraphRunner(model_runner, bs, forward=forward, **split)
     runner.capture(progress=progress)
     what = "compiled" if forward is not None else "eager"
     report.paths["whole_model"] = f"{_describe(runner.capture_bs, 'bs')}, the {what} model"
 
 
-def _default_bs(model_runner: GraphHost) -> Tuple[int, ...]:
+def token_split() -> int:
+    """What a whole-model graph's batch size must be a multiple of, for
+    its tokens to split evenly over the ranks: the group's size under
+    sequence parallelism, else 1."""
+    tp = tensor_parallel()
+    return tp.size if tp.splits_sequence else 1
+
+
+def _default_bs(model_runner: GraphHost, multiple: int = 1) -> Tuple[int, ...]:
     """SGLang's schedule up to 160 and the request table's size: a full
-    table (3 requests, say, off the schedule) gets a graph of its own."""
+    table (3 requests, say, off the schedule) gets a graph of its own. Only
+    multiples of ``multiple`` (the ranks a step's tokens split over), the
+    table's size rounded down to one."""
 
     most = min(model_runner.req_to_token_pool.max_reqs, DEFAULT_MAX_DECODE_BS)
-    return tuple(sorted({*default_capture_sizes(most), most}))
+    sizes = {s for s in (*default_capture_sizes(most), most // multiple * multiple) if s and s % multiple == 0}
+    if not sizes:
+        raise InvalidInputError(
+            f"max_reqs: expected at least {multiple} requests (a decode graph's tokens split over {multiple} "
+            f"ranks), got {model_runner.req_to_token_pool.max_reqs}"
+        )
+    return tuple(sorted(sizes))
 
 
 def _compiled_forward(model_runner: GraphHost, piece_compiler: str) -> CompiledModel:
