@@ -23,7 +23,7 @@ from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.engine.testing import prefill_logits
 from sgl_piecewise.graphs.input_registries import compute_local_num_token_non_padded
 from sgl_piecewise.models import build_random_model, default_config
-from sgl_piecewise.runners.dispatch import POLICIES
+from sgl_piecewise.runners.dispatch import POLICIES, token_split
 
 # Four prompts of at most 12 tokens: the prefill (at most 48 tokens) and every
 # decode step (4 requests) fit a graph of each policy.
@@ -183,7 +183,8 @@ def _gpu_tokens_every_policy(prompts: list, new_tokens: int) -> dict:
     tokens = {}
     for policy in POLICIES:
         runner = ModelRunner(model, max_reqs=8, max_context_len=160, backend="triton", graphs=policy)
-        runner.capture_graphs(progress=False, capture_bs=(1, 2, 4, 8), capture_sizes=(8, 16, 32, 64, 128, 256))
+        graph_bs = [bs for bs in (1, 2, 4, 8) if bs % token_split() == 0]  # even under sequence parallelism
+        runner.capture_graphs(progress=False, capture_bs=graph_bs, capture_sizes=(8, 16, 32, 64, 128, 256))
         tokens[policy] = runner.generate(prompts, new_tokens, progress=False)
     return tokens
 
