@@ -88,12 +88,15 @@ def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     """``x`` with zero rows appended up to a multiple of ``multiple`` rows;
     ``x`` itself where its row count is one already (also when that is
-    known from a symbolic shape, as for rows gathered from every rank)."""
+    known from a symbolic shape, as for rows gathered from every rank).
+
+    A concatenation, not ``F.pad``: torch 2.11's ``constant_pad_nd`` takes
+    no symbolic padding, and a traced token axis makes it symbolic."""
     rows = x.shape[0]
     missing = (rows + multiple - 1) // multiple * multiple - rows
     if statically_known_true(missing == 0):
         return x
-    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, missing))
+    return torch.cat([x, x.new_zeros((missing, *x.shape[1:]))])
 
 
 def reduce_partial_sums(tp: TensorParallel, y: torch.Tensor) -> torch.Tensor:
