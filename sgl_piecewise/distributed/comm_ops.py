@@ -45,8 +45,11 @@ from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.internals import symm_mem
 
 # Messages up to this many bytes go through one-shot symmetric memory where a
-# buffer is allocated. Set by measurement in benchmarks (one-shot against NCCL
-# inside a CUDA graph, per message size); 256 KiB until measured.
+# buffer is allocated. Measured inside CUDA graphs on two H200s
+# (benchmarks/bench_all_reduce.py, docs/BENCHMARKS.md): one-shot is up to
+# 8 us faster than NCCL at a few KiB, level from 57 KiB to 1 MiB; 256 KiB
+# holds a decode step of 32 requests at hidden size 4096 and keeps the
+# symmetric buffer, which every captured graph reads, small.
 SMALL_ALL_REDUCE_MAX_BYTES = 256 * 1024
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names for the *_single
