@@ -31,6 +31,7 @@ from sgl_piecewise.distributed import (
     symmetric_buffer_bytes,
     tensor_parallel,
 )
+from sgl_piecewise.distributed.groups import set_safe_env
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 from sgl_piecewise.internals import symm_mem
 
@@ -188,14 +189,23 @@ def _sleep(seconds: float) -> None:
 
 
 # ---- two ranks on the CPU --------------------------------------------------------
-def test_every_collective_on_two_cpu_ranks_returns_in_rank_order(monkeypatch):
-    # Multicast stays off in every rank, even where the parent asked for it.
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
-    monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)
+def test_every_collective_on_two_cpu_ranks_returns_in_rank_order():
     results = launch(_check_everything_on_two_ranks, 2, timeout_s=300)
     assert [r["rank"] for r in results] == [0, 1]
     assert [r["objects"] for r in results] == [[{"rank": 0}, {"rank": 1}]] * 2
-    assert [r["env"] for r in results] == [SAFE_ENV] * 2
+    assert [r["env"] for r in results] == [SAFE_ENV] * 2  # multicast off in every rank
+
+
+def test_the_safe_environment_overrides_values_that_would_allow_multicast_and_keeps_the_rest(caplog):
+    # A mapping of its own, not this process's environment: nothing here may
+    # turn multicast on, even for a moment. Each value flipped, one missing.
+    flipped = {name: "1" if value == "0" else "0" for name, value in SAFE_ENV.items()}
+    missing = next(iter(flipped))
+    environ = {**{k: v for k, v in flipped.items() if k != missing}, "OTHER": "kept"}
+    set_safe_env(environ)
+    assert environ == {**SAFE_ENV, "OTHER": "kept"}
+    assert all(f"{name}={flipped[name]} would allow NVLink multicast" in caplog.text
+               for name in SAFE_ENV if name != missing)  # fmt: skip
 
 
 def test_a_failing_rank_ends_every_rank_and_names_itself():

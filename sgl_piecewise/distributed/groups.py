@@ -19,7 +19,7 @@ import logging
 import os
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, List, Optional, Union
+from typing import Any, List, MutableMapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -37,14 +37,15 @@ logger = logging.getLogger("sgl_piecewise.distributed")
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def set_safe_env() -> None:
-    """Set :data:`SAFE_ENV`'s variables, whatever the environment held;
-    never unsets one."""
+def set_safe_env(environ: Optional[MutableMapping[str, str]] = None) -> None:
+    """Set :data:`SAFE_ENV`'s variables in ``environ`` (the process's
+    environment by default), whatever it held; never unsets one."""
+    environ = os.environ if environ is None else environ
     for name, value in SAFE_ENV.items():
-        held = os.environ.get(name)
+        held = environ.get(name)
         if held is not None and held != value:
             logger.warning("tensor parallel: %s=%s would allow NVLink multicast; set to %s", name, held, value)
-        os.environ[name] = value
+        environ[name] = value
 
 
 @dataclass(frozen=True)
