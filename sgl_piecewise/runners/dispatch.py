@@ -213,10 +213,10 @@ def _capture_whole_model(
     # Under sequence parallelism each graph's token count splits evenly over
     # the ranks, and its registry writes this rank's share of the real
     # tokens as num_token_non_padded (upstream SGLang PR 22404).
-    tp = tensor_parallel()
-    split = dict(attn_tp_size=tp.size, attn_tp_rank=tp.rank) if tp.splits_sequence else {}
-    bs = capture_bs or _default_bs(model_runner, token_split())
-    runner = CudaGraphRunner(model_runner, bs, forward=forward, **split)
+    split = token_split()
+    rank = tensor_parallel().rank if split > 1 else 0
+    bs = capture_bs or _default_bs(model_runner, split)
+    runner = CudaGraphRunner(model_runner, bs, forward=forward, attn_tp_size=split, attn_tp_rank=rank)
     runner.capture(progress=progress)
     what = "compiled" if forward is not None else "eager"
     report.paths["whole_model"] = f"{_describe(runner.capture_bs, 'bs')}, the {what} model"
