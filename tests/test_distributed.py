@@ -235,6 +235,9 @@ def test_launch_refuses_what_spawn_cannot_pickle_by_name():
             launch(fn, 2)
     with pytest.raises(InvalidInputError, match="nprocs: expected a positive int"):
         launch(_rank_1_raises_while_rank_0_waits_in_a_collective, 0)
+    with pytest.raises(InvalidTypeError, match="sequence_parallel: expected a bool, got 'yes'"):
+        launch(_sleep, 2, 0, sequence_parallel="yes")
+    assert multiprocessing.active_children() == []  # refused before any rank started
 
 
 # ---- one rank, in this process ---------------------------------------------------
@@ -249,6 +252,10 @@ def test_without_torchrun_s_environment_the_group_is_one_rank(no_torchrun_env):
     tp.barrier()
     prepare_communication(8, 6, torch.bfloat16, "cpu")
     assert symmetric_buffer_bytes() == 0
+    # Sequence parallelism needs several ranks: at one it changes nothing.
+    assert not tp.splits_sequence and not init_tensor_parallel(device="cpu", sequence_parallel=True).splits_sequence
+    with pytest.raises(InvalidTypeError, match="sequence_parallel: expected a bool, got 1"):
+        init_tensor_parallel(device="cpu", sequence_parallel=1)
     destroy_tensor_parallel()
     assert tensor_parallel().device is None
 

@@ -27,7 +27,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.distributed.groups import destroy_tensor_parallel, init_tensor_parallel, set_safe_env
-from sgl_piecewise.errors import InvalidInputError, SglPiecewiseError
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, SglPiecewiseError
 
 # After a rank fails: how long the others get to end on their own, then again
 # after SIGTERM before SIGKILL.
@@ -78,7 +78,7 @@ def launch(
     ):
         raise InvalidInputError(f"timeout_s: expected None or a number of seconds > 0, got {timeout_s!r}")
     if not isinstance(sequence_parallel, bool):
-        raise InvalidInputError(f"sequence_parallel: expected a bool, got {sequence_parallel!r}")
+        raise InvalidTypeError(f"sequence_parallel: expected a bool, got {sequence_parallel!r}")
     with tempfile.TemporaryDirectory(prefix="sgl-piecewise-launch-") as folder:
         setup = (nprocs, _free_port(), str(device), timeout_s, sequence_parallel, folder)
         context = mp.start_processes(_run_rank, args=(setup, fn, args), nprocs=nprocs, join=False, start_method="spawn")
