@@ -126,6 +126,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def tp_label(size: int, sequence_parallel: bool) -> str:
+    """A TP size as rows and logs name it: ``2``, or ``2+sp`` with sequence parallelism."""
+    return f"{size}{'+sp' if sequence_parallel else ''}"
+
+
 def comm_variants(opts: dict, tp_size: int) -> List[str]:
     if tp_size == 1:
         return ["none"]
@@ -228,7 +233,7 @@ def run_rank(opts: dict, json_path: str) -> Optional[list]:
     dtype = getattr(torch, opts["dtype"])
     config = ModelConfig.from_hf_dict(SHAPES[opts["shape"]])
     comms = comm_variants(opts, tp.size)
-    name = f"tp {tp.size}{'+sp' if tp.splits_sequence else ''}"
+    name = f"tp {tp_label(tp.size, tp.splits_sequence)}"
     rows: list = []
 
     def record(row: dict) -> None:
@@ -391,7 +396,7 @@ def record_row(json_path: str, row: dict) -> None:
 def record_rank_info(json_path: str, tp_size: int, info: dict, card: str) -> None:
     result = load(json_path)
     result["card"] = card
-    result["ranks"][f"{tp_size}{'+sp' if tensor_parallel().splits_sequence else ''}"] = info
+    result["ranks"][tp_label(tp_size, tensor_parallel().splits_sequence)] = info
     save(json_path, result)
 
 
@@ -399,7 +404,7 @@ def format_row(r: dict) -> str:
     ms = "-" if r.get("ms") is None else f"{r['ms']:.3f}"
     ratio = "-" if r.get("ratio_to_tp1") is None else f"{r['ratio_to_tp1']:.3f}"
     share = "-" if r.get("comm_share") is None else f"{100 * r['comm_share']:.1f}%"
-    tp = f"{r['tp']}{'+sp' if r.get('sp') else ''}"
+    tp = tp_label(r["tp"], r.get("sp", False))
     line = f"{r['shape']:>5} {tp:>6} {r['comm']:>5} {r['path']:>12} {r['bs']:>4} {ms:>9} {ratio:>7} {share:>8}"
     return line + (f"  {r['error']}" if r.get("error") else "")
 
@@ -414,8 +419,8 @@ def print_table(result: dict) -> None:
     for r in sorted(result["rows"], key=lambda r: (order[r["path"]], r["bs"], r["tp"], r.get("sp", False), r["comm"])):
         print(format_row(r))
     for launch_error in result["launch_errors"]:
-        sp = "+sp" if launch_error.get("sp") else ""
-        print(f"tp {launch_error['tp']}{sp}: launch failed: {launch_error['error'][:2000]}")
+        print(f"tp {tp_label(launch_error['tp'], launch_error.get('sp', False))}: launch failed: "
+              f"{launch_error['error'][:2000]}")  # fmt: skip
 
 
 def launches(sizes: List[int], sequence_parallel: str) -> List[tuple]:
@@ -438,7 +443,7 @@ def main(argv=None) -> dict:
     }  # fmt: skip
     save(json_path, result)
     for size, split in launches(args.tp, args.sequence_parallel):
-        name = f"tp {size}{'+sp' if split else ''}"
+        name = f"tp {tp_label(size, split)}"
         start = time.perf_counter()
         error = None
         try:
