@@ -33,6 +33,7 @@ from sgl_piecewise.distributed import (
 )
 from sgl_piecewise.distributed.groups import set_safe_env
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
+from sgl_piecewise.graphs.capture import GraphCapture
 from sgl_piecewise.internals import symm_mem
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -348,8 +349,12 @@ def _all_reduce_in_graphs_on_cuda():
     prepare_communication(rows, hidden, torch.bfloat16, tp.device)
     assert symmetric_buffer_bytes() >= rows * hidden * 2
     used = []
-    for via_symm_mem in (True, False):
+    assert symm_mem.COPY_IN_KERNEL  # torch 2.11+ on CUDA: the op that copies in its kernel
+    # Symmetric memory with the copy in the op's kernel, then the copy and
+    # the plain op (the fallback), then NCCL.
+    for via_symm_mem, copy_in_kernel in ((True, True), (True, False), (False, False)):
         symm_mem.AVAILABLE = via_symm_mem and symm_mem.UNAVAILABLE_REASON == ""
+        symm_mem.COPY_IN_KERNEL = copy_in_kernel
         xs, total = _expected((rows, hidden), tp.size, torch.bfloat16)
         x = xs[tp.rank].to(tp.device)
         assert comm_ops.uses_symmetric_memory(x, tp.group_name) == via_symm_mem
@@ -372,7 +377,7 @@ def _all_reduce_in_graphs_on_cuda():
         large = torch.ones(SMALL_ALL_REDUCE_MAX_BYTES // 2 + 2, dtype=torch.bfloat16, device=tp.device)
         assert not comm_ops.uses_symmetric_memory(large, tp.group_name)
         torch.testing.assert_close(tp.all_reduce(large), large * tp.size)
-        used.append(via_symm_mem)
+        used.append((via_symm_mem, copy_in_kernel))
     return used
 
 
@@ -381,4 +386,33 @@ def test_gpu_all_reduce_through_symmetric_memory_and_nccl_in_cuda_graphs():
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA devices, got {torch.cuda.device_count()}")
     assert symm_mem.AVAILABLE, symm_mem.UNAVAILABLE_REASON
-    assert launch(_all_reduce_in_graphs_on_cuda, 2, device="cuda", timeout_s=300) == [[True, False]] * 2
+    used = [(True, True), (True, False), (False, False)]
+    assert launch(_all_reduce_in_graphs_on_cuda, 2, device="cuda", timeout_s=300) == [used] * 2
+
+
+# Graphs that outlive the function that captured them, as a compiled
+# function's cache keeps its graphs for the life of the process.
+_KEPT_GRAPHS: list = []
+
+
+def _keep_a_graph_of_an_nccl_gather_then_destroy_the_group() -> bool:
+    tp = tensor_parallel()
+    x = torch.full((2, 8), float(tp.rank), device=tp.device)
+    capture = GraphCapture(tp.device)
+    capture.warmup(lambda: tp.all_gather(x, dim=0))
+    graph, out = capture.record(lambda: tp.all_gather(x, dim=0), "an all-gather")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), torch.arange(tp.size).repeat_interleave(2)[:, None].float().expand(-1, 8))
+    _KEPT_GRAPHS.append(graph)
+    destroy_tensor_parallel()  # returns: the graph is reset first, not waited for
+    with pytest.raises(RuntimeError):
+        graph.replay()
+    return True
+
+
+@pytest.mark.gpu
+def test_gpu_a_live_graph_holding_nccl_kernels_does_not_hang_the_groups_teardown():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA devices, got {torch.cuda.device_count()}")
+    assert launch(_keep_a_graph_of_an_nccl_gather_then_destroy_the_group, 2, device="cuda", timeout_s=120) == [True] * 2

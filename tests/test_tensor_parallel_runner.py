@@ -88,11 +88,11 @@ CROSSING_PROMPTS = [[17, 4011, 250], [99, 7]]
 CROSSING_CAPTURE = dict(capture_bs=(4,), capture_sizes=(3, 8, 13))
 
 
-def _crossing_tokens(piece_compiler: str) -> dict:
-    model = build_random_model(default_config(), torch.float32, "cpu", seed=0)
+def _crossing_tokens(piece_compiler: str, device: str = "cpu", backend: str = "torch") -> dict:
+    model = build_random_model(default_config(), torch.float32, device, seed=0)
     out = {}
     for policy in ("full", "piecewise", "breakable"):
-        runner = ModelRunner(model, max_reqs=4, max_context_len=32, backend="torch", graphs=policy)
+        runner = ModelRunner(model, max_reqs=4, max_context_len=32, backend=backend, graphs=policy)
         runner.capture_graphs(progress=False, piece_compiler=piece_compiler, **CROSSING_CAPTURE)
         tokens = runner.generate(CROSSING_PROMPTS, 6, progress=False)
         out[policy] = (tokens, sorted({s.path for s in runner.step_stats}))
@@ -102,19 +102,33 @@ def _crossing_tokens(piece_compiler: str) -> dict:
     return out
 
 
-def test_sequence_parallel_padding_across_the_ranks_shares_gives_one_ranks_tokens_in_every_graph_path():
+def _check_crossing(device: str, backend: str) -> None:
+    """Both ranks' tokens in every graph path are one rank's eager tokens, and
+    each rank's registry held its own count of real rows."""
     # The premise: rank 1's share of the prefill's 8 rows holds 1 real token.
     assert [compute_local_num_token_non_padded(5, 8, 2, r) for r in range(2)] == [4, 1]
-    model = build_random_model(default_config(), torch.float32, "cpu", seed=0)
-    eager = ModelRunner(model, max_reqs=4, max_context_len=32, backend="torch")
+    model = build_random_model(default_config(), torch.float32, device, seed=0)
+    eager = ModelRunner(model, max_reqs=4, max_context_len=32, backend=backend)
     expected = eager.generate(CROSSING_PROMPTS, 6, progress=False)
-    ranks = launch(_crossing_tokens, 2, "inductor", timeout_s=900, sequence_parallel=True)
+    ranks = launch(_crossing_tokens, 2, "inductor", device, backend, device=device, timeout_s=900,
+                   sequence_parallel=True)  # fmt: skip
     for r, result in enumerate(ranks):
         for policy, path in (("full", "whole_model"), ("piecewise", "piecewise"), ("breakable", "breakable")):
             tokens, paths = result[policy]
             assert tokens == expected, f"rank {r}, graphs={policy}"
             assert path in paths, f"rank {r}, graphs={policy}: {paths}"
         assert result["num_token_non_padded"] == compute_local_num_token_non_padded(2, 4, 2, r) == [2, 0][r]
+
+
+def test_sequence_parallel_padding_across_the_ranks_shares_gives_one_ranks_tokens_in_every_graph_path():
+    _check_crossing("cpu", "torch")
+
+
+@pytest.mark.gpu
+def test_gpu_sequence_parallel_padding_across_the_ranks_shares_gives_one_ranks_tokens_in_every_graph_path():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    _check_crossing("cuda", "triton")
 
 
 def _capture_rank_dependent_sizes() -> None:

@@ -19,6 +19,7 @@ from sgl_piecewise.distributed.groups import (
     prepare_communication,
     symmetric_buffer_bytes,
     tensor_parallel,
+    track_graph,
 )
 from sgl_piecewise.distributed.launch import LaunchTimeoutError, RankFailedError, launch
 
@@ -35,4 +36,5 @@ __all__ = [
     "prepare_communication",
     "symmetric_buffer_bytes",
     "tensor_parallel",
+    "track_graph",
 ]

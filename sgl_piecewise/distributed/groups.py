@@ -177,17 +177,33 @@ def init_tensor_parallel(
 
 def destroy_tensor_parallel() -> None:
     """Destroy the current group's process groups and forget its buffers;
-    :func:`tensor_parallel` returns a single rank again. Every rank calls it."""
+    :func:`tensor_parallel` returns a single rank again. Every rank calls it.
+
+    The CUDA graphs captured while the group was current
+    (:func:`track_graph`) are reset first: their NCCL kernels would keep
+    the communicators from being destroyed, and a replay after the group is
+    gone has no peer to meet. Replaying one afterwards raises torch's error."""
     global _current, _owns_world
     tp, _current = _current, None
     if tp is None or tp.size == 1:
         return
+    if tp.device is not None and tp.device.type == "cuda":
+        torch.cuda.synchronize(tp.device)  # no replay still running when its graph is freed
+    registry.reset_graphs(tp.group_name)  # else NCCL waits for them (registry.py)
     registry.forget_group(tp.group_name)
     if tp.cpu_group is not tp.device_group:
         dist.destroy_process_group(tp.cpu_group)
     if _owns_world:
         dist.destroy_process_group()
     _owns_world = False
+
+
+def track_graph(graph: "torch.cuda.CUDAGraph") -> None:
+    """Note a CUDA graph just captured: where the current group has several
+    ranks, :func:`destroy_tensor_parallel` resets it (it may hold the group's
+    collectives). The capture core calls it for every graph it records."""
+    if _current is not None and _current.size > 1:
+        registry.add_graph(_current.group_name, graph)
 
 
 def prepare_communication(max_tokens: int, hidden_size: int, dtype: torch.dtype, device) -> None:

@@ -1,5 +1,6 @@
 """The process groups and symmetric-memory buffers the communication ops
-find by a group's name.
+find by a group's name, and the CUDA graphs captured while a group was
+current.
 
 The ops take the name, a string, rather than the group: a custom op's
 arguments are tensors and plain values, and a string is what Dynamo puts
@@ -10,6 +11,7 @@ table, but only privately; this one holds the groups
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -21,6 +23,11 @@ _groups: Dict[str, "dist.ProcessGroup"] = {}
 # Per group, every buffer allocated, the newest last: the ops use the newest;
 # the older ones stay allocated, because a graph captured with one replays it.
 _buffers: Dict[str, List[torch.Tensor]] = {}
+# Per group, the CUDA graphs captured while it was current, held weakly. NCCL
+# does not destroy a communicator while a graph holding its kernels exists:
+# destroy_process_group() waits for that forever (pytorch/pytorch#115388), and
+# a compiled function's cache keeps its graphs alive as long as the process.
+_graphs: Dict[str, "weakref.WeakSet[torch.cuda.CUDAGraph]"] = {}
 
 
 def register_group(group: "dist.ProcessGroup") -> str:
@@ -42,9 +49,25 @@ def resolve_group(name: str) -> "dist.ProcessGroup":
 
 
 def forget_group(name: str) -> None:
-    """Drop the group and its buffers (when the group is destroyed)."""
+    """Drop the group, its buffers and its graphs (when the group is destroyed)."""
     _groups.pop(name, None)
     _buffers.pop(name, None)
+    _graphs.pop(name, None)
+
+
+def add_graph(name: str, graph: "torch.cuda.CUDAGraph") -> None:
+    """Remember ``graph`` (weakly) as one that may hold the group's collectives."""
+    _graphs.setdefault(name, weakref.WeakSet()).add(graph)
+
+
+def reset_graphs(name: str) -> int:
+    """Reset (free) every live graph captured while the group was current, so
+    that its communicators can be destroyed; return how many. A reset graph
+    refuses a later replay with torch's error."""
+    graphs = list(_graphs.pop(name, ()))
+    for graph in graphs:
+        graph.reset()
+    return len(graphs)
 
 
 def add_buffer(name: str, buffer: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from tqdm.auto import tqdm
 
-from sgl_piecewise.distributed import tensor_parallel
+from sgl_piecewise.distributed import tensor_parallel, track_graph
 from sgl_piecewise.errors import UnsupportedModeError
 from sgl_piecewise.graphs import lockstep
 from sgl_piecewise.internals import cuda_graph_pool
@@ -218,6 +218,7 @@ class GraphCapture:
             raise
         finally:
             torch.cuda.set_sync_debug_mode(self._sync_mode)
+        track_graph(graph)  # freed before a group of several ranks is destroyed
 
     def abort_graph(self, graph: torch.cuda.CUDAGraph) -> None:
         """End a capture after its forward failed; the forward's error is the
