@@ -42,6 +42,12 @@ the residual stream split across the ranks by tokens as well (rows marked
 ``sp``): the row-parallel projections reduce-scatter and the
 column-parallel ones all-gather first, each through NCCL.
 
+``--shard-alone``: for each TP size N above 1, one more launch of one rank
+whose model is one rank's shard of TP N as a plain model (its heads, KV
+heads, MLP columns and vocabulary; rows ``tp 1/N``): TP N's kernels with no
+communication, which splits a TP N step's excess over ``1/N`` of TP 1's
+into the shard's own kernels and the collectives.
+
 Weights: ``--fast-init`` (the default on CUDA) fills each rank's shard on
 its device with ``torch.randn`` under a fixed seed (``std`` 0.02, norm
 scales 1): ``build_random_model`` draws every full weight on the CPU in
@@ -83,6 +89,7 @@ from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.models.hf_weights import new_model
 from sgl_piecewise.models.layers import RMSNorm
+from sgl_piecewise.models.parallel import tp_layout
 from sgl_piecewise.runners.dispatch import token_split
 
 PATHS = {"whole_model": "full", "piecewise": "piecewise"}  # timed path -> ModelRunner graphs= policy
@@ -109,6 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=5, help="0: no profile (never on the cpu)")
     p.add_argument("--fast-init", action=argparse.BooleanOptionalAction, default=None,
                    help="draw weights on the device (default on cuda; module docstring)")  # fmt: skip
+    p.add_argument("--shard-alone", action="store_true",
+                   help="also time one rank's shard of each TP size above 1 alone (module docstring)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600, help="seconds per launch (and per collective wait)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -126,9 +135,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def tp_label(size: int, sequence_parallel: bool) -> str:
-    """A TP size as rows and logs name it: ``2``, or ``2+sp`` with sequence parallelism."""
+def tp_label(size: int, sequence_parallel: bool, shard_of: Optional[int] = None) -> str:
+    """A TP size as rows and logs name it: ``2``, ``2+sp`` with sequence
+    parallelism, ``1/2`` for one rank's shard of TP 2 alone."""
+    if shard_of:
+        return f"1/{shard_of}"
     return f"{size}{'+sp' if sequence_parallel else ''}"
+
+
+def shape_config(opts: dict) -> ModelConfig:
+    """The shape's model, or with ``opts["shard_of"]`` N, one rank's shard of
+    it at TP N as a whole model (the layout ``tp_layout`` gives rank 0)."""
+    hf = SHAPES[opts["shape"]]
+    config = ModelConfig.from_hf_dict(hf)
+    if not opts.get("shard_of"):
+        return config
+    layout = tp_layout(config, 0, opts["shard_of"])
+    shard = dict(hf, num_attention_heads=layout.num_heads, num_key_value_heads=layout.num_kv_heads,
+                 head_dim=layout.head_dim, intermediate_size=layout.intermediate_size,
+                 vocab_size=layout.vocab_per_rank)  # fmt: skip
+    return ModelConfig.from_hf_dict(shard)
 
 
 def comm_variants(opts: dict, tp_size: int) -> List[str]:
@@ -231,9 +257,10 @@ def run_rank(opts: dict, json_path: str) -> Optional[list]:
     tp = tensor_parallel()
     device = tp.device or torch.device(opts["device"])
     dtype = getattr(torch, opts["dtype"])
-    config = ModelConfig.from_hf_dict(SHAPES[opts["shape"]])
+    config = shape_config(opts)
     comms = comm_variants(opts, tp.size)
-    name = f"tp {tp_label(tp.size, tp.splits_sequence)}"
+    label = tp_label(tp.size, tp.splits_sequence, opts.get("shard_of"))
+    name = f"tp {label}"
     rows: list = []
 
     def record(row: dict) -> None:
@@ -258,14 +285,15 @@ def run_rank(opts: dict, json_path: str) -> Optional[list]:
     info["symmetric_buffer_bytes"] = symmetric_buffer_bytes()
     if tp.is_first:
         card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        record_rank_info(json_path, tp.size, info, card)
+        record_rank_info(json_path, label, info, card)
         say(f"[{name}] model built in {info['init_s']:.1f} s, {info['weights_gib_per_rank']:.2f} GiB per "
             f"rank; symmetric buffer {info['symmetric_buffer_bytes']} B")  # fmt: skip
 
     kept = []  # (row, runner) of every timed row, for the profile
     for path in opts["paths"]:
         for comm in comms:
-            unit = {"shape": opts["shape"], "tp": tp.size, "sp": tp.splits_sequence, "comm": comm, "path": path}
+            unit = {"shape": opts["shape"], "tp": tp.size, "sp": tp.splits_sequence, "shard_of": opts.get("shard_of"),
+                    "comm": comm, "path": path}  # fmt: skip
             unit["symmetric_buffer_bytes"] = info["symmetric_buffer_bytes"] if comm == "symm" else 0
             unit["small_all_reduce"] = small_all_reduce_path(comm, unit["symmetric_buffer_bytes"])
             with small_all_reduce(comm):
@@ -360,7 +388,7 @@ def say(text: str) -> None:
 
 
 # ---- the JSON file (written by the parent and by each launch's rank 0) -------
-ROW_KEY = ("shape", "tp", "sp", "comm", "path", "bs")
+ROW_KEY = ("shape", "tp", "sp", "shard_of", "comm", "path", "bs")
 
 
 def load(json_path: str) -> dict:
@@ -378,7 +406,7 @@ def save(json_path: str, result: dict) -> None:
 
 def add_ratios(rows: List[dict]) -> None:
     """Each row's ms over TP 1's of the same path and batch size."""
-    tp1 = {(r["path"], r["bs"]): r["ms"] for r in rows if r["tp"] == 1 and r.get("ms")}
+    tp1 = {(r["path"], r["bs"]): r["ms"] for r in rows if r["tp"] == 1 and not r.get("shard_of") and r.get("ms")}
     for r in rows:
         ref = tp1.get((r["path"], r["bs"]))
         r["ratio_to_tp1"] = r["ms"] / ref if ref and r.get("ms") else None
@@ -387,16 +415,16 @@ def add_ratios(rows: List[dict]) -> None:
 def record_row(json_path: str, row: dict) -> None:
     """Add (or update) ``row`` in the file and print it."""
     result = load(json_path)
-    key = tuple(row[k] for k in ROW_KEY)
-    result["rows"] = [r for r in result["rows"] if tuple(r[k] for k in ROW_KEY) != key] + [row]
+    key = tuple(row.get(k) for k in ROW_KEY)
+    result["rows"] = [r for r in result["rows"] if tuple(r.get(k) for k in ROW_KEY) != key] + [row]
     save(json_path, result)
-    print("row", format_row(next(r for r in result["rows"] if tuple(r[k] for k in ROW_KEY) == key)), flush=True)
+    print("row", format_row(next(r for r in result["rows"] if tuple(r.get(k) for k in ROW_KEY) == key)), flush=True)
 
 
-def record_rank_info(json_path: str, tp_size: int, info: dict, card: str) -> None:
+def record_rank_info(json_path: str, label: str, info: dict, card: str) -> None:
     result = load(json_path)
     result["card"] = card
-    result["ranks"][tp_label(tp_size, tensor_parallel().splits_sequence)] = info
+    result["ranks"][label] = info
     save(json_path, result)
 
 
@@ -404,7 +432,7 @@ def format_row(r: dict) -> str:
     ms = "-" if r.get("ms") is None else f"{r['ms']:.3f}"
     ratio = "-" if r.get("ratio_to_tp1") is None else f"{r['ratio_to_tp1']:.3f}"
     share = "-" if r.get("comm_share") is None else f"{100 * r['comm_share']:.1f}%"
-    tp = tp_label(r["tp"], r.get("sp", False))
+    tp = tp_label(r["tp"], r.get("sp", False), r.get("shard_of"))
     line = f"{r['shape']:>5} {tp:>6} {r['comm']:>5} {r['path']:>12} {r['bs']:>4} {ms:>9} {ratio:>7} {share:>8}"
     return line + (f"  {r['error']}" if r.get("error") else "")
 
@@ -416,17 +444,23 @@ def print_table(result: dict) -> None:
     print(header)
     print("-" * len(header))
     order = {p: i for i, p in enumerate(PATHS)}
-    for r in sorted(result["rows"], key=lambda r: (order[r["path"]], r["bs"], r["tp"], r.get("sp", False), r["comm"])):
+
+    def key(r: dict) -> tuple:
+        return order[r["path"]], r["bs"], r.get("shard_of") or 0, r["tp"], r.get("sp", False), r["comm"]
+
+    for r in sorted(result["rows"], key=key):
         print(format_row(r))
-    for launch_error in result["launch_errors"]:
-        print(f"tp {tp_label(launch_error['tp'], launch_error.get('sp', False))}: launch failed: "
-              f"{launch_error['error'][:2000]}")  # fmt: skip
+    for failed in result["launch_errors"]:
+        label = tp_label(failed["tp"], failed.get("sp", False), failed.get("shard_of"))
+        print(f"tp {label}: launch failed: {failed['error'][:2000]}")
 
 
-def launches(sizes: List[int], sequence_parallel: str) -> List[tuple]:
-    """``(tp size, sequence parallel)`` of each launch, in order: TP 1 alone."""
+def launches(sizes: List[int], sequence_parallel: str, shard_alone: bool = False) -> List[tuple]:
+    """``(ranks, sequence parallel, shard of)`` of each launch, in order:
+    TP 1 alone; then, with ``shard_alone``, one rank of each larger size's shard."""
     modes = {"off": [False], "on": [True], "both": [False, True]}[sequence_parallel]
-    return [(size, split) for size in sizes for split in (modes if size > 1 else [False])]
+    runs = [(size, split, None) for size in sizes for split in (modes if size > 1 else [False])]
+    return runs + [(1, False, size) for size in sizes if shard_alone and size > 1]
 
 
 def main(argv=None) -> dict:
@@ -442,21 +476,22 @@ def main(argv=None) -> dict:
         "launch_errors": [], "rows": [],
     }  # fmt: skip
     save(json_path, result)
-    for size, split in launches(args.tp, args.sequence_parallel):
-        name = f"tp {tp_label(size, split)}"
+    for size, split, shard_of in launches(args.tp, args.sequence_parallel, args.shard_alone):
+        name = f"tp {tp_label(size, split, shard_of)}"
         start = time.perf_counter()
         error = None
         try:
-            launch(run_rank, size, opts, json_path, device=args.device, timeout_s=args.timeout, sequence_parallel=split)
+            launch(run_rank, size, {**opts, "shard_of": shard_of}, json_path, device=args.device,
+                   timeout_s=args.timeout, sequence_parallel=split)  # fmt: skip
         except Exception as e:
             error = error_text(e) if not hasattr(e, "cause") else f"{type(e).__name__}: {e}"
             print(f"[{name}] launch failed: {error[:3000]}", file=sys.stderr, flush=True)
         seconds = time.perf_counter() - start
         print(f"[{name}] launch done in {seconds:.1f} s", file=sys.stderr, flush=True)
         result = load(json_path)
-        result["launches"].append({"tp": size, "sp": split, "seconds": seconds, "error": error})
+        result["launches"].append({"tp": size, "sp": split, "shard_of": shard_of, "seconds": seconds, "error": error})
         if error:
-            result["launch_errors"].append({"tp": size, "sp": split, "error": error})
+            result["launch_errors"].append({"tp": size, "sp": split, "shard_of": shard_of, "error": error})
         save(json_path, result)
     print_table(result)
     return result

@@ -16,26 +16,30 @@ def test_tiny_run_over_gloo_records_every_row(load_benchmark, tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "bench_tp", bench)
     argv = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tp", "1", "2", "--decode-bs", "1", "2",
             "--context", "16", "--iters", "2", "--timeout", "300", "--sequence-parallel", "both",
-            "--out", str(tmp_path)]  # fmt: skip
+            "--shard-alone", "--out", str(tmp_path)]  # fmt: skip
     result = bench.main(argv)
 
     saved = json.loads((tmp_path / "bench_tp_tiny.json").read_text())
     assert saved == json.loads(json.dumps(result))
     assert saved["launch_errors"] == []
     assert saved["card"] == "cpu" and saved["torch"] and saved["date"]
-    rows = {(r["tp"], r["sp"], r["comm"], r["path"], r["bs"]): r for r in saved["rows"]}
+    rows = {(r["tp"], r["sp"], r["shard_of"], r["comm"], r["path"], r["bs"]): r for r in saved["rows"]}
     # At TP 2 on the CPU the one all-reduce path is gloo (no symmetric memory);
-    # TP 2 runs without and with sequence parallelism.
-    assert sorted(rows) == sorted(
-        (tp, sp, comm, path, bs)
-        for tp, sp, comm in ((1, False, "none"), (2, False, "gloo"), (2, True, "gloo"))
-        for path in ("whole_model", "piecewise")
-        for bs in (1, 2)
-    )
-    for (tp, _, _, path, _), row in rows.items():
+    # TP 2 runs without and with sequence parallelism; one rank's shard of
+    # TP 2 runs alone, with no communication.
+    assert sorted(rows, key=str) == sorted(
+        ((tp, sp, shard_of, comm, path, bs)
+         for tp, sp, shard_of, comm in ((1, False, None, "none"), (2, False, None, "gloo"), (2, True, None, "gloo"),
+                                        (1, False, 2, "none"))
+         for path in ("whole_model", "piecewise")
+         for bs in (1, 2)), key=str,
+    )  # fmt: skip
+    for (tp, _, shard_of, _, path, _), row in rows.items():
         assert "error" not in row, row
         assert row["ms"] > 0 and row["step_path"] == path
-        assert row["ratio_to_tp1"] == pytest.approx(row["ms"] / rows[(1, False, "none", path, row["bs"])]["ms"])
-        assert row["kv_pool_heads"] == 2 // tp  # the KV pool holds this rank's heads
+        assert row["ratio_to_tp1"] == pytest.approx(row["ms"] / rows[(1, False, None, "none", path, row["bs"])]["ms"])
+        assert row["kv_pool_heads"] == 2 // (shard_of or tp)  # the KV pool holds this rank's heads
     assert saved["ranks"]["2"]["num_local_heads"] == 2 and saved["ranks"]["2"]["symmetric_buffer_bytes"] == 0
     assert "2+sp" in saved["ranks"]
+    # The shard alone holds what a rank of TP 2 holds, as a model of one rank.
+    assert saved["ranks"]["1/2"]["num_local_heads"] == 2 and saved["ranks"]["1/2"]["symmetric_buffer_bytes"] == 0
