@@ -12,6 +12,10 @@ one's result; the graph is replayed 20 times between host barriers and the
 median replay over 48 is the time per all-reduce (the halving included). Each
 row checks the sum: ranks holding 1 and 2 give 1.5 after every step.
 
+Paths: ``one_shot``, the library's (the op copies its input into the buffer
+in its own kernel, ``one_shot_all_reduce_copy``); ``one_shot_copy_op``, its
+fallback (a copy kernel, then the plain op); ``nccl``.
+
 Output: a line per row, and ``all_reduce_sweep.json`` in ``--out`` (card,
 torch, NCCL, date, rows).
 """
@@ -32,6 +36,7 @@ from sgl_piecewise.internals import symm_mem
 ELEMENTS = (896, 4096, 28672, 65536, 131072, 262144, 524288, 1048576)  # bf16
 CHAIN = 48
 REPLAYS = 20
+PATHS = ("one_shot", "one_shot_copy_op", "nccl")
 
 
 def chain(path: str, x: torch.Tensor, buffer: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -39,7 +44,7 @@ def chain(path: str, x: torch.Tensor, buffer: torch.Tensor, group_name: str) -> 
     group = registry.resolve_group(group_name)
     y = x
     for _ in range(CHAIN):
-        if path == "one_shot":
+        if path.startswith("one_shot"):
             y = symm_mem.one_shot_all_reduce(y, buffer, group_name) * 0.5
         else:
             z = y.clone()
@@ -49,6 +54,15 @@ def chain(path: str, x: torch.Tensor, buffer: torch.Tensor, group_name: str) -> 
 
 
 def time_path(tp, path: str, n: int, buffer: torch.Tensor) -> dict:
+    default = symm_mem.COPY_IN_KERNEL
+    symm_mem.COPY_IN_KERNEL = path == "one_shot"  # read while warming up and capturing
+    try:
+        return _time_path(tp, path, n, buffer)
+    finally:
+        symm_mem.COPY_IN_KERNEL = default
+
+
+def _time_path(tp, path: str, n: int, buffer: torch.Tensor) -> dict:
     x = torch.full((n,), float(tp.rank + 1), dtype=torch.bfloat16, device=tp.device)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -79,7 +93,7 @@ def time_path(tp, path: str, n: int, buffer: torch.Tensor) -> dict:
 def run_rank(elements: list) -> list:
     tp = tensor_parallel()
     buffer = symm_mem.allocate(2 * max(elements), tp.device, tp.group_name)
-    return [time_path(tp, path, n, buffer) for n in elements for path in ("one_shot", "nccl")]
+    return [time_path(tp, path, n, buffer) for n in elements for path in PATHS]
 
 
 def main(argv=None) -> dict:

@@ -25,7 +25,7 @@ def test_without_two_gpus_the_sweep_is_refused_naming_what_it_found(load_benchma
 
 
 @pytest.mark.gpu
-def test_gpu_sweep_times_both_paths_and_each_sums_right(load_benchmark, tmp_path, monkeypatch):
+def test_gpu_sweep_times_every_path_and_each_sums_right(load_benchmark, tmp_path, monkeypatch):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
     bench = load_benchmark("bench_all_reduce")
@@ -33,6 +33,6 @@ def test_gpu_sweep_times_both_paths_and_each_sums_right(load_benchmark, tmp_path
     result = bench.main(["--elements", "896", "65536", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "all_reduce_sweep.json").read_text()) == json.loads(json.dumps(result))
     assert sorted((r["elements"], r["path"]) for r in result["rows"]) == sorted(
-        (n, path) for n in (896, 65536) for path in ("one_shot", "nccl")
+        (n, path) for n in (896, 65536) for path in ("one_shot", "one_shot_copy_op", "nccl")
     )
     assert all(r["ok"] and r["us_per_all_reduce"] > 0 for r in result["rows"])
