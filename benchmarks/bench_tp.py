@@ -42,11 +42,11 @@ the residual stream split across the ranks by tokens as well (rows marked
 ``sp``): the row-parallel projections reduce-scatter and the
 column-parallel ones all-gather first, each through NCCL.
 
-``--shard-alone``: for each TP size N above 1, one more launch of one rank
-whose model is one rank's shard of TP N as a plain model (its heads, KV
-heads, MLP columns and vocabulary; rows ``tp 1/N``): TP N's kernels with no
+``--shard-alone N [N ...]``: for each N, one more launch of one rank whose
+model is one rank's shard of TP N as a plain model (its heads, KV heads,
+MLP columns and vocabulary; rows ``tp 1/N``): TP N's kernels with no
 communication, which splits a TP N step's excess over ``1/N`` of TP 1's
-into the shard's own kernels and the collectives.
+into the shard's own kernels and the collectives (one GPU is enough).
 
 Weights: ``--fast-init`` (the default on CUDA) fills each rank's shard on
 its device with ``torch.randn`` under a fixed seed (``std`` 0.02, norm
@@ -116,8 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=5, help="0: no profile (never on the cpu)")
     p.add_argument("--fast-init", action=argparse.BooleanOptionalAction, default=None,
                    help="draw weights on the device (default on cuda; module docstring)")  # fmt: skip
-    p.add_argument("--shard-alone", action="store_true",
-                   help="also time one rank's shard of each TP size above 1 alone (module docstring)")  # fmt: skip
+    p.add_argument("--shard-alone", type=int, nargs="+", default=[], metavar="N",
+                   help="also time one rank's shard of TP N alone, on one rank (module docstring)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600, help="seconds per launch (and per collective wait)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -132,6 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--dtype: expected a torch dtype name, got {args.dtype!r}")
     if min(args.tp) < 1 or min(args.decode_bs) < 1 or args.context < 1 or args.iters < 1:
         p.error("--tp, --decode-bs, --context and --iters: expected positive ints")
+    if any(n < 2 for n in args.shard_alone):
+        p.error(f"--shard-alone: expected TP sizes of at least 2, got {args.shard_alone}")
+    args.shard_alone = sorted(set(args.shard_alone))
     return args
 
 
@@ -455,12 +458,12 @@ def print_table(result: dict) -> None:
         print(f"tp {label}: launch failed: {failed['error'][:2000]}")
 
 
-def launches(sizes: List[int], sequence_parallel: str, shard_alone: bool = False) -> List[tuple]:
+def launches(sizes: List[int], sequence_parallel: str, shard_sizes: List[int] = ()) -> List[tuple]:
     """``(ranks, sequence parallel, shard of)`` of each launch, in order:
-    TP 1 alone; then, with ``shard_alone``, one rank of each larger size's shard."""
+    TP 1 alone; then one rank of each of ``shard_sizes``' shards."""
     modes = {"off": [False], "on": [True], "both": [False, True]}[sequence_parallel]
     runs = [(size, split, None) for size in sizes for split in (modes if size > 1 else [False])]
-    return runs + [(1, False, size) for size in sizes if shard_alone and size > 1]
+    return runs + [(1, False, size) for size in shard_sizes]
 
 
 def main(argv=None) -> dict:

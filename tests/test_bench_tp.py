@@ -16,7 +16,7 @@ def test_tiny_run_over_gloo_records_every_row(load_benchmark, tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "bench_tp", bench)
     argv = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tp", "1", "2", "--decode-bs", "1", "2",
             "--context", "16", "--iters", "2", "--timeout", "300", "--sequence-parallel", "both",
-            "--shard-alone", "--out", str(tmp_path)]  # fmt: skip
+            "--shard-alone", "2", "--out", str(tmp_path)]  # fmt: skip
     result = bench.main(argv)
 
     saved = json.loads((tmp_path / "bench_tp_tiny.json").read_text())
