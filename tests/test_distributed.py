@@ -198,9 +198,10 @@ def test_every_collective_on_two_cpu_ranks_returns_in_rank_order():
 
 
 def test_the_safe_environment_overrides_values_that_would_allow_multicast_and_keeps_the_rest(caplog):
-    # A mapping of its own, not this process's environment: nothing here may
-    # turn multicast on, even for a moment. Each value flipped, one missing.
-    flipped = {name: "1" if value == "0" else "0" for name, value in SAFE_ENV.items()}
+    # A mapping of its own, not this process's environment, and values that
+    # differ from the safe ones without naming an enabling one: nothing here
+    # may turn multicast on, even for a moment. Each value other, one missing.
+    flipped = {name: f"not-{value}" for name, value in SAFE_ENV.items()}
     missing = next(iter(flipped))
     environ = {**{k: v for k, v in flipped.items() if k != missing}, "OTHER": "kept"}
     set_safe_env(environ)
