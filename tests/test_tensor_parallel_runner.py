@@ -37,11 +37,13 @@ def _prompts(n: int = 4, longest: int = 12, vocab: int = 4096) -> list:
     return [[rng.randrange(vocab) for _ in range(rng.randint(2, longest))] for _ in range(n)]
 
 
-def _generate_every_policy(prompts: list, new_tokens: int, piece_compiler: str = "eager") -> dict:
+def _generate_every_policy(
+    prompts: list, new_tokens: int, piece_compiler: str = "eager", policies: tuple = POLICIES
+) -> dict:
     """Greedy tokens of ``prompts`` under each policy, on this process's rank."""
     model = build_random_model(default_config(), torch.float32, "cpu", seed=0)
     tokens, paths = {}, {}
-    for policy in POLICIES:
+    for policy in policies:
         runner = ModelRunner(model, max_reqs=8, max_context_len=96, backend="torch", graphs=policy)
         runner.capture_graphs(progress=False, **{**CAPTURE, "piece_compiler": piece_compiler})
         tokens[policy] = runner.generate(prompts, new_tokens, progress=False)
@@ -74,6 +76,20 @@ def test_two_ranks_generate_one_ranks_tokens_under_every_policy(sequence_paralle
     keys = [_saved_compile_keys(model)] + [result["keys"] for result in ranks]
     for kind in range(2):
         assert len({k[kind] for k in keys}) == 3, keys
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_four_ranks_two_sharing_each_kv_head_generate_one_ranks_tokens(sequence_parallel):
+    # The embedded model's 4 query and 2 KV heads over 4 ranks: one query head
+    # a rank, each KV head held by the two ranks whose query heads read it.
+    prompts = _prompts()
+    model = build_random_model(default_config(), torch.float32, "cpu", seed=0)
+    eager = ModelRunner(model, max_reqs=8, max_context_len=96, backend="torch").generate(prompts, 10, progress=False)
+    ranks = launch(_generate_every_policy, 4, prompts, 10, "eager", ("auto",), timeout_s=600,
+                   sequence_parallel=sequence_parallel)  # fmt: skip
+    for r, result in enumerate(ranks):
+        assert result["tokens"]["auto"] == eager, f"rank {r}"
+        assert GRAPH_PATHS["auto"] <= result["paths"]["auto"], f"rank {r}: {result['paths']}"
 
 
 # Sequence parallelism, padding that crosses from one rank's share of the
