@@ -21,8 +21,8 @@ decode token of a 0.5B model's hidden size) inside a CUDA graph on 2x
 H200: 6.0 µs one-shot through symmetric memory against 17.5 µs through
 NCCL, twice per layer per step.
 
-No multicast: only the one-shot op is used, never the ``multimem_*`` ops
-nor the two-shot variants that need multicast objects (NVLS). The package
+No multicast: only the one-shot op is used (peer loads and signal pads),
+never the ``multimem_*`` ops, which need multicast objects (NVLS). The package
 sets ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NCCL_NVLS_ENABLE=0`` and
 ``NVSHMEM_DISABLE_NVLS=1`` before any group starts, overriding a value
 that would allow multicast (``distributed/groups.py``).
