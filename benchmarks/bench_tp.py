@@ -35,7 +35,9 @@ profiler slows the launches that follow it): ``torch.profiler`` over
 kernels whose name contains ``allreduce``, ``all_reduce``, ``nccl`` or
 ``one_shot`` (the all-reduces, and the LM head's all-gather) over the
 summed time of every kernel of those steps, rank 0's share. A collective
-kernel's time includes its wait for the slower rank.
+kernel's time includes its wait for the slower rank. The profile also
+gives the device's idle time a step: between the profiled steps' first
+and last kernel, the time no kernel or copy runs.
 
 ``--sequence-parallel on`` (or ``both``) runs each TP size above 1 with
 the residual stream split across the ranks by tokens as well (rows marked
@@ -232,17 +234,31 @@ def comm_share(step: Callable[[], object], steps: int) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    total, comm, kernels = 0.0, 0.0, {}
+    total, comm, kernels, spans = 0.0, 0.0, {}, []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         us = e.time_range.elapsed_us()
         total += us
+        spans.append((e.time_range.start, e.time_range.end))
         if any(mark in e.name.lower() for mark in COMM_KERNEL_MARKS):
             comm += us
             kernels[e.name[:120]] = kernels.get(e.name[:120], 0.0) + us / steps
     return {"share": comm / total if total else None, "comm_us_per_step": comm / steps,
-            "kernel_us_per_step": total / steps, "comm_kernels_us_per_step": kernels}  # fmt: skip
+            "kernel_us_per_step": total / steps, "comm_kernels_us_per_step": kernels,
+            "gpu_idle_us_per_step": idle_us(spans) / steps}  # fmt: skip
+
+
+def idle_us(spans: List[tuple]) -> float:
+    """Time between the first start and the last end of ``spans`` (µs
+    intervals) that none of them covers: the device's idle time between
+    the profiled steps' first and last kernel."""
+    idle, reach = 0.0, None
+    for start, end in sorted(spans):
+        if reach is not None and start > reach:
+            idle += start - reach
+        reach = end if reach is None else max(reach, end)
+    return idle
 
 
 def agree(tp, error: Optional[str]) -> Optional[str]:
@@ -435,13 +451,18 @@ def format_row(r: dict) -> str:
     ms = "-" if r.get("ms") is None else f"{r['ms']:.3f}"
     ratio = "-" if r.get("ratio_to_tp1") is None else f"{r['ratio_to_tp1']:.3f}"
     share = "-" if r.get("comm_share") is None else f"{100 * r['comm_share']:.1f}%"
+    idle = r.get("profile", {}).get("gpu_idle_us_per_step")
+    idle = "-" if idle is None else f"{idle:.0f}"
     tp = tp_label(r["tp"], r.get("sp", False), r.get("shard_of"))
-    line = f"{r['shape']:>5} {tp:>6} {r['comm']:>5} {r['path']:>12} {r['bs']:>4} {ms:>9} {ratio:>7} {share:>8}"
+    line = (f"{r['shape']:>5} {tp:>6} {r['comm']:>5} {r['path']:>12} {r['bs']:>4} {ms:>9} {ratio:>7} {share:>8} "
+            f"{idle:>7}")  # fmt: skip
     return line + (f"  {r['error']}" if r.get("error") else "")
 
 
 def print_table(result: dict) -> None:
-    header = f"{'shape':>5} {'tp':>6} {'comm':>5} {'path':>12} {'bs':>4} {'ms':>9} {'/tp1':>7} {'comm %':>8}"
+    header = (
+        f"{'shape':>5} {'tp':>6} {'comm':>5} {'path':>12} {'bs':>4} {'ms':>9} {'/tp1':>7} {'comm %':>8} {'idle us':>7}"
+    )
     print(f"\ndecode step, {result['shape']} shape, {result['dtype']}, context {result['context']}, "
           f"{result['card']}, torch {result['torch']}")  # fmt: skip
     print(header)
