@@ -36,8 +36,9 @@ kernels whose name contains ``allreduce``, ``all_reduce``, ``nccl`` or
 ``one_shot`` (the all-reduces, and the LM head's all-gather) over the
 summed time of every kernel of those steps, rank 0's share. A collective
 kernel's time includes its wait for the slower rank. The profile also
-gives the device's idle time a step: between the profiled steps' first
-and last kernel, the time no kernel or copy runs.
+gives the device's idle time a step (between the profiled steps' first
+and last kernel, the time no kernel or copy runs) and its eight longest
+stretches, each with the kernels around it.
 
 ``--sequence-parallel on`` (or ``both``) runs each TP size above 1 with
 the residual stream split across the ranks by tokens as well (rows marked
@@ -240,25 +241,34 @@ def comm_share(step: Callable[[], object], steps: int) -> dict:
             continue
         us = e.time_range.elapsed_us()
         total += us
-        spans.append((e.time_range.start, e.time_range.end))
+        spans.append((e.time_range.start, e.time_range.end, e.name[:80]))
         if any(mark in e.name.lower() for mark in COMM_KERNEL_MARKS):
             comm += us
             kernels[e.name[:120]] = kernels.get(e.name[:120], 0.0) + us / steps
     return {"share": comm / total if total else None, "comm_us_per_step": comm / steps,
             "kernel_us_per_step": total / steps, "comm_kernels_us_per_step": kernels,
-            "gpu_idle_us_per_step": idle_us(spans) / steps}  # fmt: skip
+            "gpu_idle_us_per_step": idle_us(spans) / steps,
+            "longest_idle_gaps": [dict(zip(("us", "after", "before"), g)) for g in idle_gaps(spans)[:8]]}  # fmt: skip
 
 
 def idle_us(spans: List[tuple]) -> float:
-    """Time between the first start and the last end of ``spans`` (µs
-    intervals) that none of them covers: the device's idle time between
-    the profiled steps' first and last kernel."""
-    idle, reach = 0.0, None
-    for start, end in sorted(spans):
+    """Time between the first start and the last end of ``spans`` (``(start,
+    end, ...)`` in µs) that none of them covers: the device's idle time
+    between the profiled steps' first and last kernel."""
+    return sum(gap for gap, _, _ in idle_gaps(spans))
+
+
+def idle_gaps(spans: List[tuple]) -> List[tuple]:
+    """Each stretch no span covers, as ``(µs, what ran before, what ran
+    after)`` (a span's third item, where it has one), longest first."""
+    gaps, reach, last = [], None, None
+    for span in sorted(spans):
+        start, end = span[0], span[1]
         if reach is not None and start > reach:
-            idle += start - reach
-        reach = end if reach is None else max(reach, end)
-    return idle
+            gaps.append((start - reach, last, span[2] if len(span) > 2 else None))
+        if reach is None or end >= reach:
+            reach, last = end, span[2] if len(span) > 2 else None
+    return sorted(gaps, key=lambda g: -g[0])
 
 
 def agree(tp, error: Optional[str]) -> Optional[str]:

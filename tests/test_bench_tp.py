@@ -45,8 +45,10 @@ def test_tiny_run_over_gloo_records_every_row(load_benchmark, tmp_path, monkeypa
     assert saved["ranks"]["1/2"]["num_local_heads"] == 2 and saved["ranks"]["1/2"]["symmetric_buffer_bytes"] == 0
 
 
-def test_idle_time_counts_only_the_gaps_no_span_covers(load_benchmark):
+def test_idle_time_counts_only_the_gaps_no_span_covers_and_names_their_neighbours(load_benchmark):
     bench = load_benchmark("bench_tp")
     # Overlapping and nested spans cover [0, 8] and [10, 12]; gaps 8-10 and 12-20.
-    assert bench.idle_us([(10, 12), (0, 5), (3, 8), (11, 11.5), (20, 21)]) == 10
+    spans = [(10, 12, "c"), (0, 5, "a"), (3, 8, "b"), (11, 11.5, "d"), (20, 21, "e")]
+    assert bench.idle_us(spans) == 10
+    assert bench.idle_gaps(spans) == [(8, "c", "e"), (2, "b", "c")]  # the nested d ends inside c
     assert bench.idle_us([(0, 4), (4, 6)]) == 0 and bench.idle_us([]) == 0
