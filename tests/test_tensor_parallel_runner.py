@@ -83,10 +83,12 @@ def test_two_ranks_generate_one_ranks_tokens_under_every_policy_with_and_without
             for policy in POLICIES:
                 assert result["tokens"][policy] == eager, f"rank {r}, {mode}, graphs={policy}"
                 assert GRAPH_PATHS[policy] <= result["paths"][policy], f"rank {r}, {mode}, graphs={policy}"
-    # One saved compile per rank and group size: no rank loads another's.
-    keys = [_saved_compile_keys(model)] + [modes["tp"]["keys"] for modes in ranks]
-    for kind in range(2):
-        assert len({k[kind] for k in keys}) == 3, keys
+    # One saved compile per rank, group size and split of the stream: no rank
+    # loads another's, nor a compile without sequence parallelism one with it.
+    # (The artifacts of a graph are keyed by its ops as well: one folder per rank.)
+    keys = [_saved_compile_keys(model)] + [result["keys"] for modes in ranks for result in modes.values()]
+    assert len({model_key for model_key, _ in keys}) == 5, keys
+    assert len({artifacts for _, artifacts in keys}) == 3, keys
 
 
 def test_four_ranks_two_sharing_each_kv_head_generate_one_ranks_tokens_with_and_without_sequence_parallelism():
