@@ -22,7 +22,7 @@ H200: 6.0 µs one-shot through symmetric memory against 17.5 µs through
 NCCL, twice per layer per step.
 
 No multicast: only the one-shot op is used (peer loads and signal pads),
-never the ``multimem_*`` ops, which need multicast objects (NVLS). The package
+never an op built on multicast objects (NVLS). The package
 sets ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NCCL_NVLS_ENABLE=0`` and
 ``NVSHMEM_DISABLE_NVLS=1`` before any group starts, overriding a value
 that would allow multicast (``distributed/groups.py``).
