@@ -263,11 +263,11 @@ def idle_gaps(spans: List[tuple]) -> List[tuple]:
     after)`` (a span's third item, where it has one), longest first."""
     gaps, reach, last = [], None, None
     for span in sorted(spans):
-        start, end = span[0], span[1]
+        start, end, name = span[0], span[1], span[2] if len(span) > 2 else None
         if reach is not None and start > reach:
-            gaps.append((start - reach, last, span[2] if len(span) > 2 else None))
+            gaps.append((start - reach, last, name))
         if reach is None or end >= reach:
-            reach, last = end, span[2] if len(span) > 2 else None
+            reach, last = end, name
     return sorted(gaps, key=lambda g: -g[0])
 
 
