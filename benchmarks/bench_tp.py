@@ -15,7 +15,10 @@ variant a ``ModelRunner`` (``graphs="full"`` for ``whole_model``,
 ``runner.forward_step`` (validation, dispatch, replay, logits and the
 step's synchronisation): ``--warmup`` steps, then the median of ``--iters``
 steps, each timed with CUDA events (wall time on a CPU). Every rank runs
-every step, so rank 0's time is the group's step time.
+every step, so rank 0's time is the group's step time. A whole-model row
+also gives the device time of its graph alone (``replay_ms``: replays of
+the step's batch launched back to back, so the host's work between steps
+is left out).
 
 All-reduce variants at TP > 1 on CUDA (``--comm``): ``symm``, the
 library's default: ``prepare_communication`` (called once per rank, before
@@ -225,6 +228,24 @@ def lockstep_times_ms(step: Callable[[], object], warmup: int, iters: int, cuda:
     return step_times_ms(step, iters, cuda)
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, iters: int, groups: int = 5) -> float:
+    """Device time of one replay of ``graph``: ``groups`` runs of ``iters``
+    replays launched back to back (the host runs ahead, so no launch or
+    host work lies between them), the median of their means."""
+    for _ in range(3):
+        graph.replay()
+    means = []
+    for _ in range(groups):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        means.append(start.elapsed_time(end) / iters)
+    return statistics.median(means)
+
+
 def comm_share(step: Callable[[], object], steps: int) -> dict:
     """Share of the kernels' device time in collective kernels over ``steps`` steps."""
     from torch.profiler import ProfilerActivity, profile
@@ -380,6 +401,9 @@ def time_row(tp, runner: ModelRunner, opts: dict, row: dict) -> None:
             times = lockstep_times_ms(lambda: runner.forward_step(batch), opts["warmup"], opts["iters"], cuda)
             row.update(ms=statistics.median(times), ms_min=min(times), ms_max=max(times),
                        step_path=runner.step_stats[-1].path)  # fmt: skip
+            graph = runner.step_graphs.captured_graph(sp.ForwardMode.DECODE, row["bs"]) if runner.step_graphs else None
+            if graph is not None:  # its buffers hold this batch, from the last step
+                row["replay_ms"] = replay_ms(graph, opts["iters"])
         finally:
             free_batch(runner, batch)
     except Exception as e:
@@ -464,14 +488,16 @@ def format_row(r: dict) -> str:
     idle = r.get("profile", {}).get("gpu_idle_us_per_step")
     idle = "-" if idle is None else f"{idle:.0f}"
     tp = tp_label(r["tp"], r.get("sp", False), r.get("shard_of"))
-    line = (f"{r['shape']:>5} {tp:>6} {r['comm']:>5} {r['path']:>12} {r['bs']:>4} {ms:>9} {ratio:>7} {share:>8} "
-            f"{idle:>7}")  # fmt: skip
+    replay = "-" if r.get("replay_ms") is None else f"{r['replay_ms']:.3f}"
+    line = (f"{r['shape']:>5} {tp:>6} {r['comm']:>5} {r['path']:>12} {r['bs']:>4} {ms:>9} {replay:>9} {ratio:>7} "
+            f"{share:>8} {idle:>7}")  # fmt: skip
     return line + (f"  {r['error']}" if r.get("error") else "")
 
 
 def print_table(result: dict) -> None:
     header = (
-        f"{'shape':>5} {'tp':>6} {'comm':>5} {'path':>12} {'bs':>4} {'ms':>9} {'/tp1':>7} {'comm %':>8} {'idle us':>7}"
+        f"{'shape':>5} {'tp':>6} {'comm':>5} {'path':>12} {'bs':>4} {'ms':>9} {'replay ms':>9} {'/tp1':>7} "
+        f"{'comm %':>8} {'idle us':>7}"
     )
     print(f"\ndecode step, {result['shape']} shape, {result['dtype']}, context {result['context']}, "
           f"{result['card']}, torch {result['torch']}")  # fmt: skip
