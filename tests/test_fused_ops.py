@@ -98,9 +98,9 @@ def test_the_model_takes_the_plain_formulas_on_a_cpu_and_under_compile(monkeypat
     x = torch.zeros(1)
     assert not fused_ops.available(x)  # a CPU tensor
     monkeypatch.setattr(fused_ops, "available", lambda t: True)  # as a CUDA tensor would be
-    assert layers._eager_fused(x)
+    assert fused_ops.eager(x)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not layers._eager_fused(x)
+    assert not fused_ops.eager(x)
 
 
 @pytest.mark.gpu
@@ -115,9 +115,9 @@ def test_eager_greedy_tokens_are_those_of_the_plain_formulas(monkeypatch):
     from sgl_piecewise.models import build_random_model, default_config
 
     model = build_random_model(default_config(), torch.float32, "cuda", seed=4)
-    assert layers._eager_fused(torch.zeros(1, device="cuda"))  # the first run takes the fused kernels
+    assert fused_ops.eager(torch.zeros(1, device="cuda"))  # the first run takes the fused kernels
     prompts = [[int(t) for t in torch.randint(0, 200, (n,))] for n in (5, 1, 9)]
     fused = ModelRunner(model, max_reqs=4, max_context_len=64).generate(prompts, max_new_tokens=16)
-    monkeypatch.setattr(layers, "_eager_fused", lambda x: False)
+    monkeypatch.setattr(fused_ops, "eager", lambda x: False)
     plain = ModelRunner(model, max_reqs=4, max_context_len=64).generate(prompts, max_new_tokens=16)
     assert fused == plain

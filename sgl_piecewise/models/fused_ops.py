@@ -42,6 +42,13 @@ def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
+def eager(x: torch.Tensor) -> bool:
+    """Should a model run one of these kernels instead of the plain formula?
+    Eagerly on CUDA: under ``torch.compile`` the formula is traced instead,
+    and Inductor fuses it with its neighbours."""
+    return not torch.compiler.is_compiling() and available(x)
+
+
 if triton is not None:
 
     @triton.jit

@@ -41,19 +41,13 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from sgl_piecewise.checks import check_tensor
 from sgl_piecewise.models import fused_ops
 from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
+from sgl_piecewise.models.norm import RMSNorm, all_reduce_add_rms_norm
 from sgl_piecewise.models.parallel import TPLayout
 from sgl_piecewise.ops import unified_attention
 from sgl_piecewise.regions import repeated_region
 
 if TYPE_CHECKING:
     from sgl_piecewise.distributed import TensorParallel
-
-
-def _eager_fused(x: torch.Tensor) -> bool:
-    """Run one fused kernel instead of the plain formula (``fused_ops.py``):
-    eagerly on CUDA. Under ``torch.compile`` the formula is traced instead,
-    and Inductor fuses it with its neighbours."""
-    return not torch.compiler.is_compiling() and fused_ops.available(x)
 
 
 class Linear(nn.Module):
@@ -128,6 +122,10 @@ class RowParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device, tp: TensorParallel):
         super().__init__(in_features, out_features, bias, dtype, device)
         self.tp = tp
+        # Whether the reduction can go with the residual add and the RMSNorm
+        # after it into one op (add_projected_and_norm), and does.
+        self.can_fuse_norm = not bias and tp.fuses_all_reduce_norm(out_features, dtype, device)
+        self.fuses_norm = self.can_fuse_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -187,23 +185,6 @@ class ParallelLMHead(Linear):
         return self.tp.all_gather(local, dim=-1)[:, : self.vocab_size]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype, device):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and scale after casting back, in the same order
-        # as Hugging Face, so half-precision results match it bit for bit (the
-        # fused kernel up to the order its sum of squares adds in).
-        if _eager_fused(x) and self.weight.dtype == x.dtype:  # else the formula promotes
-            return fused_ops.rms_norm(x, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Llama3RopeScaling]) -> torch.Tensor:
     """Inverse frequencies ``[head_dim / 2]`` float32, Llama-3 scaled if asked.
 
@@ -246,7 +227,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions: [T]; x: [T, heads, D], rotated by each token's position
-        if _eager_fused(x) and self.cos_sin_cache.dtype == x.dtype:  # else the formula promotes
+        if fused_ops.eager(x) and self.cos_sin_cache.dtype == x.dtype:  # else the formula promotes
             return fused_ops.rotary(positions, x, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
         return _rotate(x, cos.unsqueeze(1), sin.unsqueeze(1))  # cos, sin: [T, 1, D/2]
@@ -269,11 +250,15 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(f, h, bias=False, dtype=dtype, device=device, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activation(x))  # [T, H]
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate(x)) * up(x)``: ``[T, F]``, the input of ``down_proj``."""
         gate_up = self.gate_up_proj(x)  # [T, 2F]
-        if _eager_fused(gate_up):
-            return self.down_proj(fused_ops.silu_mul(gate_up))
+        if fused_ops.eager(gate_up):
+            return fused_ops.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)  # [T, F] each
-        return self.down_proj(F.silu(gate) * up)  # [T, H]
+        return F.silu(gate) * up
 
 
 class Attention(nn.Module):
@@ -313,7 +298,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention, then the gated MLP."""
+    """Pre-norm residual block: attention, then the gated MLP.
+
+    ``forward(positions, x, rotary)`` takes the residual stream and gives it
+    back. A model runs its layers through :meth:`run` instead, which hands
+    each layer its input norm already computed and computes the next one's
+    (``next_norm``): each norm then directly follows the all-reduce it
+    normalises, in the same layer, where the group can fuse the two
+    (``add_projected_and_norm``)."""
 
     def __init__(self, config: ModelConfig, layout: TPLayout, layer_id: int, dtype, device, tp: TensorParallel):
         super().__init__()
@@ -325,20 +317,42 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config, layout, dtype, device, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        # x: [T, H], or this rank's [Tp / N, H] under sequence parallelism.
-        # The attention call names its layer, so it stays outside the two
-        # regions, which every layer shares (regions.py).
-        qk, v = self._before_attention(positions, x, rotary)
-        return self._after_attention(self.self_attn.attend(qk, v), x)
+        return self.run(positions, x, self.input_layernorm(x), rotary)
+
+    def run(self, positions: torch.Tensor, x: torch.Tensor, h: torch.Tensor, rotary: RotaryEmbedding,
+            next_norm: Optional[RMSNorm] = None):  # fmt: skip
+        """The stream after this layer from the stream ``x`` and its input
+        norm ``h``; with ``next_norm``, ``(stream, next_norm(stream))``.
+
+        ``x`` and ``h``: ``[T, H]``, or this rank's ``[Tp / N, H]`` under
+        sequence parallelism. The attention call names its layer, so it stays
+        outside the two regions, which every layer shares (regions.py)."""
+        qk, v = self._before_attention(positions, h, rotary)
+        return self._after_attention(self.self_attn.attend(qk, v), x, next_norm)
 
     @repeated_region
-    def _before_attention(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> tuple:
-        h = gather_rows(self.tp, self.input_layernorm(x), rows=positions.shape[0])  # the step's T rows
+    def _before_attention(self, positions: torch.Tensor, h: torch.Tensor, rotary: RotaryEmbedding) -> tuple:
+        h = gather_rows(self.tp, h, rows=positions.shape[0])  # the step's T rows
         return self.self_attn.project_qkv(positions, h, rotary)
 
     @repeated_region
-    def _after_attention(self, attn_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn.o_proj(attn_out)
+    def _after_attention(self, attn_out: torch.Tensor, x: torch.Tensor, next_norm: Optional[RMSNorm]):
+        x, h = add_projected_and_norm(self.self_attn.o_proj, attn_out, x, self.post_attention_layernorm)
         # Under sequence parallelism the MLP runs on all Tp rows, padding
         # included: per row, and its reduce-scatter then needs no padding.
-        return x + self.mlp(gather_rows(self.tp, self.post_attention_layernorm(x)))
+        mlp_in = self.mlp.activation(gather_rows(self.tp, h))
+        if next_norm is None:
+            return x + self.mlp.down_proj(mlp_in)
+        return add_projected_and_norm(self.mlp.down_proj, mlp_in, x, next_norm)
+
+
+def add_projected_and_norm(proj: RowParallelLinear, inp: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> tuple:
+    """``(y, norm(y))`` with ``y = x + proj(inp)``: the residual stream plus a
+    row-parallel projection, and the RMSNorm after it. Where the projection
+    fuses its all-reduce with the add and the norm (``fuses_norm``), the
+    three are one op (``norm.all_reduce_add_rms_norm``); else as written,
+    and the compiled model fuses the add into the norm's kernel."""
+    if proj.fuses_norm:
+        return all_reduce_add_rms_norm(proj.tp, F.linear(inp, proj.weight), x, norm)
+    y = x + proj(inp)
+    return y, norm(y)

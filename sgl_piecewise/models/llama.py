@@ -56,9 +56,15 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]; this rank's [Tp / N, H] under sequence parallelism
-        for layer in self.layers:
-            x = layer(positions, x, self.rotary_emb)
-        return gather_rows(self.tp, self.norm(x), rows=input_ids.shape[0])  # [T, H] on every rank
+        layers = self.layers
+        h = layers[0].input_layernorm(x)
+        # Each layer computes the next one's input norm, the final norm after
+        # the last (DecoderLayer.run). Indexed: a slice of the ModuleList
+        # would build a new one inside the trace.
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            x, h = layer.run(positions, x, h, self.rotary_emb, next_norm)
+        return gather_rows(self.tp, h, rows=input_ids.shape[0])  # [T, H] on every rank
 
 
 class LlamaForCausalLM(nn.Module):
