@@ -20,9 +20,10 @@ fallback (a copy kernel, then the plain op); ``nccl``.
 followed by in a decoder layer, the residual add and the next RMSNorm, per
 hidden size and token count, as 48 in a row in one CUDA graph: the library's
 one-shot all-reduce then the add and the norm as Inductor fuses them (one
-kernel), against FlashInfer's ``trtllm_allreduce_fusion`` (all three in one
-kernel, its Lamport one-shot protocol over its own symmetric-memory
-workspace; needs ``flashinfer``). Each row gives the largest difference of
+kernel), against FlashInfer's ``trtllm_allreduce_fusion``: its all-reduce
+alone then the same add and norm, and all three in one kernel (its
+Lamport one-shot protocol over its own symmetric-memory workspace; needs
+``flashinfer``). Each row gives the largest difference of
 the last residual and norm from the library's, over the norm's largest value.
 
 Output: a line per row, and ``all_reduce_sweep.json`` in ``--out`` (card,
@@ -50,7 +51,7 @@ REPLAYS = 20
 PATHS = ("one_shot", "one_shot_copy_op", "nccl")
 FUSED_HIDDEN = (896, 4096)  # the 0.5B and 8B shapes
 FUSED_TOKENS = (1, 8, 32)
-FUSED_PATHS = ("one_shot_then_norm", "flashinfer_fused")
+FUSED_PATHS = ("one_shot_then_norm", "flashinfer_all_reduce_then_norm", "flashinfer_fused")
 EPS = 1e-5
 
 
@@ -126,20 +127,41 @@ def fused_norm_rows(tp, buffer: torch.Tensor) -> list:
 
     group = registry.resolve_group(tp.group_name)
     add_norm = torch.compile(add_rms_norm, dynamic=False, fullgraph=True)
+    library_all_reduce = functools.partial(symm_mem.one_shot_all_reduce, buffer=buffer, group_name=tp.group_name)
     rows = []
     for hidden in FUSED_HIDDEN:
         handles, workspace, meta = fi_comm.trtllm_create_ipc_workspace_for_all_reduce_fusion(
             tp.rank, tp.size, max(FUSED_TOKENS), hidden, group=group, create_metadata=True
         )
-
-        def library(p: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple:
-            return add_norm(x, symm_mem.one_shot_all_reduce(p, buffer, tp.group_name), weight)
-
+        reduce_fi = functools.partial(flashinfer_all_reduce, fi_comm, tp, workspace, meta)
+        paths = {
+            "one_shot_then_norm": functools.partial(then_norm, add_norm, library_all_reduce),
+            "flashinfer_all_reduce_then_norm": functools.partial(then_norm, add_norm, reduce_fi),
+            "flashinfer_fused": functools.partial(flashinfer_fused, fi_comm, tp, workspace, meta),
+        }
         for tokens in FUSED_TOKENS:
-            fused = functools.partial(flashinfer_fused, fi_comm, tp, workspace, meta)
-            rows += fused_norm_case(tp, hidden, tokens, {"one_shot_then_norm": library, "flashinfer_fused": fused})
+            rows += fused_norm_case(tp, hidden, tokens, paths)
         fi_comm.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(handles, group=group)
     return rows
+
+
+def then_norm(add_norm, all_reduce, p: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """``all_reduce(p)``, then the compiled residual add and norm."""
+    return add_norm(x, all_reduce(p), weight)
+
+
+def flashinfer_all_reduce(fi_comm, tp, workspace, meta, p: torch.Tensor) -> torch.Tensor:
+    """FlashInfer's all-reduce of ``p`` alone (its one-shot Lamport kernel,
+    float32 sums), to tell its protocol's gain from the fusion's."""
+    out = torch.empty_like(p)
+    fi_comm.trtllm_allreduce_fusion(
+        allreduce_in=p, world_size=tp.size, world_rank=tp.rank, token_num=p.shape[0], hidden_dim=p.shape[1],
+        workspace_ptrs=workspace, launch_with_pdl=False, trigger_completion_at_end=True, fp32_acc=True,
+        pattern_code=fi_comm.AllReduceFusionPattern.kAllReduce, use_oneshot=True, allreduce_out=out,
+        residual_in=None, residual_out=None, norm_out=None, quant_out=None, scale_out=None, rms_gamma=None,
+        rms_eps=EPS, scale_factor=None, layout_code=None, metadata=meta,
+    )  # fmt: skip
+    return out
 
 
 def flashinfer_fused(fi_comm, tp, workspace, meta, p: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple:
