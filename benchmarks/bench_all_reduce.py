@@ -1,5 +1,6 @@
 """All-reduce inside a CUDA graph on two GPUs, per message size: torch's
-one-shot symmetric-memory kernel against NCCL (a script, not a test).
+one-shot and two-shot symmetric-memory kernels against NCCL (a script, not
+a test).
 
     python benchmarks/bench_all_reduce.py --out results/
 
@@ -14,7 +15,11 @@ row checks the sum: ranks holding 1 and 2 give 1.5 after every step.
 
 Paths: ``one_shot``, the library's (the op copies its input into the buffer
 in its own kernel, ``one_shot_all_reduce_copy``); ``one_shot_copy_op``, its
-fallback (a copy kernel, then the plain op); ``nccl``.
+fallback (a copy kernel, then the plain op); ``two_shot``, a copy into the
+buffer, then torch's two-shot kernel (``two_shot_all_reduce_out``: each
+rank sums its share of the message from every peer's buffer, then reads
+every peer's summed share; peer loads and signal pads, no multicast), where
+this torch has it; ``nccl``.
 
 ``--fused-norm``: what the all-reduce after a row-parallel projection is
 followed by in a decoder layer, the residual add and the next RMSNorm, per
@@ -48,7 +53,7 @@ from sgl_piecewise.internals import symm_mem
 ELEMENTS = (896, 4096, 28672, 65536, 131072, 262144, 524288, 1048576)  # bf16
 CHAIN = 48
 REPLAYS = 20
-PATHS = ("one_shot", "one_shot_copy_op", "nccl")
+PATHS = ("one_shot", "one_shot_copy_op", "two_shot", "nccl")
 FUSED_HIDDEN = (896, 4096)  # the 0.5B and 8B shapes
 FUSED_TOKENS = (1, 8, 32)
 FUSED_PATHS = ("one_shot_then_norm", "flashinfer_all_reduce_then_norm", "flashinfer_fused")
@@ -62,11 +67,26 @@ def chain(path: str, x: torch.Tensor, buffer: torch.Tensor, group_name: str) -> 
     for _ in range(CHAIN):
         if path.startswith("one_shot"):
             y = symm_mem.one_shot_all_reduce(y, buffer, group_name) * 0.5
+        elif path == "two_shot":
+            y = two_shot_all_reduce(y, buffer, group_name) * 0.5
         else:
             z = y.clone()
             dist.all_reduce(z, group=group)
             y = z * 0.5
     return y
+
+
+def two_shot_all_reduce(x: torch.Tensor, buffer: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``x`` copied into the buffer's prefix, then torch's two-shot kernel
+    from there into a new tensor (the kernel also writes the prefix)."""
+    prefix = buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+    prefix.copy_(x)
+    return torch.ops.symm_mem.two_shot_all_reduce_out(prefix, "sum", group_name, torch.empty_like(x))
+
+
+def paths() -> tuple:
+    """The all-reduce paths this torch runs (``two_shot`` where it has the op)."""
+    return tuple(p for p in PATHS if p != "two_shot" or hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out"))
 
 
 def time_path(tp, path: str, n: int, buffer: torch.Tensor) -> dict:
@@ -211,7 +231,7 @@ def run_rank(elements: list, fused_norm: bool) -> dict:
     tp = tensor_parallel()
     nbytes = 2 * max(max(elements), max(FUSED_HIDDEN) * max(FUSED_TOKENS) if fused_norm else 0)
     buffer = symm_mem.allocate(nbytes, tp.device, tp.group_name)
-    rows = [time_path(tp, path, n, buffer) for n in elements for path in PATHS]
+    rows = [time_path(tp, path, n, buffer) for n in elements for path in paths()]
     return {"rows": rows, "fused_norm_rows": fused_norm_rows(tp, buffer) if fused_norm else []}
 
 
