@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import os
 import time
@@ -47,8 +46,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from sgl_piecewise.distributed import launch, registry, tensor_parallel
+from sgl_piecewise.distributed import fused_norm, launch, registry, tensor_parallel
 from sgl_piecewise.internals import symm_mem
+from sgl_piecewise.models.norm import rms_norm
 
 ELEMENTS = (896, 4096, 28672, 65536, 131072, 262144, 524288, 1048576)  # bf16
 CHAIN = 48
@@ -134,10 +134,9 @@ def replay_us(tp, fn, calls: int) -> tuple:
 
 
 def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor) -> tuple:
-    """The residual add and RMSNorm of a decoder layer (``models/layers.py``)."""
+    """The residual add and RMSNorm of a decoder layer (``models/norm.py``)."""
     x = x + r
-    xf = x.float()
-    return x, weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+    return x, rms_norm(x, weight, EPS)
 
 
 def fused_norm_rows(tp, buffer: torch.Tensor) -> list:
@@ -145,23 +144,22 @@ def fused_norm_rows(tp, buffer: torch.Tensor) -> list:
     add and norm against FlashInfer's fused kernel (module docstring)."""
     import flashinfer.comm as fi_comm
 
-    group = registry.resolve_group(tp.group_name)
+    fused_norm.build()
     add_norm = torch.compile(add_rms_norm, dynamic=False, fullgraph=True)
     library_all_reduce = functools.partial(symm_mem.one_shot_all_reduce, buffer=buffer, group_name=tp.group_name)
     rows = []
     for hidden in FUSED_HIDDEN:
-        handles, workspace, meta = fi_comm.trtllm_create_ipc_workspace_for_all_reduce_fusion(
-            tp.rank, tp.size, max(FUSED_TOKENS), hidden, group=group, create_metadata=True
-        )
-        reduce_fi = functools.partial(flashinfer_all_reduce, fi_comm, tp, workspace, meta)
+        workspace = fused_norm.allocate(tp.rank, tp.size, max(FUSED_TOKENS), hidden, torch.bfloat16, tp.device,
+                                        tp.group_name)  # fmt: skip
         paths = {
             "one_shot_then_norm": functools.partial(then_norm, add_norm, library_all_reduce),
-            "flashinfer_all_reduce_then_norm": functools.partial(then_norm, add_norm, reduce_fi),
-            "flashinfer_fused": functools.partial(flashinfer_fused, fi_comm, tp, workspace, meta),
+            "flashinfer_all_reduce_then_norm": functools.partial(
+                then_norm, add_norm, functools.partial(flashinfer_all_reduce, fi_comm, workspace)
+            ),
+            "flashinfer_fused": functools.partial(fused_norm.add_rms_norm, workspace, eps=EPS),
         }
         for tokens in FUSED_TOKENS:
             rows += fused_norm_case(tp, hidden, tokens, paths)
-        fi_comm.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(handles, group=group)
     return rows
 
 
@@ -170,32 +168,20 @@ def then_norm(add_norm, all_reduce, p: torch.Tensor, x: torch.Tensor, weight: to
     return add_norm(x, all_reduce(p), weight)
 
 
-def flashinfer_all_reduce(fi_comm, tp, workspace, meta, p: torch.Tensor) -> torch.Tensor:
+def flashinfer_all_reduce(fi_comm, workspace, p: torch.Tensor) -> torch.Tensor:
     """FlashInfer's all-reduce of ``p`` alone (its one-shot Lamport kernel,
-    float32 sums), to tell its protocol's gain from the fusion's."""
+    float32 sums) over the library's workspace, to tell its protocol's gain
+    from the fusion's."""
     out = torch.empty_like(p)
     fi_comm.trtllm_allreduce_fusion(
-        allreduce_in=p, world_size=tp.size, world_rank=tp.rank, token_num=p.shape[0], hidden_dim=p.shape[1],
-        workspace_ptrs=workspace, launch_with_pdl=False, trigger_completion_at_end=True, fp32_acc=True,
-        pattern_code=fi_comm.AllReduceFusionPattern.kAllReduce, use_oneshot=True, allreduce_out=out,
-        residual_in=None, residual_out=None, norm_out=None, quant_out=None, scale_out=None, rms_gamma=None,
-        rms_eps=EPS, scale_factor=None, layout_code=None, metadata=meta,
+        allreduce_in=p, world_size=workspace.size, world_rank=workspace.rank, token_num=p.shape[0],
+        hidden_dim=p.shape[1], workspace_ptrs=workspace.pointers, launch_with_pdl=False,
+        trigger_completion_at_end=True, fp32_acc=True, pattern_code=fi_comm.AllReduceFusionPattern.kAllReduce,
+        use_oneshot=True, allreduce_out=out, residual_in=None, residual_out=None, norm_out=None, quant_out=None,
+        scale_out=None, rms_gamma=None, rms_eps=EPS, scale_factor=None, layout_code=None,
+        metadata=workspace.metadata,
     )  # fmt: skip
     return out
-
-
-def flashinfer_fused(fi_comm, tp, workspace, meta, p: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple:
-    """FlashInfer's all-reduce of ``p``, residual add to ``x`` and RMSNorm
-    in one kernel (one-shot, float32 sums): ``(residual, normed)``."""
-    x_next, normed = torch.empty_like(x), torch.empty_like(x)
-    fi_comm.trtllm_allreduce_fusion(
-        allreduce_in=p, world_size=tp.size, world_rank=tp.rank, token_num=x.shape[0], hidden_dim=x.shape[1],
-        workspace_ptrs=workspace, launch_with_pdl=False, trigger_completion_at_end=True, fp32_acc=True,
-        pattern_code=fi_comm.AllReduceFusionPattern.kARResidualRMSNorm, use_oneshot=True, allreduce_out=None,
-        residual_in=x, residual_out=x_next, norm_out=normed, quant_out=None, scale_out=None, rms_gamma=weight,
-        rms_eps=EPS, scale_factor=None, layout_code=None, metadata=meta,
-    )  # fmt: skip
-    return x_next, normed
 
 
 def fused_norm_case(tp, hidden: int, tokens: int, paths: dict) -> list:
@@ -243,7 +229,7 @@ def main(argv=None) -> dict:
     )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if args.fused_norm and importlib.util.find_spec("flashinfer") is None:
+    if args.fused_norm and not fused_norm.AVAILABLE:
         p.error("--fused-norm: expected the flashinfer package, got none installed")
     if torch.cuda.device_count() < 2 or not symm_mem.AVAILABLE:
         p.error(f"expected 2 CUDA devices and symmetric memory, got {torch.cuda.device_count()} devices"
