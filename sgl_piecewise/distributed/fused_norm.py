@@ -108,8 +108,8 @@ def allocate(rank: int, size: int, max_tokens: int, hidden_size: int, dtype: tor
         rank, size, max_tokens, hidden_size, use_fp32_lamport=dtype == torch.float32, group=group,
         create_metadata=True,
     )  # fmt: skip
-    workspace = Workspace(rank, size, max_tokens, hidden_size, dtype, device, pointers, metadata, handles)
     x = torch.zeros(1, hidden_size, dtype=dtype, device=device)
+    workspace = Workspace(rank, size, max_tokens, hidden_size, dtype, x.device, pointers, metadata, handles)
     add_rms_norm(workspace, x, x, torch.ones(hidden_size, dtype=dtype, device=device), 1e-6)
     torch.cuda.synchronize(device)
     registry.add_workspace(group_name, workspace)
@@ -130,7 +130,7 @@ def add_rms_norm(workspace: Workspace, partial: torch.Tensor, residual: torch.Te
     ``[T, H]``, ``normed`` its RMSNorm by ``weight``, in one kernel.
     ``partial`` and ``residual`` must be served by the workspace."""
     tokens, hidden = partial.shape
-    x, normed = torch.empty_like(residual), torch.empty_like(residual)
+    x, normed = (torch.empty(tokens, hidden, dtype=residual.dtype, device=residual.device) for _ in range(2))
     _comm.trtllm_allreduce_fusion(
         allreduce_in=partial.contiguous(), world_size=workspace.size, world_rank=workspace.rank, token_num=tokens,
         hidden_dim=hidden, workspace_ptrs=workspace.pointers, launch_with_pdl=False, trigger_completion_at_end=True,

@@ -65,11 +65,17 @@ def _all_reduce_add_rms_norm(
     partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group_name: str
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     workspace = None if comm_ops.nccl_only() else fused_norm.serving(group_name, residual)
-    same = partial.shape == residual.shape and partial.dtype == weight.dtype == residual.dtype
-    if workspace is not None and same:
+    if workspace is not None and _kernel_operands(partial, residual, weight):
         return fused_norm.add_rms_norm(workspace, partial, residual, weight, eps)
     x = residual + torch.ops.sgl_piecewise.all_reduce(partial, group_name)
     return x, rms_norm(x, weight, eps)
+
+
+def _kernel_operands(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """What the fused kernel takes: partial sums and residual of one shape,
+    a weight per column, all of one dtype."""
+    same_shape = partial.shape == residual.shape and weight.shape == residual.shape[-1:]
+    return same_shape and partial.dtype == weight.dtype == residual.dtype
 
 
 @_all_reduce_add_rms_norm.register_fake
