@@ -22,21 +22,21 @@ the formula (``models/norm.py``) rounds ``x * rsqrt(...)`` to the dtype
 before the weight: the same in float32 up to the order the squares add in,
 within a rounding in half precision.
 
-What a workspace serves (:func:`serves`): ``[T, H]`` of its dtype (bf16,
+What a workspace serves (:meth:`Workspace.serves`): ``[T, H]`` of its dtype (bf16,
 fp16 or fp32) and hidden size on its device, ``T`` at most its token
 count. ``allocate`` sizes it like the one-shot buffer (messages of at most
 ``SMALL_ALL_REDUCE_MAX_BYTES``) and at most :data:`MAX_TOKENS` (the
 one-shot kernel's limit). Larger steps take the unfused path.
 
-Needs the ``flashinfer`` package (``AVAILABLE``); its kernels build on
-first use (``allocate`` makes that call, outside any capture).
+Needs the ``flashinfer`` package (``AVAILABLE``); :func:`build` compiles
+its kernels once per machine (minutes; then FlashInfer's cache serves), and
+``prepare_communication`` calls it, outside any capture.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
@@ -44,14 +44,12 @@ import torch
 
 from sgl_piecewise.distributed import registry
 
-logger = logging.getLogger("sgl_piecewise.distributed")
-
 AVAILABLE: bool = importlib.util.find_spec("flashinfer") is not None
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_TOKENS = 128  # the one-shot kernel's limit (FlashInfer's kOneShotMaxToken)
 _VECTOR_BYTES = 16  # a row is read in 16-byte vectors
 
-_comm: Any = None  # flashinfer.comm, imported by the first allocate()
+_comm: Any = None  # flashinfer.comm, imported by build()
 
 
 def shape_ok(hidden_size: int, dtype: torch.dtype) -> bool:
@@ -87,9 +85,9 @@ class Workspace:
 
 
 def build() -> None:
-    """Import FlashInfer's communication module and build its kernels (about
-    a minute the first time on a machine, then cached), on this rank alone:
-    raises what FlashInfer raises where it cannot."""
+    """Import FlashInfer's communication module and build its kernels (the
+    first time on a machine, then cached), on this rank alone: raises what
+    FlashInfer raises where it cannot."""
     global _comm
     if _comm is None:  # a heavy import, made only where it is used
         comm = importlib.import_module("flashinfer.comm")
