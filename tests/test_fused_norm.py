@@ -108,6 +108,36 @@ def test_two_cpu_ranks_through_the_op_give_one_ranks_tokens_and_its_exact_sums()
             assert tokens == want, f"rank {r}, graphs={policy}"
 
 
+def _one_rank_cannot_build() -> dict:
+    """FlashInfer's build fails on rank 1 alone: what each rank then holds
+    and what rank 0 was told (a failure injected into the real group)."""
+    import logging
+
+    from sgl_piecewise.distributed import groups
+
+    tp = current_group()
+    fused_norm.AVAILABLE = True  # as where FlashInfer is installed
+
+    def build():
+        if tp.rank == 1:
+            raise RuntimeError("nvcc not found")
+
+    fused_norm.build = build
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("sgl_piecewise.distributed").addHandler(handler)
+    groups._prepare_fused_norm(tp, 8, 64, torch.bfloat16, "cpu")
+    return {"workspaces": len(registry.workspaces(tp.group_name)), "said": said}
+
+
+def test_where_one_rank_cannot_build_the_kernels_no_rank_allocates_and_each_says_which():
+    for r, result in enumerate(launch(_one_rank_cannot_build, 2, timeout_s=120)):
+        assert result["workspaces"] == 0, f"rank {r}"
+        assert any("rank 1: RuntimeError: nvcc not found" in m and "separate kernels serve" in m
+                   for m in result["said"]), (r, result["said"])  # fmt: skip
+
+
 # ---- two GPUs ---------------------------------------------------------------------
 HIDDEN, MOST = 896, 64  # the 0.5B shape's rows; the workspace holds MOST tokens
 
