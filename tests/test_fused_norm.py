@@ -227,4 +227,10 @@ def test_the_registry_drops_a_group_s_workspaces_with_the_group():
     assert registry.workspaces("test-group") == [held]
     registry.forget_group("test-group")
     assert registry.workspaces("test-group") == [] and released == [held]
+
+
+def test_the_op_reads_whether_all_reduces_are_sent_through_nccl_only():
+    assert not comm_ops.nccl_only()
+    with comm_ops.nccl_only_all_reduces():
+        assert comm_ops.nccl_only()
     assert not comm_ops.nccl_only()
