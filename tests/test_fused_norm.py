@@ -19,6 +19,7 @@ import torch
 from sgl_piecewise.distributed import TensorParallel, comm_ops, fused_norm, launch, prepare_communication, registry
 from sgl_piecewise.distributed import tensor_parallel as current_group
 from sgl_piecewise.engine.runner import ModelRunner
+from sgl_piecewise.errors import InvalidTypeError
 from sgl_piecewise.models import build_random_model, default_config
 from sgl_piecewise.models.norm import fuse_all_reduce_norms, rms_norm
 
@@ -49,6 +50,8 @@ def test_a_group_fuses_only_several_ranks_on_cuda_with_the_stream_whole(monkeypa
 def test_a_model_on_a_cpu_never_takes_the_op_and_the_switch_counts_what_can():
     model = build_random_model(default_config(), torch.float32, "cpu", seed=0)
     assert fuse_all_reduce_norms(model, True) == 0  # one rank: nothing to fuse
+    with pytest.raises(InvalidTypeError, match="enabled: expected a bool, got 'yes'"):
+        fuse_all_reduce_norms(model, "yes")
 
 
 def test_the_fake_implementation_gives_two_tensors_of_the_residual_s_shape():

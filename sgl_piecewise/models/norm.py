@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from sgl_piecewise.distributed import comm_ops, fused_norm
+from sgl_piecewise.errors import InvalidTypeError
 from sgl_piecewise.models import fused_ops
 
 if TYPE_CHECKING:
@@ -88,6 +89,8 @@ def fuse_all_reduce_norms(model: nn.Module, enabled: bool) -> int:
     that can fuse its all-reduce with the residual add and norm after it
     doing so, from the model's next trace (or eager call) on: a compiled
     model keeps what it was traced with. Returns how many can."""
+    if not isinstance(enabled, bool):
+        raise InvalidTypeError(f"enabled: expected a bool, got {enabled!r}")
     able = [m for m in model.modules() if getattr(m, "can_fuse_norm", False)]
     for module in able:
         module.fuses_norm = enabled
