@@ -1,7 +1,8 @@
 """The model's fused eager kernels (``models/fused_ops.py``) against the
 plain formulas they replace (``models/layers.py``): rotary embedding and
 SiLU·mul give the plain ops' bits, RMSNorm agrees up to the order its sum
-of squares adds in. On a CPU the kernels run under TRITON_INTERPRET=1; the
+of squares adds in, and with the residual add before it, the add's bits
+and then its own. On a CPU the kernels run under TRITON_INTERPRET=1; the
 ``gpu`` twins check the compiled kernels, and that the eager model's greedy
 tokens stay those of the plain formulas."""
 
@@ -60,6 +61,11 @@ def _check(device, dtype):
     else:
         assert torch.equal(got, want)
     torch.testing.assert_close(fused_ops.rms_norm(x, weight, 1e-6), plain_rms_norm(x, weight, 1e-6), **NORM_TOL[dtype])
+    # The residual add and the norm in one kernel: the bits of the add, then of the norm's own kernel.
+    delta = torch.randn(x.shape, device=device).to(dtype)
+    total, normed = fused_ops.add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(total, x + delta)
+    assert torch.equal(normed, fused_ops.rms_norm(x + delta, weight, 1e-6))
 
 
 @pytest.mark.triton_cpu
@@ -74,6 +80,7 @@ def test_empty_inputs_give_empty_outputs_of_the_right_shape():
     assert fused_ops.rotary(positions[:0], qk[:0], cache).shape == (0, *qk.shape[1:])
     assert fused_ops.silu_mul(gate_up[:0]).shape == (0, gate_up.shape[1] // 2)
     assert fused_ops.rms_norm(x[:0], weight, 1e-6).shape == (0, x.shape[1])
+    assert [t.shape for t in fused_ops.add_rms_norm(x[:0], x[:0], weight, 1e-6)] == [(0, x.shape[1])] * 2
 
 
 def test_bad_arguments_are_refused_by_name():
@@ -82,6 +89,10 @@ def test_bad_arguments_are_refused_by_name():
         fused_ops.rms_norm(x, weight[:95], 1e-6)
     with pytest.raises(InvalidInputError, match=r"weight: expected dtype torch.float32, got torch.bfloat16"):
         fused_ops.rms_norm(x, weight.bfloat16(), 1e-6)
+    with pytest.raises(InvalidInputError, match=r"delta: expected shape \[7, 96\], got \[6, 96\]"):
+        fused_ops.add_rms_norm(x, x[:6], weight, 1e-6)
+    with pytest.raises(InvalidInputError, match=r"delta: expected dtype torch.float32, got torch.bfloat16"):
+        fused_ops.add_rms_norm(x, x.bfloat16(), weight, 1e-6)
     with pytest.raises(InvalidInputError, match=r"positions: expected shape \[7\], got \[6\]"):
         fused_ops.rotary(positions[:6], qk, cache)
     with pytest.raises(InvalidInputError, match=r"positions: expected dtype torch.int32 or torch.int64"):

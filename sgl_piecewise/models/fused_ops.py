@@ -1,7 +1,8 @@
 """One-kernel versions of the model's small eager ops, for CUDA tensors.
 
 Run eagerly, an RMSNorm is eight kernels (cast, square, mean, add, rsqrt,
-multiply, cast back, weight), rotary embedding eight and SiLU·mul two. The
+multiply, cast back, weight), and the residual add before it one more;
+rotary embedding eight and SiLU·mul two. The
 compiled paths never see these (Inductor fuses the plain formulas itself:
 ``layers.py`` calls them only outside ``torch.compile``); the eager model and
 the breakable graphs, which replay the eager model's kernels, launch one
@@ -20,6 +21,8 @@ kernels run under ``TRITON_INTERPRET=1`` (the tests call them so).
 """
 
 from __future__ import annotations
+
+from typing import Optional, Tuple
 
 import torch
 
@@ -52,12 +55,16 @@ def eager(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, H, eps, BLOCK: tl.constexpr,
-                         LIBDEVICE: tl.constexpr):  # fmt: skip
+    def _rms_norm_kernel(x_ptr, d_ptr, sum_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_sum, stride_out, H, eps,
+                         BLOCK: tl.constexpr, ADD: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if ADD:  # x + d, rounded once to the dtype as torch's add rounds, is the row normalised
+            d = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+            tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
         xf = x.to(tl.float32)
         mean = tl.sum(xf * xf, axis=0) / H
         if LIBDEVICE:
@@ -123,13 +130,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     check_tensor("weight", weight, shape=(x.shape[-1],), dtype=x.dtype, device=x.device)
     rows = _rows(x)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        h = rows.shape[1]
-        block = triton.next_power_of_2(h)
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), h, eps, BLOCK=block,
-                                           LIBDEVICE=_LIBDEVICE, num_warps=min(16, max(1, block // 256)),
-                                           **_EXACT)  # fmt: skip
+    _launch_rms_norm(rows, None, None, weight, out, eps)
     return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(y, rms_norm(y))`` with ``y = x + delta``, in one kernel: the
+    residual add before a norm, as the two ops give it (``y`` rounded to the
+    dtype once, then normalised by :func:`rms_norm`'s arithmetic)."""
+    check_tensor("delta", delta, shape=tuple(x.shape), dtype=x.dtype, device=x.device)
+    check_tensor("weight", weight, shape=(x.shape[-1],), dtype=x.dtype, device=x.device)
+    rows, deltas = _rows(x), _rows(delta)
+    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    _launch_rms_norm(rows, deltas, y, weight, out, eps)
+    return y.view(x.shape), out.view(x.shape)
+
+
+def _launch_rms_norm(rows: torch.Tensor, deltas: Optional[torch.Tensor], sums: Optional[torch.Tensor],
+                     weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:  # fmt: skip
+    """One program per row of ``rows [N, H]``; with ``deltas``, the rows
+    ``rows + deltas`` (written to ``sums``) are normalised."""
+    if not rows.shape[0]:
+        return
+    h = rows.shape[1]
+    block = triton.next_power_of_2(h)
+    add = deltas is not None
+    d, s = (deltas, sums) if add else (rows, out)  # unread where ADD is off
+    _rms_norm_kernel[(rows.shape[0],)](rows, d, s, weight, out, rows.stride(0), d.stride(0), s.stride(0),
+                                       out.stride(0), h, eps, BLOCK=block, ADD=add, LIBDEVICE=_LIBDEVICE,
+                                       num_warps=min(16, max(1, block // 256)), **_EXACT)  # fmt: skip
 
 
 def rotary(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:

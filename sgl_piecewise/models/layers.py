@@ -41,7 +41,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from sgl_piecewise.checks import check_tensor
 from sgl_piecewise.models import fused_ops
 from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
-from sgl_piecewise.models.norm import RMSNorm, all_reduce_add_rms_norm
+from sgl_piecewise.models.norm import RMSNorm, add_rms_norm, all_reduce_add_rms_norm
 from sgl_piecewise.models.parallel import TPLayout
 from sgl_piecewise.ops import unified_attention
 from sgl_piecewise.regions import repeated_region
@@ -350,9 +350,8 @@ def add_projected_and_norm(proj: RowParallelLinear, inp: torch.Tensor, x: torch.
     """``(y, norm(y))`` with ``y = x + proj(inp)``: the residual stream plus a
     row-parallel projection, and the RMSNorm after it. Where the projection
     fuses its all-reduce with the add and the norm (``fuses_norm``), the
-    three are one op (``norm.all_reduce_add_rms_norm``); else as written,
-    and the compiled model fuses the add into the norm's kernel."""
+    three are one op (``norm.all_reduce_add_rms_norm``); else the add and
+    the norm are one kernel (``norm.add_rms_norm``)."""
     if proj.fuses_norm:
         return all_reduce_add_rms_norm(proj.tp, F.linear(inp, proj.weight), x, norm)
-    y = x + proj(inp)
-    return y, norm(y)
+    return add_rms_norm(x, proj(inp), norm)

@@ -1,5 +1,5 @@
-"""RMSNorm, and the op that fuses it with the all-reduce and residual add
-before it.
+"""RMSNorm, with the residual add before it (:func:`add_rms_norm`), and the
+op that fuses both with the all-reduce before them.
 
 ``all_reduce_add_rms_norm(partial, residual, weight, eps, group_name) ->
 (x, normed)`` (a ``torch.library`` custom op, namespace ``sgl_piecewise``):
@@ -41,6 +41,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm: "RMSNorm") -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(y, norm(y))`` with ``y = x + delta``: the residual add and the norm
+    after it, in one kernel eagerly on CUDA (the same bits as the two ops),
+    as written elsewhere (a compiled model fuses them itself)."""
+    if fused_ops.eager(x) and x.dtype == delta.dtype == norm.weight.dtype and x.shape == delta.shape:
+        return fused_ops.add_rms_norm(x, delta, norm.weight, norm.eps)
+    y = x + delta
+    return y, norm(y)
 
 
 class RMSNorm(nn.Module):
