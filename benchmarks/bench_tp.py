@@ -20,17 +20,22 @@ also gives the device time of its graph alone (``replay_ms``: replays of
 the step's batch launched back to back, so the host's work between steps
 is left out).
 
-All-reduce variants at TP > 1 on CUDA (``--comm``): ``symm``, the
-library's default: ``prepare_communication`` (called once per rank, before
-any capture) allocates the symmetric-memory buffer and all-reduces of at
-most ``SMALL_ALL_REDUCE_MAX_BYTES`` run the one-shot kernel; ``nccl``: every
-all-reduce through NCCL: its runners are captured and run inside
-``distributed.nccl_only_all_reduces()`` (the graphs keep the path taken at
-capture). Each row
-records the buffer size and the path its small all-reduces took
-(``small_all_reduce``), and the profile names the collective kernels that
-ran. At TP 1 there is no all-reduce (comm ``none``); on a CPU the one path
-is gloo (comm ``gloo``).
+All-reduce variants at TP > 1 on CUDA (``--comm``, ``all`` by default):
+``fused``, the library's default where FlashInfer is installed: each
+row-parallel projection's all-reduce, the residual add and the next RMSNorm
+in one FlashInfer kernel (``distributed/fused_norm.py``), the embedding's
+all-reduce through one-shot symmetric memory; ``symm``: the same model with
+the fusion turned off (``models.norm.fuse_all_reduce_norms``): every
+all-reduce of at most ``SMALL_ALL_REDUCE_MAX_BYTES`` through torch's
+one-shot kernel, the add and the norm in Inductor's kernel;
+``nccl``: every all-reduce through NCCL, unfused: its runners are captured
+and run inside ``distributed.nccl_only_all_reduces()`` (the graphs keep the
+path taken at capture). ``prepare_communication`` (once per rank, before
+any capture) allocates the buffers. Each row records the one-shot buffer's
+size and the path its small all-reduces took (``small_all_reduce``), and
+the profile names the collective kernels that ran (the fused kernel's time
+includes its add and norm). At TP 1 there is no all-reduce (comm ``none``);
+on a CPU the one path is gloo (comm ``gloo``).
 
 Where the step's device time goes (CUDA only, after every timing, as a
 profiler slows the launches that follow it): ``torch.profiler`` over
@@ -85,6 +90,7 @@ from common import SHAPES, free_batch, make_batch, step_times_ms  # noqa: E402 (
 import sgl_piecewise as sp
 from sgl_piecewise.distributed import (
     SMALL_ALL_REDUCE_MAX_BYTES,
+    fused_norm,
     launch,
     nccl_only_all_reduces,
     prepare_communication,
@@ -95,10 +101,12 @@ from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.models import ModelConfig, build_random_model
 from sgl_piecewise.models.hf_weights import new_model
 from sgl_piecewise.models.layers import RMSNorm
+from sgl_piecewise.models.norm import fuse_all_reduce_norms
 from sgl_piecewise.models.parallel import tp_layout
 from sgl_piecewise.runners.dispatch import token_split
 
 PATHS = {"whole_model": "full", "piecewise": "piecewise"}  # timed path -> ModelRunner graphs= policy
+COMMS = ("fused", "symm", "nccl")  # all-reduce variants at TP > 1 on CUDA (module docstring)
 COMM_KERNEL_MARKS = ("allreduce", "all_reduce", "nccl", "one_shot")
 INIT_STD = 0.02
 
@@ -110,7 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 32])
     p.add_argument("--context", type=int, default=1024, help="prefix tokens per request in the KV cache")
     p.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
-    p.add_argument("--comm", choices=("both", "symm", "nccl"), default="both", help="all-reduce variants at TP > 1")
+    p.add_argument("--comm", choices=("all", *COMMS), default="all", help="all-reduce variants at TP > 1")
     p.add_argument("--sequence-parallel", choices=("off", "on", "both"), default="off",
                    help="at TP > 1: without, with, or both (module docstring)")  # fmt: skip
     p.add_argument("--device", default="cuda")
@@ -171,7 +179,13 @@ def comm_variants(opts: dict, tp_size: int) -> List[str]:
         return ["none"]
     if not opts["device"].startswith("cuda"):
         return ["gloo"]  # no symmetric memory off CUDA: one path
-    return ["symm", "nccl"] if opts["comm"] == "both" else [opts["comm"]]
+    comms = list(COMMS) if opts["comm"] == "all" else [opts["comm"]]
+    return [c for c in comms if c != "fused" or fused_norm.AVAILABLE]
+
+
+def fused_norm_step(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A decode step's rows of one request, to ask whether a fused-norm workspace serves it."""
+    return torch.empty(1, config.hidden_size, dtype=dtype, device=device)
 
 
 def small_all_reduce(comm: str):
@@ -180,10 +194,13 @@ def small_all_reduce(comm: str):
     return nccl_only_all_reduces() if comm == "nccl" else contextlib.nullcontext()
 
 
-def small_all_reduce_path(comm: str, buffer_bytes: int) -> str:
-    """What a decode step's all-reduces run: ``one_shot`` (symmetric memory),
+def small_all_reduce_path(comm: str, buffer_bytes: int, fused: bool) -> str:
+    """What a decode step's all-reduces run: ``fused_norm`` (FlashInfer's
+    kernel, with the add and norm), ``one_shot`` (symmetric memory),
     ``nccl``, ``gloo``, or ``none`` (one rank)."""
-    if comm == "symm":
+    if comm == "fused" and fused:
+        return "fused_norm"
+    if comm in ("fused", "symm"):
         return "one_shot" if buffer_bytes else "nccl"
     return comm
 
@@ -326,13 +343,16 @@ def run_rank(opts: dict, json_path: str) -> Optional[list]:
             "weights_gib_per_rank": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
             "num_local_heads": getattr(model, "num_local_heads", None),
             "num_local_kv_heads": getattr(model, "num_local_kv_heads", None)}  # fmt: skip
-    if "symm" in comms:  # before any capture
+    if {"fused", "symm"} & set(comms):  # before any capture
         try:
             prepare_communication(max(opts["decode_bs"]), config.hidden_size, dtype, device)
         except Exception as e:  # the symm rows then record a buffer of 0 bytes: NCCL
             info["prepare_communication_error"] = error_text(e)
             traceback.print_exc()
     info["symmetric_buffer_bytes"] = symmetric_buffer_bytes()
+    info["fused_norm_workspace"] = (
+        tp.size > 1 and fused_norm.serving(tp.group_name, fused_norm_step(config, dtype, device)) is not None
+    )
     if tp.is_first:
         card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         record_rank_info(json_path, label, info, card)
@@ -344,8 +364,9 @@ def run_rank(opts: dict, json_path: str) -> Optional[list]:
         for comm in comms:
             unit = {"shape": opts["shape"], "tp": tp.size, "sp": tp.splits_sequence, "shard_of": opts.get("shard_of"),
                     "comm": comm, "path": path}  # fmt: skip
-            unit["symmetric_buffer_bytes"] = info["symmetric_buffer_bytes"] if comm == "symm" else 0
-            unit["small_all_reduce"] = small_all_reduce_path(comm, unit["symmetric_buffer_bytes"])
+            unit["symmetric_buffer_bytes"] = info["symmetric_buffer_bytes"] if comm in ("fused", "symm") else 0
+            fused = fuse_all_reduce_norms(model, comm == "fused") > 0 and comm == "fused"  # from the next trace on
+            unit["small_all_reduce"] = small_all_reduce_path(comm, unit["symmetric_buffer_bytes"], fused)
             with small_all_reduce(comm):
                 runner, error, capture_s = capture_unit(tp, model, opts, path)
                 if error:

@@ -7,7 +7,6 @@ of random weights or of a safetensors checkpoint, are one rank's."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.context import forward_context
-from sgl_piecewise.distributed import launch, tensor_parallel
+from sgl_piecewise.distributed import TensorParallel, launch, tensor_parallel
 from sgl_piecewise.engine.testing import place_requests, two_layer_llama_config
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode
@@ -57,10 +56,10 @@ FEW_KV_HEADS = _config(
 WITH_BIAS = _config(num_attention_heads=4, num_key_value_heads=2, vocab_size=101, qkv_bias=True, o_proj_bias=True)
 
 
-def _group(rank: int, size: int) -> SimpleNamespace:
-    """What a model reads of a group when built: enough to build one rank's
-    shard here, without processes (its forward would need the real group)."""
-    return SimpleNamespace(rank=rank, size=size, is_first=rank == 0)
+def _group(rank: int, size: int) -> TensorParallel:
+    """A group with no process groups: enough to build one rank's shard
+    here, without processes (its forward would need the real group)."""
+    return TensorParallel(rank=rank, size=size, group_name="unlaunched")
 
 
 def _one_rank_shapes(c: ModelConfig) -> list:

@@ -18,7 +18,7 @@ from sgl_piecewise import ForwardMode
 from sgl_piecewise.compile import precompiled
 from sgl_piecewise.compile.artifacts import artifact_key
 from sgl_piecewise.compile.options import CompileOptions
-from sgl_piecewise.distributed import RankFailedError, init_tensor_parallel, launch, tensor_parallel
+from sgl_piecewise.distributed import RankFailedError, fused_norm, init_tensor_parallel, launch, tensor_parallel
 from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.engine.testing import prefill_logits
 from sgl_piecewise.graphs.input_registries import compute_local_num_token_non_padded
@@ -224,6 +224,9 @@ def test_tp_other_than_torchruns_world_is_refused(monkeypatch, capsys):
 
 
 def _gpu_tokens_every_policy(prompts: list, new_tokens: int) -> dict:
+    """Greedy tokens under each policy, and, at several ranks, how many
+    projections fuse their all-reduce with the norm after it (FlashInfer)
+    and whether a workspace serves a decode step."""
     model = build_random_model(default_config(), torch.float32, "cuda", seed=0)
     tokens = {}
     for policy in POLICIES:
@@ -231,7 +234,11 @@ def _gpu_tokens_every_policy(prompts: list, new_tokens: int) -> dict:
         graph_bs = [bs for bs in (1, 2, 4, 8) if bs % token_split() == 0]  # even under sequence parallelism
         runner.capture_graphs(progress=False, capture_bs=graph_bs, capture_sizes=(8, 16, 32, 64, 128, 256))
         tokens[policy] = runner.generate(prompts, new_tokens, progress=False)
-    return tokens
+    tp, hidden = tensor_parallel(), model.config.hidden_size
+    step = torch.empty(7, hidden, device="cuda")
+    served = tp.size > 1 and fused_norm.serving(tp.group_name, step) is not None
+    fused = sum(getattr(m, "fuses_norm", False) for m in model.modules())
+    return {"tokens": tokens, "fused": fused, "served": served}
 
 
 @pytest.mark.gpu
@@ -241,13 +248,19 @@ def test_gpu_two_ranks_generate_one_ranks_fp32_tokens_for_7_ragged_prompts_under
         pytest.skip("needs 2 CUDA devices")
     rng = random.Random(7)
     prompts = [[rng.randrange(4096) for _ in range(rng.randint(24, 48))] for _ in range(7)]
-    one = _gpu_tokens_every_policy(prompts, 64)
+    one = _gpu_tokens_every_policy(prompts, 64)["tokens"]
     two = launch(_gpu_tokens_every_policy, 2, prompts, 64, device="cuda", timeout_s=600,
                  sequence_parallel=sequence_parallel)  # fmt: skip
+    # Without sequence parallelism and with FlashInfer, every row-parallel
+    # projection fuses its all-reduce with the next norm (fused_norm.py).
+    fusing = fused_norm.AVAILABLE and not sequence_parallel
     for policy in POLICIES:
         assert one[policy] == one["none"], f"one rank, graphs={policy}"
         for r in range(2):
-            assert two[r][policy] == one["none"], f"rank {r} of 2, graphs={policy}"
+            assert two[r]["tokens"][policy] == one["none"], f"rank {r} of 2, graphs={policy}"
+    for r in range(2):
+        layers = default_config().num_hidden_layers
+        assert (two[r]["fused"], two[r]["served"]) == ((2 * layers, True) if fusing else (0, False)), f"rank {r}"
 
 
 SPEC_CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

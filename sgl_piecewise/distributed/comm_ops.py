@@ -64,14 +64,20 @@ _nccl_only = False  # set by nccl_only_all_reduces()
 @contextlib.contextmanager
 def nccl_only_all_reduces() -> Iterator[None]:
     """All-reduces issued (or captured) in the body go through NCCL, even where
-    a symmetric-memory buffer exists: to compare the two paths (a graph keeps
-    the path it was captured with). Enter it on every rank alike."""
+    a symmetric-memory buffer or a fused-norm workspace exists (the fused op
+    then all-reduces, adds and normalises apart): to compare the paths (a
+    graph keeps the path it was captured with). Enter it on every rank alike."""
     global _nccl_only
     saved, _nccl_only = _nccl_only, True
     try:
         yield
     finally:
         _nccl_only = saved
+
+
+def nccl_only() -> bool:
+    """Is :func:`nccl_only_all_reduces` active?"""
+    return _nccl_only
 
 
 def uses_symmetric_memory(x: torch.Tensor, group_name: str) -> bool:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from sgl_piecewise.checks import check_positive_int, same_device
-from sgl_piecewise.distributed import comm_ops, registry
+from sgl_piecewise.distributed import comm_ops, fused_norm, registry
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 from sgl_piecewise.internals import symm_mem
 
@@ -101,6 +101,21 @@ class TensorParallel:
         if self.size == 1:
             return x
         return torch.ops.sgl_piecewise.reduce_scatter(x, self.size, self.group_name)
+
+    def fuses_all_reduce_norm(self, hidden_size: int, dtype: torch.dtype, device: Union[str, torch.device]) -> bool:
+        """Can a model's row-parallel projection of ``hidden_size`` outputs in
+        ``dtype`` on ``device`` all-reduce, add its residual and normalise
+        in one op (``fused_norm.py``)? Where the group has several ranks on
+        CUDA, the stream is not split by tokens, FlashInfer is installed and
+        its kernel takes the rows. A model asks when it is built."""
+        return (
+            self.size > 1
+            and not self.splits_sequence
+            and device is not None
+            and torch.device(device).type == "cuda"
+            and fused_norm.AVAILABLE
+            and fused_norm.shape_ok(hidden_size, dtype)
+        )
 
     def barrier(self) -> None:
         """Wait for every rank, on the host (the gloo group)."""
@@ -207,20 +222,22 @@ def track_graph(graph: "torch.cuda.CUDAGraph") -> None:
 
 
 def prepare_communication(max_tokens: int, hidden_size: int, dtype: torch.dtype, device) -> None:
-    """Allocate the symmetric-memory buffer the current group's small
-    all-reduces use: for ``max_tokens x hidden_size`` of ``dtype``, at most
-    ``comm_ops.SMALL_ALL_REDUCE_MAX_BYTES`` (larger messages go through
-    NCCL anyway).
+    """Allocate what the current group's small all-reduces use, for
+    ``max_tokens x hidden_size`` of ``dtype`` (capped at
+    ``comm_ops.SMALL_ALL_REDUCE_MAX_BYTES`` a message: larger ones go
+    through NCCL anyway): the one-shot op's symmetric-memory buffer, and,
+    where FlashInfer is installed, the workspace of the fused all-reduce +
+    residual add + RMSNorm (``fused_norm.py``).
 
-    Call it once, on every rank with the same arguments (the buffer's
+    Call it once, on every rank with the same arguments (the buffers'
     handles are exchanged: a collective), before any CUDA graph is
-    captured: a capture bakes in the buffer's address and cannot allocate
-    one. A no-op at one rank, on the CPU, for a dtype the one-shot op does
-    not take, where symmetric memory is unavailable (logged), and where the
-    buffer is large enough already. A larger request allocates a new buffer
-    and keeps the old one for the graphs that use it. Where allocation
-    fails (no peer access between the GPUs), a warning is logged and the
-    all-reduces go through NCCL.
+    captured: a capture bakes in the buffers' addresses and cannot allocate
+    them. A no-op at one rank, on the CPU, where symmetric memory is
+    unavailable (logged), and for what is large enough already. A larger
+    request allocates anew and keeps the old buffers for the graphs that
+    use them. Where allocation fails (no peer access between the GPUs;
+    FlashInfer cannot build on some rank), a warning is logged and separate
+    kernels, or NCCL, serve.
     """
     check_positive_int("max_tokens", max_tokens)
     check_positive_int("hidden_size", hidden_size)
@@ -228,24 +245,53 @@ def prepare_communication(max_tokens: int, hidden_size: int, dtype: torch.dtype,
         raise InvalidTypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
     device = torch.device(device)
     tp = tensor_parallel()
-    if tp.size == 1 or device.type != "cuda" or dtype not in symm_mem.DTYPES:
+    if tp.size == 1 or device.type != "cuda":
         return
     if tp.device is not None and not same_device(device, tp.device):
         raise InvalidInputError(f"device: expected this rank's device {tp.device}, got {device}")
     if not symm_mem.AVAILABLE:
         logger.info("tensor parallel: all-reduces through NCCL only (%s)", symm_mem.UNAVAILABLE_REASON)
         return
-    nbytes = _buffer_bytes(max_tokens * hidden_size * dtype.itemsize)
-    if registry.symmetric_buffer_bytes(tp.group_name) >= nbytes:
-        return
     if torch.cuda.is_current_stream_capturing():
         raise InvalidInputError("prepare_communication: expected a call before any CUDA graph capture, got one during")
+    if dtype in symm_mem.DTYPES:
+        _prepare_one_shot(tp, max_tokens * hidden_size * dtype.itemsize, device)
+    _prepare_fused_norm(tp, max_tokens, hidden_size, dtype, device)
+
+
+def _prepare_one_shot(tp: TensorParallel, needed: int, device: torch.device) -> None:
+    nbytes = _buffer_bytes(needed)
+    if registry.symmetric_buffer_bytes(tp.group_name) >= nbytes:
+        return
     try:
         buffer = symm_mem.allocate(nbytes, device, tp.group_name)
     except (RuntimeError, symm_mem.SymmMemUnavailable) as e:
         logger.warning("tensor parallel: no symmetric memory (%s); all-reduces go through NCCL", e)
         return
     registry.add_buffer(tp.group_name, buffer)
+
+
+def _prepare_fused_norm(tp: TensorParallel, max_tokens: int, hidden_size: int, dtype: torch.dtype, device) -> None:
+    """The workspace of the fused all-reduce + residual add + RMSNorm, for
+    as many tokens as a small all-reduce carries (``fused_norm.py``). Where
+    FlashInfer cannot build on some rank, no rank allocates one (logged):
+    ranks that disagreed on the path would wait for each other forever."""
+    if not (fused_norm.AVAILABLE and fused_norm.shape_ok(hidden_size, dtype)):
+        return
+    small = comm_ops.SMALL_ALL_REDUCE_MAX_BYTES // (hidden_size * dtype.itemsize)
+    tokens = min(max_tokens, small, fused_norm.MAX_TOKENS)
+    if tokens < 1 or fused_norm.serving(tp.group_name, torch.empty(tokens, hidden_size, dtype=dtype, device=device)):
+        return
+    try:
+        fused_norm.build()
+        error = None
+    except Exception as e:  # whatever FlashInfer raises where it cannot build: the separate kernels serve
+        error = f"{type(e).__name__}: {e}"
+    errors = [f"rank {r}: {e}" for r, e in enumerate(tp.all_gather_object(error)) if e is not None]
+    if errors:
+        logger.warning("tensor parallel: no fused all-reduce + RMSNorm (%s); separate kernels serve", "; ".join(errors))
+        return
+    fused_norm.allocate(tp.rank, tp.size, tokens, hidden_size, dtype, device, tp.group_name)
 
 
 def symmetric_buffer_bytes() -> int:

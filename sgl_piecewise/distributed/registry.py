@@ -1,6 +1,6 @@
-"""The process groups and symmetric-memory buffers the communication ops
-find by a group's name, and the CUDA graphs captured while a group was
-current.
+"""The process groups, symmetric-memory buffers and fused-norm workspaces
+the communication ops find by a group's name, and the CUDA graphs captured
+while a group was current.
 
 The ops take the name, a string, rather than the group: a custom op's
 arguments are tensors and plain values, and a string is what Dynamo puts
@@ -12,7 +12,7 @@ table, but only privately; this one holds the groups
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,8 @@ _groups: Dict[str, "dist.ProcessGroup"] = {}
 # Per group, every buffer allocated, the newest last: the ops use the newest;
 # the older ones stay allocated, because a graph captured with one replays it.
 _buffers: Dict[str, List[torch.Tensor]] = {}
+# Per group, the same for the fused all-reduce + norm's workspaces (fused_norm.py).
+_workspaces: Dict[str, List[Any]] = {}
 # Per group, the CUDA graphs captured while it was current, held weakly. NCCL
 # does not destroy a communicator while a graph holding its kernels exists:
 # destroy_process_group() waits for that forever (pytorch/pytorch#115388), and
@@ -49,9 +51,11 @@ def resolve_group(name: str) -> "dist.ProcessGroup":
 
 
 def forget_group(name: str) -> None:
-    """Drop the group, its buffers and its graphs (when the group is destroyed)."""
+    """Drop the group, its buffers, workspaces and graphs (when the group is destroyed)."""
     _groups.pop(name, None)
     _buffers.pop(name, None)
+    for workspace in _workspaces.pop(name, ()):
+        workspace.release()
     _graphs.pop(name, None)
 
 
@@ -85,3 +89,12 @@ def symmetric_buffer_bytes(name: str) -> int:
     was allocated (they then go through NCCL)."""
     buffer = symmetric_buffer(name)
     return 0 if buffer is None else buffer.numel() * buffer.element_size()
+
+
+def add_workspace(name: str, workspace: Any) -> None:
+    _workspaces.setdefault(name, []).append(workspace)
+
+
+def workspaces(name: str) -> List[Any]:
+    """The group's fused-norm workspaces, the newest last."""
+    return list(_workspaces.get(name, ()))

@@ -41,7 +41,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from sgl_piecewise.checks import check_tensor
 from sgl_piecewise.models import fused_ops
 from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
-from sgl_piecewise.models.norm import RMSNorm, add_rms_norm
+from sgl_piecewise.models.norm import RMSNorm, add_rms_norm, all_reduce_add_rms_norm
 from sgl_piecewise.models.parallel import TPLayout
 from sgl_piecewise.ops import unified_attention
 from sgl_piecewise.regions import repeated_region
@@ -122,6 +122,10 @@ class RowParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device, tp: TensorParallel):
         super().__init__(in_features, out_features, bias, dtype, device)
         self.tp = tp
+        # Whether the reduction can go with the residual add and the RMSNorm
+        # after it into one op (add_projected_and_norm), and does.
+        self.can_fuse_norm = not bias and tp.fuses_all_reduce_norm(out_features, dtype, device)
+        self.fuses_norm = self.can_fuse_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -300,7 +304,8 @@ class DecoderLayer(nn.Module):
     back. A model runs its layers through :meth:`run` instead, which hands
     each layer its input norm already computed and computes the next one's
     (``next_norm``): each norm then directly follows the residual add it
-    normalises, in the same layer, and the two are one kernel
+    normalises, in the same layer: the two are one kernel, and where the
+    group can, one with the all-reduce before them
     (``add_projected_and_norm``)."""
 
     def __init__(self, config: ModelConfig, layout: TPLayout, layer_id: int, dtype, device, tp: TensorParallel):
@@ -344,6 +349,10 @@ class DecoderLayer(nn.Module):
 
 def add_projected_and_norm(proj: RowParallelLinear, inp: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> tuple:
     """``(y, norm(y))`` with ``y = x + proj(inp)``: the residual stream plus a
-    row-parallel projection, and the RMSNorm after it, the add and the norm
-    in one kernel where it runs (``norm.add_rms_norm``)."""
+    row-parallel projection, and the RMSNorm after it. Where the projection
+    fuses its all-reduce with the add and the norm (``fuses_norm``), the
+    three are one op (``norm.all_reduce_add_rms_norm``); else the add and
+    the norm are one kernel (``norm.add_rms_norm``)."""
+    if proj.fuses_norm:
+        return all_reduce_add_rms_norm(proj.tp, F.linear(inp, proj.weight), x, norm)
     return add_rms_norm(x, proj(inp), norm)
