@@ -275,8 +275,10 @@ def _prepare_fused_norm(tp: TensorParallel, max_tokens: int, hidden_size: int, d
     """The workspace of the fused all-reduce + residual add + RMSNorm, for
     as many tokens as a small all-reduce carries (``fused_norm.py``). Where
     FlashInfer cannot build on some rank, no rank allocates one (logged):
-    ranks that disagreed on the path would wait for each other forever."""
-    if not (fused_norm.AVAILABLE and fused_norm.shape_ok(hidden_size, dtype)):
+    ranks that disagreed on the path would wait for each other forever.
+    None where no projection can take it (``fuses_all_reduce_norm``: under
+    sequence parallelism, say)."""
+    if not tp.fuses_all_reduce_norm(hidden_size, dtype, device):
         return
     small = comm_ops.SMALL_ALL_REDUCE_MAX_BYTES // (hidden_size * dtype.itemsize)
     tokens = min(max_tokens, small, fused_norm.MAX_TOKENS)
