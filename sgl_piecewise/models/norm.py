@@ -47,10 +47,16 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm: "RMSNorm") -> Tuple
     """``(y, norm(y))`` with ``y = x + delta``: the residual add and the norm
     after it, in one kernel eagerly on CUDA (the same bits as the two ops),
     as written elsewhere (a compiled model fuses them itself)."""
-    if fused_ops.eager(x) and x.dtype == delta.dtype == norm.weight.dtype and x.shape == delta.shape:
-        return fused_ops.add_rms_norm(x, delta, norm.weight, norm.eps)
+    return _add_rms_norm(x, delta, norm.weight, norm.eps)
+
+
+def _add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    if fused_ops.eager(x) and x.dtype == delta.dtype == weight.dtype and x.shape == delta.shape:
+        return fused_ops.add_rms_norm(x, delta, weight, eps)
     y = x + delta
-    return y, norm(y)
+    return y, rms_norm(y, weight, eps)
 
 
 class RMSNorm(nn.Module):
@@ -78,8 +84,7 @@ def _all_reduce_add_rms_norm(
     workspace = None if comm_ops.nccl_only() else fused_norm.serving(group_name, residual)
     if workspace is not None and _kernel_operands(partial, residual, weight):
         return fused_norm.add_rms_norm(workspace, partial, residual, weight, eps)
-    x = residual + torch.ops.sgl_piecewise.all_reduce(partial, group_name)
-    return x, rms_norm(x, weight, eps)
+    return _add_rms_norm(residual, torch.ops.sgl_piecewise.all_reduce(partial, group_name), weight, eps)
 
 
 def _kernel_operands(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
