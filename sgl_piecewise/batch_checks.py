@@ -49,7 +49,7 @@ def check_batch(
     (module docstring).
     """
     prefix, extend, rows = _check_lengths_tensors_rows(batch, req_pool, kv_pool)
-    slots = _host_copy(batch.out_cache_loc_cpu, batch.out_cache_loc)[: sum(extend)]
+    slots = _first(_host_copy(batch.out_cache_loc_cpu, batch.out_cache_loc), sum(extend))
     _check_slots(slots, kv_pool)
     device_checks = debug_checks or batch.device.type == "cpu"
     _check_accept_lengths(batch, extend, kv_pool.device, values=device_checks)
@@ -59,6 +59,11 @@ def check_batch(
 
 def _host_copy(host: Optional[torch.Tensor], device_tensor: torch.Tensor) -> torch.Tensor:
     return host if host is not None else device_tensor.cpu()
+
+
+def _first(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t[:n]``; ``t`` itself where it holds ``n`` already (a slice costs a few µs each step)."""
+    return t if t.shape[0] == n else t[:n]
 
 
 # ---- host: lengths and the mode ---------------------------------------------
@@ -207,7 +212,7 @@ def _check_slots(slots: torch.Tensor, kv_pool: "KVPool") -> None:
     small = n <= _SMALL_SLOT_COUNT
     values = slots.tolist() if small else None
     lo, hi = (min(values), max(values)) if small else (int(slots.min()), int(slots.max()))
-    if lo < 1 or hi > kv_pool.num_slots or not kv_pool.all_allocated(slots):
+    if lo < 1 or hi > kv_pool.num_slots or not kv_pool.all_allocated(values if small else slots):
         held = kv_pool.is_allocated(slots)
         raise InvalidInputError(
             f"out_cache_loc: expected allocated KV slots in [1, {kv_pool.num_slots}] for the real "

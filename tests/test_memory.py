@@ -36,6 +36,24 @@ def test_freed_slots_are_reused():
     assert sorted(pool.alloc(2).tolist()) == sorted(a[:2].tolist())
 
 
+def test_all_allocated_answers_alike_for_a_tensor_and_a_list_through_alloc_and_free():
+    """The list form reads a numpy view of the allocation table: it must see
+    every alloc and free the tensor form sees."""
+    pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=1, head_dim=4)
+    held = pool.alloc(5)
+
+    def both(ids):
+        answers = {pool.all_allocated(torch.tensor(ids, dtype=torch.int64)), pool.all_allocated(ids)}
+        assert len(answers) == 1, ids
+        return answers.pop()
+
+    assert both(held.tolist()) and both(held[:1].tolist())
+    assert not both([6]) and not both(held.tolist() + [7])  # never handed out
+    pool.free(held[1:3])
+    assert not both(held[1:2].tolist()) and both(held[3:].tolist())
+    assert both(sorted(set(pool.alloc(2).tolist()) | {held[0].item()}))  # the freed slots, handed out again
+
+
 def test_free_rejects_the_dummy_slot_and_out_of_range_slots():
     pool = KVPool(num_slots=4, num_layers=1, num_kv_heads=1, head_dim=4)
     with pytest.raises(InvalidInputError, match=r"expected slots in \[1, 4\]"):
