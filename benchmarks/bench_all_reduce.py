@@ -4,7 +4,7 @@ a test).
 
     python benchmarks/bench_all_reduce.py --out results/
 
-What sets the library's ``SMALL_ALL_REDUCE_MAX_BYTES``. Two ranks
+What sets the library's ``ONE_SHOT_MAX_BYTES`` and ``SMALL_ALL_REDUCE_MAX_BYTES``. Two ranks
 (``distributed.launch``), each with one symmetric-memory buffer for the
 largest message (``internals/symm_mem.py``, never multicast). Per message
 size and path, one CUDA graph holds 48 all-reduces in a row, as a 24-layer
@@ -15,11 +15,11 @@ row checks the sum: ranks holding 1 and 2 give 1.5 after every step.
 
 Paths: ``one_shot``, the library's (the op copies its input into the buffer
 in its own kernel, ``one_shot_all_reduce_copy``); ``one_shot_copy_op``, its
-fallback (a copy kernel, then the plain op); ``two_shot``, a copy into the
-buffer, then torch's two-shot kernel (``two_shot_all_reduce_out``: each
-rank sums its share of the message from every peer's buffer, then reads
-every peer's summed share; peer loads and signal pads, no multicast), where
-this torch has it; ``nccl``.
+fallback (a copy kernel, then the plain op); ``two_shot``, the library's
+for larger messages (a copy into the buffer, then torch's
+``two_shot_all_reduce_out``: each rank sums its share of the message from
+every peer's buffer and stores it into every peer's; peer loads, stores
+and signal pads, no multicast), where this torch has it; ``nccl``.
 
 ``--fused-norm``: what the all-reduce after a row-parallel projection is
 followed by in a decoder layer, the residual add and the next RMSNorm, per
@@ -50,7 +50,7 @@ from sgl_piecewise.distributed import fused_norm, launch, registry, tensor_paral
 from sgl_piecewise.internals import symm_mem
 from sgl_piecewise.models.norm import rms_norm
 
-ELEMENTS = (896, 4096, 28672, 65536, 131072, 262144, 524288, 1048576)  # bf16
+ELEMENTS = (896, 4096, 28672, 65536, 131072, 262144, 524288, 1048576, 2097152, 4194304)  # bf16
 CHAIN = 48
 REPLAYS = 20
 PATHS = ("one_shot", "one_shot_copy_op", "two_shot", "nccl")
@@ -68,7 +68,7 @@ def chain(path: str, x: torch.Tensor, buffer: torch.Tensor, group_name: str) -> 
         if path.startswith("one_shot"):
             y = symm_mem.one_shot_all_reduce(y, buffer, group_name) * 0.5
         elif path == "two_shot":
-            y = two_shot_all_reduce(y, buffer, group_name) * 0.5
+            y = symm_mem.two_shot_all_reduce(y, buffer, group_name) * 0.5
         else:
             z = y.clone()
             dist.all_reduce(z, group=group)
@@ -76,17 +76,9 @@ def chain(path: str, x: torch.Tensor, buffer: torch.Tensor, group_name: str) -> 
     return y
 
 
-def two_shot_all_reduce(x: torch.Tensor, buffer: torch.Tensor, group_name: str) -> torch.Tensor:
-    """``x`` copied into the buffer's prefix, then torch's two-shot kernel
-    from there into a new tensor (the kernel also writes the prefix)."""
-    prefix = buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
-    prefix.copy_(x)
-    return torch.ops.symm_mem.two_shot_all_reduce_out(prefix, "sum", group_name, torch.empty_like(x))
-
-
 def paths() -> tuple:
     """The all-reduce paths this torch runs (``two_shot`` where it has the op)."""
-    return tuple(p for p in PATHS if p != "two_shot" or hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out"))
+    return tuple(p for p in PATHS if p != "two_shot" or symm_mem.TWO_SHOT)
 
 
 def time_path(tp, path: str, n: int, buffer: torch.Tensor) -> dict:

@@ -17,6 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sgl_piecewise.distributed import (
+    ONE_SHOT_MAX_BYTES,
     SAFE_ENV,
     SMALL_ALL_REDUCE_MAX_BYTES,
     LaunchTimeoutError,
@@ -24,6 +25,7 @@ from sgl_piecewise.distributed import (
     TensorParallel,
     comm_ops,
     destroy_tensor_parallel,
+    groups,
     init_tensor_parallel,
     launch,
     prepare_communication,
@@ -322,19 +324,32 @@ def test_the_symmetric_memory_internal_reports_itself_on_the_installed_torch():
 def test_small_all_reduces_take_symmetric_memory_only_where_it_can_serve_them(monkeypatch):
     """The choice of path, on meta tensors standing for a device's."""
     monkeypatch.setattr(symm_mem, "AVAILABLE", True)
+    monkeypatch.setattr(symm_mem, "TWO_SHOT", True)
     name = "test-group"
     assert not comm_ops.uses_symmetric_memory(torch.empty(8, device="meta"), name)  # no buffer
     registry.add_buffer(name, torch.empty(SMALL_ALL_REDUCE_MAX_BYTES, dtype=torch.uint8, device="meta"))
+
+    def path(nbytes: int, dtype=torch.bfloat16, device="meta"):
+        return comm_ops.symmetric_path(torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device), name)
+
     try:
         small = torch.empty(64, 896, dtype=torch.bfloat16, device="meta")
         assert comm_ops.uses_symmetric_memory(small, name)
         assert comm_ops.uses_symmetric_memory(small.float(), name)
-        assert not comm_ops.uses_symmetric_memory(small.half(), name)  # the op takes bf16 and fp32 only
+        assert not comm_ops.uses_symmetric_memory(small.half(), name)  # the ops take bf16 and fp32 only
         assert not comm_ops.uses_symmetric_memory(torch.empty(3, dtype=torch.bfloat16, device="meta"), name)  # 6 bytes
-        assert not comm_ops.uses_symmetric_memory(torch.empty(256, 896, dtype=torch.bfloat16, device="meta"), name)
         assert not comm_ops.uses_symmetric_memory(
             torch.empty(64, 896, dtype=torch.bfloat16), name
         )  # not the buffer's device
+        # One-shot up to ONE_SHOT_MAX_BYTES, two-shot above it, NCCL above the buffer.
+        assert [path(n) for n in (4, ONE_SHOT_MAX_BYTES)] == ["one_shot"] * 2
+        assert [path(n) for n in (ONE_SHOT_MAX_BYTES + 4, SMALL_ALL_REDUCE_MAX_BYTES)] == ["two_shot"] * 2
+        assert path(SMALL_ALL_REDUCE_MAX_BYTES, torch.float32) == "two_shot"
+        assert path(SMALL_ALL_REDUCE_MAX_BYTES + 4) is None
+        # The buffer holds the largest symmetric message, rounded up to 16 bytes.
+        assert (groups._buffer_bytes(10**9), groups._buffer_bytes(1000)) == (SMALL_ALL_REDUCE_MAX_BYTES, 1008)
+        monkeypatch.setattr(symm_mem, "TWO_SHOT", False)  # a torch without the op: one-shot takes it all
+        assert path(SMALL_ALL_REDUCE_MAX_BYTES) == "one_shot"
         monkeypatch.setattr(symm_mem, "AVAILABLE", False)
         assert not comm_ops.uses_symmetric_memory(small, name)
     finally:
@@ -361,14 +376,7 @@ def _all_reduce_in_graphs_on_cuda():
         assert comm_ops.uses_symmetric_memory(x, tp.group_name) == via_symm_mem
         torch.testing.assert_close(tp.all_reduce(x).cpu(), total)
         static = x.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            tp.all_reduce(static)  # warm-up off the default stream, as a capture wants
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = tp.all_reduce(static)
+        graph, out = _captured(tp.all_reduce, static)
         for step in (1, 2):
             shifted = [t + step for t in xs]
             static.copy_(shifted[tp.rank].to(tp.device))
@@ -380,6 +388,54 @@ def _all_reduce_in_graphs_on_cuda():
         torch.testing.assert_close(tp.all_reduce(large), large * tp.size)
         used.append((via_symm_mem, copy_in_kernel))
     return used
+
+
+def _two_shot_in_graphs_on_cuda():
+    """Messages above ONE_SHOT_MAX_BYTES: the two-shot op, eager and in a
+    CUDA graph replayed with new inputs, bf16 and fp32; the one-shot op
+    where torch lacked the two-shot one: the same sums."""
+    tp = tensor_parallel()
+    hidden = 1024
+    prepare_communication(SMALL_ALL_REDUCE_MAX_BYTES // (hidden * 2), hidden, torch.bfloat16, tp.device)
+    assert symmetric_buffer_bytes() == SMALL_ALL_REDUCE_MAX_BYTES
+    taken = []
+    for dtype, two_shot in ((torch.bfloat16, True), (torch.float32, True), (torch.bfloat16, False)):
+        symm_mem.TWO_SHOT = two_shot
+        rows = (ONE_SHOT_MAX_BYTES + SMALL_ALL_REDUCE_MAX_BYTES) // 2 // (hidden * dtype.itemsize)
+        xs, total = _expected((rows, hidden), tp.size, dtype)
+        static = xs[tp.rank].to(tp.device)
+        taken.append(comm_ops.symmetric_path(static, tp.group_name))
+        torch.testing.assert_close(tp.all_reduce(static).cpu(), total)
+        graph, out = _captured(tp.all_reduce, static)
+        for step in (1, 2):
+            shifted = [t + step for t in xs]
+            static.copy_(shifted[tp.rank].to(tp.device))
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out.cpu(), torch.stack(shifted).sum(0))
+    return taken
+
+
+def _captured(fn, static: torch.Tensor):
+    """``(graph, out)``: ``fn(static)`` warmed up on a side stream, then captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(static)
+    return graph, out
+
+
+@pytest.mark.gpu
+def test_gpu_larger_messages_take_the_two_shot_op_and_sum_right_in_cuda_graphs():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA devices, got {torch.cuda.device_count()}")
+    assert symm_mem.TWO_SHOT  # torch 2.11+ on CUDA
+    taken = launch(_two_shot_in_graphs_on_cuda, 2, device="cuda", timeout_s=300)
+    assert taken == [["two_shot", "two_shot", "one_shot"]] * 2
 
 
 @pytest.mark.gpu

@@ -20,14 +20,16 @@ all-gather and reduce-scatter can be captured, and nothing here syncs with
 the host or keeps Python-side state per call; results are torch
 allocations, which a capture takes from its pool.
 
-All-reduce takes one of two paths, the same on every rank for a given
+All-reduce takes one of three paths, the same on every rank for a given
 message (the choice reads only the message's size and dtype and state that
 every rank set up alike):
 
-* at most :data:`SMALL_ALL_REDUCE_MAX_BYTES`, where
-  ``prepare_communication`` allocated a symmetric-memory buffer large
-  enough and the one-shot op takes the dtype: the one-shot all-reduce over
-  that buffer (``internals/symm_mem.py``);
+* at most :data:`ONE_SHOT_MAX_BYTES`, where ``prepare_communication``
+  allocated a symmetric-memory buffer large enough and the op takes the
+  dtype: the one-shot all-reduce over that buffer
+  (``internals/symm_mem.py``);
+* above it and at most :data:`SMALL_ALL_REDUCE_MAX_BYTES`, the same way:
+  the two-shot all-reduce where torch has it, else the one-shot;
 * otherwise: ``torch.distributed.all_reduce`` (NCCL, gloo on the CPU) on a
   copy of the input.
 """
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,13 +47,14 @@ from sgl_piecewise.distributed import registry
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.internals import symm_mem
 
-# Messages up to this many bytes go through one-shot symmetric memory where a
-# buffer is allocated. Measured inside CUDA graphs on two H200s
-# (benchmarks/bench_all_reduce.py, docs/BENCHMARKS.md): one-shot is up to
-# 8 us faster than NCCL at a few KiB, level from 57 KiB to 1 MiB; 256 KiB
-# holds a decode step of 32 requests at hidden size 4096 and keeps the
-# symmetric buffer, which every captured graph reads, small.
-SMALL_ALL_REDUCE_MAX_BYTES = 256 * 1024
+# Where each path is fastest, measured inside CUDA graphs on two H200s
+# (benchmarks/bench_all_reduce.py, docs/BENCHMARKS.md): one-shot up to
+# 1 MiB (up to 8 us faster than NCCL at a few KiB, 1 us at 1 MiB); at 2 MiB
+# two-shot (21.5 us against one-shot's 24.1 and NCCL's 31.2). Larger
+# messages, not measured, go through NCCL, and the symmetric buffer stays
+# at 2 MiB.
+ONE_SHOT_MAX_BYTES = 1 << 20
+SMALL_ALL_REDUCE_MAX_BYTES = 2 << 20
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names for the *_single
 # ones; 2.11 has only the former. Both are public and take the same arguments.
@@ -81,20 +84,31 @@ def nccl_only() -> bool:
     return _nccl_only
 
 
-def uses_symmetric_memory(x: torch.Tensor, group_name: str) -> bool:
-    """Does an all-reduce of ``x`` in this group take the one-shot
-    symmetric-memory path (module docstring)?"""
-    if _nccl_only or not symm_mem.AVAILABLE or x.numel() * x.element_size() > SMALL_ALL_REDUCE_MAX_BYTES:
-        return False
+def symmetric_path(x: torch.Tensor, group_name: str) -> Optional[str]:
+    """The symmetric-memory op an all-reduce of ``x`` in this group takes:
+    ``"one_shot"``, ``"two_shot"``, or None for NCCL (module docstring)."""
+    nbytes = x.numel() * x.element_size()
+    if _nccl_only or not symm_mem.AVAILABLE or nbytes > SMALL_ALL_REDUCE_MAX_BYTES:
+        return None
     buffer = registry.symmetric_buffer(group_name)
-    return buffer is not None and symm_mem.fits(x, buffer)
+    if buffer is None or not symm_mem.fits(x, buffer):
+        return None
+    return "two_shot" if nbytes > ONE_SHOT_MAX_BYTES and symm_mem.TWO_SHOT else "one_shot"
+
+
+def uses_symmetric_memory(x: torch.Tensor, group_name: str) -> bool:
+    """Does an all-reduce of ``x`` in this group go through symmetric memory?"""
+    return symmetric_path(x, group_name) is not None
 
 
 @torch.library.custom_op("sgl_piecewise::all_reduce", mutates_args=())
 def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     group = registry.resolve_group(group_name)
-    if uses_symmetric_memory(x, group_name):
+    path = symmetric_path(x, group_name)
+    if path == "one_shot":
         return symm_mem.one_shot_all_reduce(x, registry.symmetric_buffer(group_name), group_name)
+    if path == "two_shot":
+        return symm_mem.two_shot_all_reduce(x, registry.symmetric_buffer(group_name), group_name)
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
     return out

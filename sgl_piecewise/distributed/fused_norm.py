@@ -24,9 +24,9 @@ within a rounding in half precision.
 
 What a workspace serves (:meth:`Workspace.serves`): ``[T, H]`` of its dtype (bf16,
 fp16 or fp32) and hidden size on its device, ``T`` at most its token
-count. ``allocate`` sizes it like the one-shot buffer (messages of at most
-``SMALL_ALL_REDUCE_MAX_BYTES``) and at most :data:`MAX_TOKENS` (the
-one-shot kernel's limit). Larger steps take the unfused path.
+count. ``prepare_communication`` sizes it for messages of at most
+:data:`MAX_BYTES` and at most :data:`MAX_TOKENS` (the one-shot kernel's
+limit). Larger steps take the unfused path.
 
 Needs the ``flashinfer`` package (``AVAILABLE``); :func:`build` compiles
 its kernels once per machine (minutes; then FlashInfer's cache serves), and
@@ -47,6 +47,9 @@ from sgl_piecewise.distributed import registry
 AVAILABLE: bool = importlib.util.find_spec("flashinfer") is not None
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_TOKENS = 128  # the one-shot kernel's limit (FlashInfer's kOneShotMaxToken)
+# The largest message it is measured faster at (32 tokens of hidden size
+# 4096 in bf16: bench_all_reduce.py --fused-norm, docs/BENCHMARKS.md).
+MAX_BYTES = 256 * 1024
 _VECTOR_BYTES = 16  # a row is read in 16-byte vectors
 
 _comm: Any = None  # flashinfer.comm, imported by build()

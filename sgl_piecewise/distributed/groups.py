@@ -225,9 +225,10 @@ def prepare_communication(max_tokens: int, hidden_size: int, dtype: torch.dtype,
     """Allocate what the current group's small all-reduces use, for
     ``max_tokens x hidden_size`` of ``dtype`` (capped at
     ``comm_ops.SMALL_ALL_REDUCE_MAX_BYTES`` a message: larger ones go
-    through NCCL anyway): the one-shot op's symmetric-memory buffer, and,
-    where FlashInfer is installed, the workspace of the fused all-reduce +
-    residual add + RMSNorm (``fused_norm.py``).
+    through NCCL anyway): the symmetric-memory buffer of the one-shot and
+    two-shot ops, and, where FlashInfer is installed, the workspace of the
+    fused all-reduce + residual add + RMSNorm (``fused_norm.py``; capped at
+    its own ``MAX_BYTES``).
 
     Call it once, on every rank with the same arguments (the buffers'
     handles are exchanged: a collective), before any CUDA graph is
@@ -273,15 +274,15 @@ def _prepare_one_shot(tp: TensorParallel, needed: int, device: torch.device) -> 
 
 def _prepare_fused_norm(tp: TensorParallel, max_tokens: int, hidden_size: int, dtype: torch.dtype, device) -> None:
     """The workspace of the fused all-reduce + residual add + RMSNorm, for
-    as many tokens as a small all-reduce carries (``fused_norm.py``). Where
+    as many tokens as it is measured faster at (``fused_norm.py``). Where
     FlashInfer cannot build on some rank, no rank allocates one (logged):
     ranks that disagreed on the path would wait for each other forever.
     None where no projection can take it (``fuses_all_reduce_norm``: under
     sequence parallelism, say)."""
     if not tp.fuses_all_reduce_norm(hidden_size, dtype, device):
         return
-    small = comm_ops.SMALL_ALL_REDUCE_MAX_BYTES // (hidden_size * dtype.itemsize)
-    tokens = min(max_tokens, small, fused_norm.MAX_TOKENS)
+    measured = fused_norm.MAX_BYTES // (hidden_size * dtype.itemsize)
+    tokens = min(max_tokens, measured, fused_norm.MAX_TOKENS)
     if tokens < 1 or fused_norm.serving(tp.group_name, torch.empty(tokens, hidden_size, dtype=dtype, device=device)):
         return
     try:

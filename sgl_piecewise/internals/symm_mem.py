@@ -16,20 +16,27 @@ kernel copies the input into the prefix itself (:data:`COPY_IN_KERNEL`):
 one kernel per all-reduce instead of a copy and the op, 64 fewer kernels in
 a decode step of a 32-layer model.
 
+Larger messages take torch's two-shot op, ``two_shot_all_reduce_out``,
+where torch has it (:data:`TWO_SHOT`): each rank sums its share of the
+message from every peer's buffer and stores the sum into every peer's
+buffer, with peer loads and stores and signal pads too; it reads and
+writes every byte once where one-shot reads all of each peer's, and pays a
+second barrier for it (the caller picks the op by size, ``comm_ops.py``).
+
 Why: the figure it pays on is a bf16 all-reduce of 896 elements (one
 decode token of a 0.5B model's hidden size) inside a CUDA graph on 2x
 H200: 6.0 µs one-shot through symmetric memory against 17.5 µs through
 NCCL, twice per layer per step.
 
-No multicast: only the one-shot op is used (peer loads and signal pads),
-never an op built on multicast objects (NVLS). The package
+No multicast: only the one-shot and two-shot ops are used (peer loads,
+stores and signal pads), never an op built on multicast objects (NVLS). The package
 sets ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NCCL_NVLS_ENABLE=0`` and
 ``NVSHMEM_DISABLE_NVLS=1`` before any group starts, overriding a value
 that would allow multicast (``distributed/groups.py``).
 
-What the op accepts (checked by :func:`fits`, so a call never reaches the
-op's own refusal): bfloat16 or float32 (the op dispatches only these), a
-size in bytes that is a multiple of 4 (its alignment check), at most the
+What the ops accept (checked by :func:`fits`, so a call never reaches an
+op's own refusal): bfloat16 or float32 (the ops dispatch only these), a
+size in bytes that is a multiple of 4 (their alignment check), at most the
 buffer's size, on the buffer's device.
 
 Written against torch 2.11-2.13. :data:`AVAILABLE` says at import whether
@@ -83,6 +90,10 @@ _one_shot_copy = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy", None) i
 # torch has it. Read at every call: a test sets it False to run the copy and
 # the plain op instead, the same sums.
 COPY_IN_KERNEL: bool = _one_shot_copy is not None
+_two_shot = getattr(torch.ops.symm_mem, "two_shot_all_reduce_out", None) if AVAILABLE else None
+# Whether this torch has the two-shot op. Read at every call: a test sets
+# it False to send every message the one-shot op.
+TWO_SHOT: bool = _two_shot is not None
 
 
 def _require() -> None:
@@ -102,7 +113,7 @@ def allocate(nbytes: int, device: torch.device, group_name: str) -> torch.Tensor
 
 
 def fits(x: torch.Tensor, buffer: torch.Tensor) -> bool:
-    """Can the one-shot op reduce ``x`` through ``buffer`` (module docstring)?"""
+    """Can the one-shot and two-shot ops reduce ``x`` through ``buffer`` (module docstring)?"""
     nbytes = x.numel() * x.element_size()
     return (
         x.dtype in DTYPES
@@ -118,8 +129,26 @@ def one_shot_all_reduce(x: torch.Tensor, buffer: torch.Tensor, group_name: str) 
     op on that prefix. ``x`` must :func:`fits` the buffer; every rank calls
     it with the same shape."""
     _require()
-    prefix = buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+    prefix = _prefix(x, buffer)
     if COPY_IN_KERNEL and _one_shot_copy is not None:
         return _one_shot_copy(prefix, x.contiguous(), "sum", group_name)
     prefix.copy_(x)
     return _one_shot(prefix, "sum", group_name)
+
+
+def two_shot_all_reduce(x: torch.Tensor, buffer: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of ``x`` over the group's ranks through the two-shot op
+    (module docstring), as a new contiguous tensor of ``x``'s shape; the
+    same contract as :func:`one_shot_all_reduce`. The op also leaves the
+    sum in the buffer's prefix, which nothing reads."""
+    _require()
+    if not TWO_SHOT or _two_shot is None:
+        raise SymmMemUnavailable(f"torch {torch.__version__} has no torch.ops.symm_mem.two_shot_all_reduce_out")
+    prefix = _prefix(x, buffer)
+    prefix.copy_(x)
+    return _two_shot(prefix, "sum", group_name, torch.empty(x.shape, dtype=x.dtype, device=x.device))
+
+
+def _prefix(x: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """The buffer's first bytes, as a contiguous tensor of ``x``'s shape and dtype."""
+    return buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
