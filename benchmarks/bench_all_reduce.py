@@ -17,9 +17,10 @@ Paths: ``one_shot``, the library's (the op copies its input into the buffer
 in its own kernel, ``one_shot_all_reduce_copy``); ``one_shot_copy_op``, its
 fallback (a copy kernel, then the plain op); ``two_shot``, the library's
 for larger messages (a copy into the buffer, then torch's
-``two_shot_all_reduce_out``: each rank sums its share of the message from
-every peer's buffer and stores it into every peer's; peer loads, stores
-and signal pads, no multicast), where this torch has it; ``nccl``.
+``two_shot_all_reduce_out``: each rank sums one share of the message
+from every peer's buffer, then the ranks exchange the summed shares; peer
+loads, stores and signal pads, no multicast), where this torch has it;
+``nccl``.
 
 ``--fused-norm``: what the all-reduce after a row-parallel projection is
 followed by in a decoder layer, the residual add and the next RMSNorm, per

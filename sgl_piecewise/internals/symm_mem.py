@@ -17,11 +17,11 @@ one kernel per all-reduce instead of a copy and the op, 64 fewer kernels in
 a decode step of a 32-layer model.
 
 Larger messages take torch's two-shot op, ``two_shot_all_reduce_out``,
-where torch has it (:data:`TWO_SHOT`): each rank sums its share of the
-message from every peer's buffer and stores the sum into every peer's
-buffer, with peer loads and stores and signal pads too; it reads and
-writes every byte once where one-shot reads all of each peer's, and pays a
-second barrier for it (the caller picks the op by size, ``comm_ops.py``).
+where torch has it (:data:`TWO_SHOT`): each rank sums one share of the
+message from every peer's buffer, then the ranks exchange the summed
+shares (peer loads and stores, signal pads): less traffic a rank than
+one-shot's read of every peer's whole message, for a second barrier (the
+caller picks the op by size, ``comm_ops.py``).
 
 Why: the figure it pays on is a bf16 all-reduce of 896 elements (one
 decode token of a 0.5B model's hidden size) inside a CUDA graph on 2x
@@ -29,8 +29,8 @@ H200: 6.0 µs one-shot through symmetric memory against 17.5 µs through
 NCCL, twice per layer per step.
 
 No multicast: only the one-shot and two-shot ops are used (peer loads,
-stores and signal pads), never an op built on multicast objects (NVLS). The package
-sets ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NCCL_NVLS_ENABLE=0`` and
+stores and signal pads), never an op built on multicast objects (NVLS).
+The package sets ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NCCL_NVLS_ENABLE=0`` and
 ``NVSHMEM_DISABLE_NVLS=1`` before any group starts, overriding a value
 that would allow multicast (``distributed/groups.py``).
 
