@@ -372,17 +372,8 @@ def _all_reduce_in_graphs_on_cuda():
         symm_mem.AVAILABLE = via_symm_mem and symm_mem.UNAVAILABLE_REASON == ""
         symm_mem.COPY_IN_KERNEL = copy_in_kernel
         xs, total = _expected((rows, hidden), tp.size, torch.bfloat16)
-        x = xs[tp.rank].to(tp.device)
-        assert comm_ops.uses_symmetric_memory(x, tp.group_name) == via_symm_mem
-        torch.testing.assert_close(tp.all_reduce(x).cpu(), total)
-        static = x.clone()
-        graph, out = _captured(tp.all_reduce, static)
-        for step in (1, 2):
-            shifted = [t + step for t in xs]
-            static.copy_(shifted[tp.rank].to(tp.device))
-            graph.replay()
-            torch.cuda.synchronize()
-            torch.testing.assert_close(out.cpu(), torch.stack(shifted).sum(0))
+        assert comm_ops.uses_symmetric_memory(xs[tp.rank].to(tp.device), tp.group_name) == via_symm_mem
+        _sums_right_eagerly_and_in_a_graph(tp, xs, total)
         large = torch.ones(SMALL_ALL_REDUCE_MAX_BYTES // 2 + 2, dtype=torch.bfloat16, device=tp.device)
         assert not comm_ops.uses_symmetric_memory(large, tp.group_name)
         torch.testing.assert_close(tp.all_reduce(large), large * tp.size)
@@ -403,30 +394,31 @@ def _two_shot_in_graphs_on_cuda():
         symm_mem.TWO_SHOT = two_shot
         rows = (ONE_SHOT_MAX_BYTES + SMALL_ALL_REDUCE_MAX_BYTES) // 2 // (hidden * dtype.itemsize)
         xs, total = _expected((rows, hidden), tp.size, dtype)
-        static = xs[tp.rank].to(tp.device)
-        taken.append(comm_ops.symmetric_path(static, tp.group_name))
-        torch.testing.assert_close(tp.all_reduce(static).cpu(), total)
-        graph, out = _captured(tp.all_reduce, static)
-        for step in (1, 2):
-            shifted = [t + step for t in xs]
-            static.copy_(shifted[tp.rank].to(tp.device))
-            graph.replay()
-            torch.cuda.synchronize()
-            torch.testing.assert_close(out.cpu(), torch.stack(shifted).sum(0))
+        taken.append(comm_ops.symmetric_path(xs[tp.rank].to(tp.device), tp.group_name))
+        _sums_right_eagerly_and_in_a_graph(tp, xs, total)
     return taken
 
 
-def _captured(fn, static: torch.Tensor):
-    """``(graph, out)``: ``fn(static)`` warmed up on a side stream, then captured."""
+def _sums_right_eagerly_and_in_a_graph(tp, xs, total) -> None:
+    """``tp.all_reduce`` of this rank's ``xs`` gives ``total`` eagerly, then
+    captured in a CUDA graph (warmed up on a side stream) replayed twice
+    with new inputs."""
+    static = xs[tp.rank].to(tp.device)
+    torch.testing.assert_close(tp.all_reduce(static).cpu(), total)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn(static)
+        tp.all_reduce(static)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fn(static)
-    return graph, out
+        out = tp.all_reduce(static)
+    for step in (1, 2):
+        shifted = [t + step for t in xs]
+        static.copy_(shifted[tp.rank].to(tp.device))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.cpu(), torch.stack(shifted).sum(0))
 
 
 @pytest.mark.gpu
