@@ -27,9 +27,9 @@ followed by in a decoder layer, the residual add and the next RMSNorm, per
 hidden size and token count, as 48 in a row in one CUDA graph: the library's
 one-shot all-reduce then the add and the norm as Inductor fuses them (one
 kernel), against FlashInfer's ``trtllm_allreduce_fusion``: its all-reduce
-alone then the same add and norm, and all three in one kernel (its
-Lamport one-shot protocol over its own symmetric-memory workspace; needs
-``flashinfer``). Each row gives the largest difference of
+alone then the library's add + RMSNorm kernel (the op's path for wide
+rows), and all three in one kernel (its Lamport one-shot protocol over its
+own symmetric-memory workspace; needs ``flashinfer``). Each row gives the largest difference of
 the last residual and norm from the library's, over the norm's largest value.
 
 Output: a line per row, and ``all_reduce_sweep.json`` in ``--out`` (card,
@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from sgl_piecewise.distributed import fused_norm, launch, registry, tensor_parallel
 from sgl_piecewise.internals import symm_mem
+from sgl_piecewise.models import fused_ops
 from sgl_piecewise.models.norm import rms_norm
 
 ELEMENTS = (896, 4096, 28672, 65536, 131072, 262144, 524288, 1048576, 2097152, 4194304)  # bf16
@@ -135,8 +136,6 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor) -> tupl
 def fused_norm_rows(tp, buffer: torch.Tensor) -> list:
     """Per hidden size and token count: the library's all-reduce then the
     add and norm against FlashInfer's fused kernel (module docstring)."""
-    import flashinfer.comm as fi_comm
-
     fused_norm.build()
     add_norm = torch.compile(add_rms_norm, dynamic=False, fullgraph=True)
     library_all_reduce = functools.partial(symm_mem.one_shot_all_reduce, buffer=buffer, group_name=tp.group_name)
@@ -146,9 +145,7 @@ def fused_norm_rows(tp, buffer: torch.Tensor) -> list:
                                         tp.group_name)  # fmt: skip
         paths = {
             "one_shot_then_norm": functools.partial(then_norm, add_norm, library_all_reduce),
-            "flashinfer_all_reduce_then_norm": functools.partial(
-                then_norm, add_norm, functools.partial(flashinfer_all_reduce, fi_comm, workspace)
-            ),
+            "flashinfer_all_reduce_then_norm": functools.partial(split_norm, workspace),
             "flashinfer_fused": functools.partial(fused_norm.add_rms_norm, workspace, eps=EPS),
         }
         for tokens in FUSED_TOKENS:
@@ -156,25 +153,15 @@ def fused_norm_rows(tp, buffer: torch.Tensor) -> list:
     return rows
 
 
+def split_norm(workspace, p: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """FlashInfer's all-reduce alone over the workspace, then the library's
+    add + RMSNorm kernel: the op's path for wide rows (``models/norm.py``)."""
+    return fused_ops.add_rms_norm(x, fused_norm.all_reduce(workspace, p), weight, EPS)
+
+
 def then_norm(add_norm, all_reduce, p: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple:
     """``all_reduce(p)``, then the compiled residual add and norm."""
     return add_norm(x, all_reduce(p), weight)
-
-
-def flashinfer_all_reduce(fi_comm, workspace, p: torch.Tensor) -> torch.Tensor:
-    """FlashInfer's all-reduce of ``p`` alone (its one-shot Lamport kernel,
-    float32 sums) over the library's workspace, to tell its protocol's gain
-    from the fusion's."""
-    out = torch.empty_like(p)
-    fi_comm.trtllm_allreduce_fusion(
-        allreduce_in=p, world_size=workspace.size, world_rank=workspace.rank, token_num=p.shape[0],
-        hidden_dim=p.shape[1], workspace_ptrs=workspace.pointers, launch_with_pdl=False,
-        trigger_completion_at_end=True, fp32_acc=True, pattern_code=fi_comm.AllReduceFusionPattern.kAllReduce,
-        use_oneshot=True, allreduce_out=out, residual_in=None, residual_out=None, norm_out=None, quant_out=None,
-        scale_out=None, rms_gamma=None, rms_eps=EPS, scale_factor=None, layout_code=None,
-        metadata=workspace.metadata,
-    )  # fmt: skip
-    return out
 
 
 def fused_norm_case(tp, hidden: int, tokens: int, paths: dict) -> list:

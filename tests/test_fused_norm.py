@@ -6,9 +6,10 @@ On two CPU ranks (gloo) the op runs its unfused path: a model whose
 projections are made to take the op anyway gives one rank's tokens under
 the graph policies, so the op traces as one node and is captured inside
 the pieces and the whole-model graphs. On two GPUs (with FlashInfer) the
-fused kernel gives the separate ops' stream exactly and their norm within
-a rounding, eagerly and replayed from a CUDA graph, and a larger step
-falls back.
+op (the fused kernel for narrow rows, its all-reduce then the add + norm
+kernel for wide ones) gives the separate ops' stream exactly and their
+norm within a rounding, eagerly and replayed from a CUDA graph, and a
+larger step falls back.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ def test_the_kernel_takes_rows_of_16_byte_vectors_in_half_and_single_precision()
     assert not fused_norm.shape_ok(6, torch.float32)  # 24 bytes
     assert not fused_norm.shape_ok(12, torch.bfloat16)
     assert not fused_norm.shape_ok(896, torch.float64)
+
+
+def test_rows_up_to_the_measured_width_take_the_fused_kernel_and_wider_ones_the_all_reduce_alone():
+    assert fused_norm.fuses_norm(896, torch.bfloat16)  # 1792 bytes: the 0.5B shape
+    assert not fused_norm.fuses_norm(4096, torch.bfloat16)  # 8192 bytes: the 8B shape
+    widest = fused_norm.FUSED_MAX_ROW_BYTES // 4
+    assert fused_norm.fuses_norm(widest, torch.float32) and not fused_norm.fuses_norm(widest + 4, torch.float32)
 
 
 def test_a_group_fuses_only_several_ranks_on_cuda_with_the_stream_whole(monkeypatch):
@@ -143,7 +151,9 @@ def test_where_one_rank_cannot_build_the_kernels_no_rank_allocates_and_each_says
 
 
 # ---- two GPUs ---------------------------------------------------------------------
-HIDDEN, MOST = 896, 64  # the 0.5B shape's rows; the workspace holds MOST tokens
+# The 0.5B shape's rows (the fused kernel) and the 8B shape's (its all-reduce,
+# then the add + norm kernel); the workspace holds MOST tokens.
+HIDDENS, MOST = (896, 4096), 64
 
 
 def _fused_against_separate() -> list:
@@ -152,20 +162,21 @@ def _fused_against_separate() -> list:
     norm from the separate ops', eagerly and replayed from a CUDA graph."""
     tp = current_group()
     rows = []
-    for dtype in (torch.bfloat16, torch.float32):
-        prepare_communication(MOST, HIDDEN, dtype, tp.device)
-        for tokens in (1, 7, MOST, MOST + 1):
-            rows.append(_fused_case(tp, dtype, tokens))
+    for hidden in HIDDENS:
+        for dtype in (torch.bfloat16, torch.float32):
+            prepare_communication(MOST, hidden, dtype, tp.device)
+            for tokens in (1, 7, MOST, MOST + 1):
+                rows.append(_fused_case(tp, hidden, dtype, tokens))
     return rows
 
 
-def _fused_case(tp, dtype: torch.dtype, tokens: int) -> dict:
+def _fused_case(tp, hidden: int, dtype: torch.dtype, tokens: int) -> dict:
     gen = torch.Generator(device=tp.device).manual_seed(tp.rank)
-    weight = torch.linspace(0.5, 1.5, HIDDEN, device=tp.device, dtype=dtype)
+    weight = torch.linspace(0.5, 1.5, hidden, device=tp.device, dtype=dtype)
 
     def inputs() -> tuple:  # this rank's partial sums; the residual, the same on every rank
-        partial = torch.randn(tokens, HIDDEN, device=tp.device, generator=gen).to(dtype)
-        return partial, torch.linspace(-1, 1, tokens * HIDDEN, device=tp.device).view(tokens, HIDDEN).to(dtype)
+        partial = torch.randn(tokens, hidden, device=tp.device, generator=gen).to(dtype)
+        return partial, torch.linspace(-1, 1, tokens * hidden, device=tp.device).view(tokens, hidden).to(dtype)
 
     def op(p, r):
         return torch.ops.sgl_piecewise.all_reduce_add_rms_norm(p, r, weight, 1e-6, tp.group_name)
@@ -174,7 +185,7 @@ def _fused_case(tp, dtype: torch.dtype, tokens: int) -> dict:
         x = r + tp.all_reduce(p)
         return x, rms_norm(x, weight, 1e-6)
 
-    served = fused_norm.serving(tp.group_name, torch.empty(tokens, HIDDEN, dtype=dtype, device=tp.device))
+    served = fused_norm.serving(tp.group_name, torch.empty(tokens, hidden, dtype=dtype, device=tp.device))
     p, r = inputs()
     eager = _gaps(op(p, r), separate(p, r))
     static_p, static_r = p.clone(), r.clone()
@@ -193,8 +204,8 @@ def _fused_case(tp, dtype: torch.dtype, tokens: int) -> dict:
         static_r.copy_(r)
         graph.replay()
         replayed.append(_gaps(out, separate(p, r)))
-    return {"dtype": str(dtype), "tokens": tokens, "served": served is not None, "eager": eager,
-            "replayed": max(replayed)}  # fmt: skip
+    return {"hidden": hidden, "dtype": str(dtype), "tokens": tokens, "served": served is not None,
+            "fused": fused_norm.fuses_norm(hidden, dtype), "eager": eager, "replayed": max(replayed)}  # fmt: skip
 
 
 def _gaps(got: tuple, want: tuple) -> tuple:
@@ -210,6 +221,7 @@ def test_gpu_the_fused_kernel_gives_the_separate_ops_sums_eagerly_and_in_cuda_gr
     if not fused_norm.AVAILABLE:
         pytest.skip("needs the flashinfer package")
     rows = launch(_fused_against_separate, 2, device="cuda", timeout_s=600)[0]
+    assert {row["fused"] for row in rows} == {True, False}  # both paths of the op ran
     for row in rows:
         assert row["served"] == (row["tokens"] <= MOST), row
         # The stream: the same sums rounded once, both ways. The norm: one

@@ -50,6 +50,11 @@ MAX_TOKENS = 128  # the one-shot kernel's limit (FlashInfer's kOneShotMaxToken)
 # The largest message it is measured faster at (32 tokens of hidden size
 # 4096 in bf16: bench_all_reduce.py --fused-norm, docs/BENCHMARKS.md).
 MAX_BYTES = 256 * 1024
+# Rows of at most this many bytes take the fused kernel; wider ones take its
+# all-reduce alone, then the library's add + RMSNorm kernel: measured faster
+# there (same script: at hidden 4096 in bf16, 5.2 against 5.7 us a call at
+# one token), where at hidden 896 the fused kernel is (4.0 against 5.0).
+FUSED_MAX_ROW_BYTES = 4096
 _VECTOR_BYTES = 16  # a row is read in 16-byte vectors
 
 _comm: Any = None  # flashinfer.comm, imported by build()
@@ -101,8 +106,8 @@ def build() -> None:
 def allocate(rank: int, size: int, max_tokens: int, hidden_size: int, dtype: torch.dtype,
              device: torch.device, group_name: str) -> Workspace:  # fmt: skip
     """A workspace for ``[<= max_tokens, hidden_size]`` messages of ``dtype``,
-    registered as the group's newest, after one fused call (so that nothing
-    runs for the first time inside a capture). Collective: every rank calls
+    registered as the group's newest, after one call of each kernel (so that
+    nothing runs for the first time inside a capture). Collective: every rank calls
     it with the same arguments, after :func:`build` succeeded on every rank."""
     group = registry.resolve_group(group_name)
     handles, pointers, metadata = _comm.trtllm_create_ipc_workspace_for_all_reduce_fusion(
@@ -112,6 +117,7 @@ def allocate(rank: int, size: int, max_tokens: int, hidden_size: int, dtype: tor
     x = torch.zeros(1, hidden_size, dtype=dtype, device=device)
     workspace = Workspace(rank, size, max_tokens, hidden_size, dtype, x.device, pointers, metadata, handles)
     add_rms_norm(workspace, x, x, torch.ones(hidden_size, dtype=dtype, device=device), 1e-6)
+    all_reduce(workspace, x)
     torch.cuda.synchronize(device)
     registry.add_workspace(group_name, workspace)
     return workspace
@@ -123,6 +129,30 @@ def serving(group_name: str, x: torch.Tensor) -> Optional[Workspace]:
         if workspace.serves(x):
             return workspace
     return None
+
+
+def fuses_norm(hidden_size: int, dtype: torch.dtype) -> bool:
+    """Do rows of ``hidden_size`` elements of ``dtype`` take the fused kernel
+    (:func:`add_rms_norm`), or the all-reduce alone (:func:`all_reduce`) and
+    a separate add + norm?"""
+    return hidden_size * dtype.itemsize <= FUSED_MAX_ROW_BYTES
+
+
+def all_reduce(workspace: Workspace, partial: torch.Tensor) -> torch.Tensor:
+    """The ranks' sum of ``partial [T, H]`` (float32 sums, rounded once),
+    through the same one-shot kernel and workspace, without the add and
+    norm. ``partial`` must be served by the workspace."""
+    tokens, hidden = partial.shape
+    out = torch.empty(tokens, hidden, dtype=partial.dtype, device=partial.device)
+    _comm.trtllm_allreduce_fusion(
+        allreduce_in=partial.contiguous(), world_size=workspace.size, world_rank=workspace.rank,
+        token_num=tokens, hidden_dim=hidden, workspace_ptrs=workspace.pointers, launch_with_pdl=False,
+        trigger_completion_at_end=True, fp32_acc=True, pattern_code=_comm.AllReduceFusionPattern.kAllReduce,
+        use_oneshot=True, allreduce_out=out, residual_in=None, residual_out=None, norm_out=None, quant_out=None,
+        scale_out=None, rms_gamma=None, rms_eps=0.0, scale_factor=None, layout_code=None,
+        metadata=workspace.metadata,
+    )  # fmt: skip
+    return out
 
 
 def add_rms_norm(workspace: Workspace, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

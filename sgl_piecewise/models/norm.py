@@ -4,7 +4,9 @@ op that fuses both with the all-reduce before them.
 ``all_reduce_add_rms_norm(partial, residual, weight, eps, group_name) ->
 (x, normed)`` (a ``torch.library`` custom op, namespace ``sgl_piecewise``):
 ``x = residual +`` the ranks' sum of ``partial``, and ``normed`` its
-RMSNorm, in one FlashInfer kernel (``distributed/fused_norm.py``). A
+RMSNorm, in one FlashInfer kernel (``distributed/fused_norm.py``); for
+wide rows (``fused_norm.fuses_norm``), where it is measured faster, that
+kernel's all-reduce alone and then the add + RMSNorm kernel. A
 row-parallel projection built where its group can fuse the three
 (``TensorParallel.fuses_all_reduce_norm``) calls it
 (``layers.add_projected_and_norm``); :func:`fuse_all_reduce_norms` turns
@@ -83,7 +85,9 @@ def _all_reduce_add_rms_norm(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     workspace = None if comm_ops.nccl_only() else fused_norm.serving(group_name, residual)
     if workspace is not None and _kernel_operands(partial, residual, weight):
-        return fused_norm.add_rms_norm(workspace, partial, residual, weight, eps)
+        if fused_norm.fuses_norm(partial.shape[1], partial.dtype):
+            return fused_norm.add_rms_norm(workspace, partial, residual, weight, eps)
+        return _add_rms_norm(residual, fused_norm.all_reduce(workspace, partial), weight, eps)
     return _add_rms_norm(residual, torch.ops.sgl_piecewise.all_reduce(partial, group_name), weight, eps)
 
 
