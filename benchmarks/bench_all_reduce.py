@@ -137,10 +137,11 @@ def fused_norm_rows(tp, buffer: torch.Tensor) -> list:
     """Per hidden size and token count: the library's all-reduce then the
     add and norm against FlashInfer's fused kernel (module docstring)."""
     fused_norm.build()
-    add_norm = torch.compile(add_rms_norm, dynamic=False, fullgraph=True)
     library_all_reduce = functools.partial(symm_mem.one_shot_all_reduce, buffer=buffer, group_name=tp.group_name)
     rows = []
     for hidden in FUSED_HIDDEN:
+        torch.compiler.reset()  # a compile per width and token count: within Dynamo's recompile limit
+        add_norm = torch.compile(add_rms_norm, dynamic=False, fullgraph=True)
         workspace = fused_norm.allocate(tp.rank, tp.size, max(FUSED_TOKENS), hidden, torch.bfloat16, tp.device,
                                         tp.group_name)  # fmt: skip
         paths = {

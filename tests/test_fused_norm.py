@@ -165,9 +165,16 @@ def _fused_against_separate() -> list:
     for hidden in HIDDENS:
         for dtype in (torch.bfloat16, torch.float32):
             prepare_communication(MOST, hidden, dtype, tp.device)
-            for tokens in (1, 7, MOST, MOST + 1):
+            held = _held(hidden, dtype)
+            for tokens in (1, 7, held, held + 1):
                 rows.append(_fused_case(tp, hidden, dtype, tokens))
     return rows
+
+
+def _held(hidden: int, dtype: torch.dtype) -> int:
+    """The tokens a workspace prepared for MOST holds at this width: no more
+    than the fused kernel is measured faster at."""
+    return min(MOST, fused_norm.MAX_BYTES // (hidden * dtype.itemsize))
 
 
 def _fused_case(tp, hidden: int, dtype: torch.dtype, tokens: int) -> dict:
@@ -204,7 +211,8 @@ def _fused_case(tp, hidden: int, dtype: torch.dtype, tokens: int) -> dict:
         static_r.copy_(r)
         graph.replay()
         replayed.append(_gaps(out, separate(p, r)))
-    return {"hidden": hidden, "dtype": str(dtype), "tokens": tokens, "served": served is not None,
+    return {"hidden": hidden, "dtype": str(dtype), "tokens": tokens, "held": _held(hidden, dtype),
+            "served": served is not None,
             "fused": fused_norm.fuses_norm(hidden, dtype), "eager": eager, "replayed": max(replayed)}  # fmt: skip
 
 
@@ -223,7 +231,7 @@ def test_gpu_the_fused_kernel_gives_the_separate_ops_sums_eagerly_and_in_cuda_gr
     rows = launch(_fused_against_separate, 2, device="cuda", timeout_s=600)[0]
     assert {row["fused"] for row in rows} == {True, False}  # both paths of the op ran
     for row in rows:
-        assert row["served"] == (row["tokens"] <= MOST), row
+        assert row["served"] == (row["tokens"] <= row["held"]), row
         # The stream: the same sums rounded once, both ways. The norm: one
         # rounding less (half precision), or the squares summed in another order.
         tol = 2**-7 if row["dtype"] == "torch.bfloat16" else 1e-6

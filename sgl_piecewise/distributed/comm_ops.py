@@ -49,12 +49,11 @@ from sgl_piecewise.internals import symm_mem
 
 # Where each path is fastest, measured inside CUDA graphs on two H200s
 # (benchmarks/bench_all_reduce.py, docs/BENCHMARKS.md): one-shot up to
-# 1 MiB (up to 8 us faster than NCCL at a few KiB, 1 us at 1 MiB); at 2 MiB
-# two-shot (21.5 us against one-shot's 24.1 and NCCL's 31.2). Larger
-# messages, not measured, go through NCCL, and the symmetric buffer stays
-# at 2 MiB.
+# 1 MiB (up to 8 us faster than NCCL at a few KiB, 1 us at 1 MiB); two-shot
+# from 2 MiB to 8 MiB, the largest measured (21 / 30 / 46 us at 2 / 4 / 8 MiB
+# against NCCL's 31 / 37 / 56). Larger messages go through NCCL.
 ONE_SHOT_MAX_BYTES = 1 << 20
-SMALL_ALL_REDUCE_MAX_BYTES = 2 << 20
+SMALL_ALL_REDUCE_MAX_BYTES = 8 << 20
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names for the *_single
 # ones; 2.11 has only the former. Both are public and take the same arguments.
