@@ -51,10 +51,11 @@ MAX_TOKENS = 128  # the one-shot kernel's limit (FlashInfer's kOneShotMaxToken)
 # 4096 in bf16: bench_all_reduce.py --fused-norm, docs/BENCHMARKS.md).
 MAX_BYTES = 256 * 1024
 # Rows of at most this many bytes take the fused kernel; wider ones take its
-# all-reduce alone, then the library's add + RMSNorm kernel: measured faster
-# there (same script: at hidden 4096 in bf16, 5.2 against 5.7 us a call at
-# one token), where at hidden 896 the fused kernel is (4.0 against 5.0).
-FUSED_MAX_ROW_BYTES = 4096
+# all-reduce alone, then the library's add + RMSNorm kernel. Measured a call
+# at one token in bf16 (bench_all_reduce.py --fused-norm, docs/BENCHMARKS.md),
+# fused against apart: hidden 896, 4.3 against 4.9 us; 2048, 4.8 against
+# 4.6; 4096, 5.7 against 4.9 (and so at 8 and 32 tokens).
+FUSED_MAX_ROW_BYTES = 2048
 _VECTOR_BYTES = 16  # a row is read in 16-byte vectors
 
 _comm: Any = None  # flashinfer.comm, imported by build()
