@@ -22,18 +22,20 @@ is left out).
 
 All-reduce variants at TP > 1 on CUDA (``--comm``, ``all`` by default):
 ``fused``, the library's default where FlashInfer is installed: each
-row-parallel projection's all-reduce, the residual add and the next RMSNorm
-in one FlashInfer kernel (``distributed/fused_norm.py``), the embedding's
-all-reduce through one-shot symmetric memory; ``symm``: the same model with
-the fusion turned off (``models.norm.fuse_all_reduce_norms``): every
-all-reduce of at most ``SMALL_ALL_REDUCE_MAX_BYTES`` through torch's
-one-shot kernel, the add and the norm in Inductor's kernel;
+row-parallel projection's all-reduce through FlashInfer's one-shot kernel,
+the residual add and the next RMSNorm in it (rows up to
+``fused_norm.FUSED_MAX_ROW_BYTES``) or in our kernel after it
+(``distributed/fused_norm.py``), the embedding's all-reduce through
+one-shot symmetric memory; ``symm``: the same model with that op turned
+off (``models.norm.fuse_all_reduce_norms``): every all-reduce of at most
+``SMALL_ALL_REDUCE_MAX_BYTES`` through torch's symmetric-memory kernels,
+the add and the norm apart;
 ``nccl``: every all-reduce through NCCL, unfused: its runners are captured
 and run inside ``distributed.nccl_only_all_reduces()`` (the graphs keep the
 path taken at capture). ``prepare_communication`` (once per rank, before
 any capture) allocates the buffers. Each row records the one-shot buffer's
 size and the path its small all-reduces took (``small_all_reduce``), and
-the profile names the collective kernels that ran (the fused kernel's time
+the profile names the collective kernels that ran (a fused kernel's time
 includes its add and norm). At TP 1 there is no all-reduce (comm ``none``);
 on a CPU the one path is gloo (comm ``gloo``).
 
@@ -196,7 +198,7 @@ def small_all_reduce(comm: str):
 
 def small_all_reduce_path(comm: str, buffer_bytes: int, fused: bool) -> str:
     """What a decode step's all-reduces run: ``fused_norm`` (FlashInfer's
-    kernel, with the add and norm), ``one_shot`` (symmetric memory),
+    kernel, with the add and norm or before them), ``one_shot`` (symmetric memory),
     ``nccl``, ``gloo``, or ``none`` (one rank)."""
     if comm == "fused" and fused:
         return "fused_norm"

@@ -1,7 +1,10 @@
 """The all-reduce after a row-parallel projection fused with the residual add
 and RMSNorm that follow it: FlashInfer's ``trtllm_allreduce_fusion``
 (pattern ``kARResidualRMSNorm``), one kernel in place of the all-reduce and
-Inductor's add-and-norm kernel, twice per decoder layer.
+the add-and-norm kernel, twice per decoder layer; for rows wider than
+:data:`FUSED_MAX_ROW_BYTES` the same kernel's all-reduce alone (pattern
+``kAllReduce``, :func:`all_reduce`), which with our add-and-norm kernel
+after it is measured faster there than the fused kernel.
 
 Its all-reduce is a one-shot Lamport protocol: each rank stores its partial
 sums into every peer's buffer over NVLink, and a reader knows a value has
@@ -107,9 +110,10 @@ def build() -> None:
 def allocate(rank: int, size: int, max_tokens: int, hidden_size: int, dtype: torch.dtype,
              device: torch.device, group_name: str) -> Workspace:  # fmt: skip
     """A workspace for ``[<= max_tokens, hidden_size]`` messages of ``dtype``,
-    registered as the group's newest, after one call of each kernel (so that
-    nothing runs for the first time inside a capture). Collective: every rank calls
-    it with the same arguments, after :func:`build` succeeded on every rank."""
+    registered as the group's newest, after one call of each pattern (so
+    that nothing runs for the first time inside a capture). Collective: every
+    rank calls it with the same arguments, after :func:`build` succeeded on
+    every rank."""
     group = registry.resolve_group(group_name)
     handles, pointers, metadata = _comm.trtllm_create_ipc_workspace_for_all_reduce_fusion(
         rank, size, max_tokens, hidden_size, use_fp32_lamport=dtype == torch.float32, group=group,
