@@ -147,16 +147,18 @@ def all_reduce(workspace: Workspace, partial: torch.Tensor) -> torch.Tensor:
     """The ranks' sum of ``partial [T, H]`` (float32 sums, rounded once),
     through the same one-shot kernel and workspace, without the add and
     norm. ``partial`` must be served by the workspace."""
-    tokens, hidden = partial.shape
-    out = torch.empty(tokens, hidden, dtype=partial.dtype, device=partial.device)
-    _comm.trtllm_allreduce_fusion(
-        allreduce_in=partial.contiguous(), world_size=workspace.size, world_rank=workspace.rank,
-        token_num=tokens, hidden_dim=hidden, workspace_ptrs=workspace.pointers, launch_with_pdl=False,
-        trigger_completion_at_end=True, fp32_acc=True, pattern_code=_comm.AllReduceFusionPattern.kAllReduce,
-        use_oneshot=True, allreduce_out=out, residual_in=None, residual_out=None, norm_out=None, quant_out=None,
-        scale_out=None, rms_gamma=None, rms_eps=0.0, scale_factor=None, layout_code=None,
-        metadata=workspace.metadata,
-    )  # fmt: skip
+    out = torch.empty(partial.shape, dtype=partial.dtype, device=partial.device)
+    _launch(
+        workspace,
+        partial,
+        _comm.AllReduceFusionPattern.kAllReduce,
+        allreduce_out=out,
+        residual_in=None,
+        residual_out=None,
+        norm_out=None,
+        rms_gamma=None,
+        rms_eps=0.0,
+    )
     return out
 
 
@@ -165,14 +167,29 @@ def add_rms_norm(workspace: Workspace, partial: torch.Tensor, residual: torch.Te
     """``(x, normed)``: ``x = residual + `` the ranks' sum of ``partial``
     ``[T, H]``, ``normed`` its RMSNorm by ``weight``, in one kernel.
     ``partial`` and ``residual`` must be served by the workspace."""
+    x, normed = (torch.empty(partial.shape, dtype=residual.dtype, device=residual.device) for _ in range(2))
+    _launch(
+        workspace,
+        partial,
+        _comm.AllReduceFusionPattern.kARResidualRMSNorm,
+        allreduce_out=None,
+        residual_in=residual.contiguous(),
+        residual_out=x,
+        norm_out=normed,
+        rms_gamma=weight,
+        rms_eps=eps,
+    )
+    return x, normed
+
+
+def _launch(workspace: Workspace, partial: torch.Tensor, pattern: Any, **outputs: Any) -> None:
+    """``trtllm_allreduce_fusion`` over the workspace with ``pattern``: the
+    one-shot kernel, float32 sums, no quantisation; ``outputs`` name the
+    pattern's operands."""
     tokens, hidden = partial.shape
-    x, normed = (torch.empty(tokens, hidden, dtype=residual.dtype, device=residual.device) for _ in range(2))
     _comm.trtllm_allreduce_fusion(
         allreduce_in=partial.contiguous(), world_size=workspace.size, world_rank=workspace.rank, token_num=tokens,
         hidden_dim=hidden, workspace_ptrs=workspace.pointers, launch_with_pdl=False, trigger_completion_at_end=True,
-        fp32_acc=True, pattern_code=_comm.AllReduceFusionPattern.kARResidualRMSNorm, use_oneshot=True,
-        allreduce_out=None, residual_in=residual.contiguous(), residual_out=x, norm_out=normed, quant_out=None,
-        scale_out=None, rms_gamma=weight, rms_eps=eps, scale_factor=None, layout_code=None,
-        metadata=workspace.metadata,
+        fp32_acc=True, pattern_code=pattern, use_oneshot=True, quant_out=None, scale_out=None, scale_factor=None,
+        layout_code=None, metadata=workspace.metadata, **outputs,
     )  # fmt: skip
-    return x, normed
