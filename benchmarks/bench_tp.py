@@ -48,7 +48,9 @@ summed time of every kernel of those steps, rank 0's share. A collective
 kernel's time includes its wait for the slower rank. The profile also
 gives the device's idle time a step (between the profiled steps' first
 and last kernel, the time no kernel or copy runs) and its eight longest
-stretches, each with the kernels around it.
+stretches, each with the kernels around it; the kernels' time a step by
+class (``KERNEL_CLASSES``: matmul, attention, norm, ...), which shows
+what does not shrink with a rank's shard; and the twelve longest kernels.
 
 ``--sequence-parallel on`` (or ``both``) runs each TP size above 1 with
 the residual stream split across the ranks by tokens as well (rows marked
@@ -110,6 +112,17 @@ from sgl_piecewise.runners.dispatch import token_split
 PATHS = {"whole_model": "full", "piecewise": "piecewise"}  # timed path -> ModelRunner graphs= policy
 COMMS = ("fused", "symm", "nccl")  # all-reduce variants at TP > 1 on CUDA (module docstring)
 COMM_KERNEL_MARKS = ("allreduce", "all_reduce", "nccl", "one_shot")
+# A kernel's class, by the first marks its lower-cased name holds (else
+# "other"): cuBLAS's kernels (nvjet, its split-K reduce), the attention
+# backends', the norms' and the MLP's activation, each of Triton or of torch.
+KERNEL_CLASSES = (
+    ("collective", COMM_KERNEL_MARKS),
+    ("matmul", ("nvjet", "gemm", "cutlass", "splitkreduce", "xmma")),
+    ("attention", ("decode", "extend", "attn", "store_kv")),
+    ("norm", ("rms_norm", "rmsnorm")),
+    ("rotary", ("rotary",)),
+    ("activation", ("silu",)),
+)
 INIT_STD = 0.02
 
 
@@ -275,20 +288,31 @@ def comm_share(step: Callable[[], object], steps: int) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    total, comm, kernels, spans = 0.0, 0.0, {}, []
+    total, comm, kernels, classes, names, spans = 0.0, 0.0, {}, {}, {}, []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         us = e.time_range.elapsed_us()
         total += us
         spans.append((e.time_range.start, e.time_range.end, e.name[:80]))
-        if any(mark in e.name.lower() for mark in COMM_KERNEL_MARKS):
+        kind = kernel_class(e.name)
+        classes[kind] = classes.get(kind, 0.0) + us / steps
+        names[e.name[:120]] = names.get(e.name[:120], 0.0) + us / steps
+        if kind == "collective":
             comm += us
             kernels[e.name[:120]] = kernels.get(e.name[:120], 0.0) + us / steps
+    top = dict(sorted(names.items(), key=lambda item: -item[1])[:12])
     return {"share": comm / total if total else None, "comm_us_per_step": comm / steps,
             "kernel_us_per_step": total / steps, "comm_kernels_us_per_step": kernels,
+            "kernel_us_per_step_by_class": classes, "top_kernels_us_per_step": top,
             "gpu_idle_us_per_step": idle_us(spans) / steps,
             "longest_idle_gaps": [dict(zip(("us", "after", "before"), g)) for g in idle_gaps(spans)[:8]]}  # fmt: skip
+
+
+def kernel_class(name: str) -> str:
+    """The class of the kernel ``name`` (``KERNEL_CLASSES``), or ``"other"``."""
+    lower = name.lower()
+    return next((kind for kind, marks in KERNEL_CLASSES if any(mark in lower for mark in marks)), "other")
 
 
 def idle_us(spans: List[tuple]) -> float:
@@ -531,8 +555,15 @@ def print_table(result: dict) -> None:
     def key(r: dict) -> tuple:
         return order[r["path"]], r["bs"], r.get("shard_of") or 0, r["tp"], r.get("sp", False), r["comm"]
 
-    for r in sorted(result["rows"], key=key):
+    rows = sorted(result["rows"], key=key)
+    for r in rows:
         print(format_row(r))
+    for r in rows:
+        classes = r.get("profile", {}).get("kernel_us_per_step_by_class")
+        if classes:
+            tp = tp_label(r["tp"], r.get("sp", False), r.get("shard_of"))
+            spent = ", ".join(f"{kind} {us:.0f}" for kind, us in sorted(classes.items(), key=lambda item: -item[1]))
+            print(f"kernel us a step, tp {tp} {r['comm']} {r['path']} bs {r['bs']}: {spent}")
     for failed in result["launch_errors"]:
         label = tp_label(failed["tp"], failed.get("sp", False), failed.get("shard_of"))
         print(f"tp {label}: launch failed: {failed['error'][:2000]}")

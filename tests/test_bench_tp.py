@@ -52,3 +52,14 @@ def test_idle_time_counts_only_the_gaps_no_span_covers_and_names_their_neighbour
     assert bench.idle_us(spans) == 10
     assert bench.idle_gaps(spans) == [(8, "c", "e"), (2, "b", "c")]  # the nested d ends inside c
     assert bench.idle_us([(0, 4), (4, 6)]) == 0 and bench.idle_us([]) == 0
+
+
+def test_kernels_fall_in_the_first_class_whose_mark_their_name_holds(load_benchmark):
+    bench = load_benchmark("bench_tp")
+    assert bench.kernel_class("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_splitK_TNT") == "matmul"
+    assert bench.kernel_class("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "matmul"
+    assert bench.kernel_class("_decode_kernel") == "attention"
+    assert bench.kernel_class("_rms_norm_kernel") == "norm"
+    # A fused all-reduce + RMSNorm kernel counts as the collective it waits in.
+    assert bench.kernel_class("allreduce_fusion_kernel_oneshot_lamport<RMSNorm>") == "collective"
+    assert bench.kernel_class("void at::native::vectorized_elementwise_kernel<4, add>") == "other"
