@@ -13,9 +13,12 @@ so each rank records when it failed.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -107,6 +110,26 @@ def _run_rank(local_rank: int, setup: tuple, fn: Callable, args: tuple) -> None:
         _dump(Path(folder) / f"error-{local_rank}.pkl", (time.time(), traceback.format_exc()))
         raise
     destroy_tensor_parallel()
+    _exit_done()
+
+
+def _exit_done() -> None:
+    """End a rank that has done its work without the interpreter's
+    finalisation, as multiprocessing's forked children end (``os._exit``).
+
+    A gloo worker thread may still hold the last reference to a finished
+    collective's tensors, and dropping it needs the GIL: while the
+    interpreter finalises, that aborts the process (SIGABRT, "terminate
+    called without an active exception"; pytorch/pytorch#190489), failing a
+    rank whose result is already written (about one run in ten of the
+    collectives' test on a 2-core CPU). The exit handlers run first, with
+    the interpreter whole (they end Inductor's compile workers and release
+    their semaphores), then the output is flushed."""
+    atexit._run_exitfuncs()  # what finalisation would run first (CPython's, since 3.0)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _join(context, timeout_s: Optional[float], folder: str) -> None:
