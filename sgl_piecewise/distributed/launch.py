@@ -14,7 +14,6 @@ so each rank records when it failed.
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import pickle
 import socket
@@ -125,8 +124,7 @@ def _exit_done() -> None:
     collectives' test on a 2-core CPU). The exit handlers run first, with
     the interpreter whole (they end Inductor's compile workers and release
     their semaphores), then the output is flushed."""
-    atexit._run_exitfuncs()  # what finalisation would run first (CPython's, since 3.0)
-    logging.shutdown()
+    atexit._run_exitfuncs()  # what finalisation runs first (logging's flush too); CPython's since 3.0
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
