@@ -288,7 +288,7 @@ def comm_share(step: Callable[[], object], steps: int) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    total, comm, kernels, classes, names, spans = 0.0, 0.0, {}, {}, {}, []
+    total, kernels, classes, names, spans = 0.0, {}, {}, {}, []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -299,10 +299,10 @@ def comm_share(step: Callable[[], object], steps: int) -> dict:
         classes[kind] = classes.get(kind, 0.0) + us / steps
         names[e.name[:120]] = names.get(e.name[:120], 0.0) + us / steps
         if kind == "collective":
-            comm += us
             kernels[e.name[:120]] = kernels.get(e.name[:120], 0.0) + us / steps
     top = dict(sorted(names.items(), key=lambda item: -item[1])[:12])
-    return {"share": comm / total if total else None, "comm_us_per_step": comm / steps,
+    comm = classes.get("collective", 0.0)  # a step's
+    return {"share": comm * steps / total if total else None, "comm_us_per_step": comm,
             "kernel_us_per_step": total / steps, "comm_kernels_us_per_step": kernels,
             "kernel_us_per_step_by_class": classes, "top_kernels_us_per_step": top,
             "gpu_idle_us_per_step": idle_us(spans) / steps,
