@@ -7,6 +7,7 @@ Two ranks on the CPU (gloo). Every spawned run costs seconds of start-up,
 so one run checks every collective; the GPU test needs two CUDA devices.
 """
 
+import atexit
 import math
 import multiprocessing
 import os
@@ -191,6 +192,12 @@ def _sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _mark_at_exit(folder: str) -> int:
+    rank = tensor_parallel().rank
+    atexit.register(lambda: open(os.path.join(folder, f"exited-{rank}"), "w").close())
+    return rank
+
+
 # ---- two ranks on the CPU --------------------------------------------------------
 def test_every_collective_on_two_cpu_ranks_returns_in_rank_order():
     results = launch(_check_everything_on_two_ranks, 2, timeout_s=300)
@@ -228,6 +235,13 @@ def test_a_run_past_its_timeout_ends_every_rank():
         launch(_sleep, 2, 120, timeout_s=2)
     assert time.monotonic() - start < 30
     assert multiprocessing.active_children() == []
+
+
+def test_a_rank_done_runs_its_exit_handlers_before_it_ends(tmp_path):
+    # It ends without the interpreter's finalisation (launch._exit_done), but
+    # what a rank registered to run at exit still runs.
+    assert launch(_mark_at_exit, 2, str(tmp_path), timeout_s=120) == [0, 1]
+    assert sorted(os.listdir(tmp_path)) == ["exited-0", "exited-1"]
 
 
 def test_launch_refuses_what_spawn_cannot_pickle_by_name():
