@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["sgl_piecewise", "sgl_piecewise.*"]),
-    package_data={"sgl_piecewise.models": ["configs/*.json"]},
+    package_data={"sgl_piecewise.models": ["configs/*.json"], "sgl_piecewise.ops.kernels": ["tilings/*.json"]},
     # torch>=2.11: the GPU machine runs 2.11, CI installs 2.13 (the CPU build).
     # numpy: torch and Triton's interpreter use it; without it torch warns at the first run.
     install_requires=["torch>=2.11,<2.15", "numpy>=1.24", "safetensors>=0.4", "tqdm>=4.60", "rich>=13"],

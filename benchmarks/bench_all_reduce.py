@@ -49,8 +49,8 @@ import torch.distributed as dist
 
 from sgl_piecewise.distributed import fused_norm, launch, registry, tensor_parallel
 from sgl_piecewise.internals import symm_mem
-from sgl_piecewise.models import fused_ops
 from sgl_piecewise.models.norm import rms_norm
+from sgl_piecewise.ops.kernels import elementwise
 
 ELEMENTS = (896, 4096, 28672, 65536, 131072, 262144, 524288, 1048576, 2097152, 4194304)  # bf16
 CHAIN = 48
@@ -157,7 +157,7 @@ def fused_norm_rows(tp, buffer: torch.Tensor) -> list:
 def split_norm(workspace, p: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple:
     """FlashInfer's all-reduce alone over the workspace, then the library's
     add + RMSNorm kernel: the op's path for wide rows (``models/norm.py``)."""
-    return fused_ops.add_rms_norm(x, fused_norm.all_reduce(workspace, p), weight, EPS)
+    return elementwise.add_rms_norm(x, fused_norm.all_reduce(workspace, p), weight, EPS)
 
 
 def then_norm(add_norm, all_reduce, p: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple:

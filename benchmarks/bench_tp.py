@@ -90,6 +90,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 from common import SHAPES, free_batch, make_batch, step_times_ms  # noqa: E402 (benchmarks/ is the script's folder)
+from suite_profile import kernel_class  # noqa: E402
 
 import sgl_piecewise as sp
 from sgl_piecewise.distributed import (
@@ -111,18 +112,6 @@ from sgl_piecewise.runners.dispatch import token_split
 
 PATHS = {"whole_model": "full", "piecewise": "piecewise"}  # timed path -> ModelRunner graphs= policy
 COMMS = ("fused", "symm", "nccl")  # all-reduce variants at TP > 1 on CUDA (module docstring)
-COMM_KERNEL_MARKS = ("allreduce", "all_reduce", "nccl", "one_shot")
-# A kernel's class, by the first marks its lower-cased name holds (else
-# "other"): cuBLAS's kernels (nvjet, its split-K reduce), the attention
-# backends', the norms' and the MLP's activation, each of Triton or of torch.
-KERNEL_CLASSES = (
-    ("collective", COMM_KERNEL_MARKS),
-    ("matmul", ("nvjet", "gemm", "cutlass", "splitkreduce", "xmma")),
-    ("attention", ("decode", "extend", "attn", "store_kv")),
-    ("norm", ("rms_norm", "rmsnorm")),
-    ("rotary", ("rotary",)),
-    ("activation", ("silu",)),
-)
 INIT_STD = 0.02
 
 
@@ -307,12 +296,6 @@ def comm_share(step: Callable[[], object], steps: int) -> dict:
             "kernel_us_per_step_by_class": classes, "top_kernels_us_per_step": top,
             "gpu_idle_us_per_step": idle_us(spans) / steps,
             "longest_idle_gaps": [dict(zip(("us", "after", "before"), g)) for g in idle_gaps(spans)[:8]]}  # fmt: skip
-
-
-def kernel_class(name: str) -> str:
-    """The class of the kernel ``name`` (``KERNEL_CLASSES``), or ``"other"``."""
-    lower = name.lower()
-    return next((kind for kind, marks in KERNEL_CLASSES if any(mark in lower for mark in marks)), "other")
 
 
 def idle_us(spans: List[tuple]) -> float:

@@ -65,6 +65,21 @@ SHAPES: Dict[str, dict] = {
         rope_theta=500000.0,
         tie_word_embeddings=False,
     ),  # fmt: skip
+    # SmolLM2-135M: the main job's real model (tied embeddings).
+    "135m": dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),  # fmt: skip
     # A few-layer model for smoke runs of the scripts on the CPU.
     "tiny": dict(
         architectures=["LlamaForCausalLM"],

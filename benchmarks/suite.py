@@ -68,7 +68,7 @@ from common import (  # noqa: E402 (benchmarks/ is the script's folder)
     time_paths,
     weight_bytes,
 )
-from suite_profile import kernels_per_replay  # noqa: E402
+from suite_profile import replay_profile  # noqa: E402
 
 import sgl_piecewise as sp
 from sgl_piecewise.compile import CompiledModel, CompileOptions, counters
@@ -199,7 +199,8 @@ def decode_rows(args, model, runner, piecewise, whole, ceilings, hf) -> dict:
 
 def add_kernel_counts(args, model, runner, whole, rows: dict) -> None:
     """Each decode row's CUDA kernels per layer in one replay of each
-    whole-model graph (torch.profiler). Run after every timing: once a
+    whole-model graph, and where its time goes (torch.profiler,
+    ``suite_profile.replay_profile``). Run after every timing: once a
     profiler has run, later launches in the process are slower."""
     if args.device != "cuda":
         return
@@ -207,7 +208,10 @@ def add_kernel_counts(args, model, runner, whole, rows: dict) -> None:
         batch = step_batch(args, runner, "decode", bs)
         for name, graphs in whole.items():
             graph = graphs.captured_graph(batch.forward_mode, graphs.padded_bs(batch))
-            row[f"{name}_kernels_per_layer"] = kernels_per_replay(graph.replay) / model.config.num_hidden_layers
+            profile = replay_profile(graph.replay)
+            layers = model.config.num_hidden_layers
+            row[f"{name}_kernels_per_layer"] = profile["kernels"] / layers
+            row[f"{name}_profile"] = profile
         free_batch(runner, batch)
 
 

@@ -10,7 +10,8 @@ import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend
 from sgl_piecewise.compile import CompiledModel, CompileOptions, counters
 from sgl_piecewise.engine.testing import random_batch
-from sgl_piecewise.models import build_random_model, default_config, fused_ops
+from sgl_piecewise.models import build_random_model, default_config
+from sgl_piecewise.ops.kernels import elementwise
 
 pytestmark = pytest.mark.gpu
 SIZES = (1, 2, 4, 8, 16, 24, 32)
@@ -44,7 +45,7 @@ def _eager_padded(model, backend, batch, padded):
     ids = torch.zeros(padded, dtype=torch.int64, device="cuda")
     pos = torch.zeros_like(ids)
     ids[:n], pos[:n] = batch.input_ids, batch.positions
-    with torch.no_grad(), sp.forward_context(batch, backend), mock.patch.object(fused_ops, "eager", _never):
+    with torch.no_grad(), sp.forward_context(batch, backend), mock.patch.object(elementwise, "eager", _never):
         return model(ids, pos)[:n]
 
 

@@ -48,10 +48,10 @@ def test_torch_s_raw_stream_getters_are_there_on_a_cuda_build():
 # ---- triton_jit: the class check, else TRITON_INTERPRET ---------------------
 def _our_kernels():
     from sgl_piecewise.backends.triton_kernels import decode, extend, metadata_fill, store_kv
-    from sgl_piecewise.models import fused_ops
+    from sgl_piecewise.ops.kernels import elementwise
 
     return [decode._decode_kernel, extend._extend_kernel, store_kv._store_kv_kernel, metadata_fill._fill_kernel,
-            fused_ops._rms_norm_kernel]  # fmt: skip
+            elementwise._rms_norm_kernel]  # fmt: skip
 
 
 def test_without_the_class_check_interpreted_and_compiled_kernels_are_still_told_apart(monkeypatch):

@@ -5,7 +5,7 @@ launch, unless Triton's interpreter is on (``TRITON_INTERPRET=1`` when the
 kernel is decorated): then an object that runs the kernel with numpy on CPU
 tensors. Callers adapt to it: the interpreter's bfloat16 dot needs its
 operands upcast (the kernels' ``UPCAST``), it has no libdevice
-(``models/fused_ops.py``), it launches nothing through the fast launcher
+(``ops/kernels/elementwise.py``), it launches nothing through the fast launcher
 (``triton_launch.py``), and the triton backend over CPU pools needs it.
 
 Private API: the class ``triton.runtime.jit.JITFunction`` (Triton re-exports

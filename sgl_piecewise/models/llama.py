@@ -57,6 +57,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]; this rank's [Tp / N, H] under sequence parallelism
         layers = self.layers
+        if self.tp.size == 1:  # each projection normalises its input (DecoderLayer)
+            for layer in layers:
+                x, _ = layer.run(positions, x, None, self.rotary_emb)
+            return self.norm(x)
         h = layers[0].input_layernorm(x)
         # Each layer computes the next one's input norm, the final norm after
         # the last (DecoderLayer.run). Indexed: a slice of the ModuleList

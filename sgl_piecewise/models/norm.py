@@ -27,7 +27,7 @@ from torch import nn
 
 from sgl_piecewise.distributed import comm_ops, fused_norm
 from sgl_piecewise.errors import InvalidTypeError
-from sgl_piecewise.models import fused_ops
+from sgl_piecewise.ops.kernels import elementwise
 
 if TYPE_CHECKING:
     from sgl_piecewise.distributed import TensorParallel
@@ -38,8 +38,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     scaled after casting back, in the same order as Hugging Face, so half
     precision matches it bit for bit (the fused kernel up to the order its
     sum of squares adds in)."""
-    if fused_ops.eager(x) and weight.dtype == x.dtype:  # else the formula promotes
-        return fused_ops.rms_norm(x, weight, eps)
+    if elementwise.eager(x) and weight.dtype == x.dtype:  # else the formula promotes
+        return elementwise.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -55,8 +55,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm: "RMSNorm") -> Tuple
 def _add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    if fused_ops.eager(x) and x.dtype == delta.dtype == weight.dtype and x.shape == delta.shape:
-        return fused_ops.add_rms_norm(x, delta, weight, eps)
+    if elementwise.eager(x) and x.dtype == delta.dtype == weight.dtype and x.shape == delta.shape:
+        return elementwise.add_rms_norm(x, delta, weight, eps)
     y = x + delta
     return y, rms_norm(y, weight, eps)
 

@@ -45,6 +45,7 @@ from sgl_piecewise.backends.triton_kernels.tiles import (
 )
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.errors import InvalidInputError
+from sgl_piecewise.internals import pdl
 from sgl_piecewise.internals.triton_jit import runs_compiled
 from sgl_piecewise.internals.triton_launch import FastLauncher, StepLaunch
 
@@ -232,9 +233,15 @@ def _decode_kernel(
     F32X3: tl.constexpr,
     UPCAST: tl.constexpr,
     NEW_KV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Grid: (rows, num_kv_heads * HEAD_BLOCKS, max_splits); one launch does
-    # the K/V write, every split and their merge.
+    # the K/V write, every split and their merge. Under programmatic
+    # dependent launch it waits for the kernel before it (the one that made
+    # q, k and v) before it touches memory, and lets the next one be
+    # scheduled once its loop is done.
+    if PDL:
+        pdl.gdc_wait()
     req = tl.program_id(0)
     head_program = tl.program_id(1)
     kv_head = head_program // HEAD_BLOCKS
@@ -301,6 +308,8 @@ def _decode_kernel(
         if NEW_KV:
             v = tl.where((keys == new_key)[:, None], new_v[None, :], v)
         acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, F32X3, UPCAST)
+    if PDL:
+        pdl.gdc_launch_dependents()
 
     # Keys that all weigh 0 (logits -inf) give 0, not 0/0: the merge weighs
     # the split exp(-inf) = 0, and 0 * NaN would still be NaN.
@@ -459,6 +468,7 @@ def decode_kernel_meta(
     dtype: torch.dtype,
     launch: Optional[DecodeLaunch] = None,
     new_kv: bool = False,
+    chained: bool = False,
 ) -> dict:
     """Compile-time arguments (constexprs, num_warps, num_stages) of the
     decode kernel; one place, shared by the launcher and the sm_90 compile
@@ -482,8 +492,10 @@ def decode_kernel_meta(
         F32X3=dtype == torch.float32,
         UPCAST=INTERPRETED and dtype == torch.bfloat16,
         NEW_KV=new_kv,
+        PDL=chained,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
+        **({"launch_pdl": True} if chained else {}),
     )
 
 
@@ -548,7 +560,8 @@ class DecodePlan:
             **({} if new_k is None else dict(new_k=new_k, new_v=new_v)),
         )  # fmt: skip
         num_kv_heads, head_dim = k_cache.shape[1], q.shape[2]
-        self.meta = decode_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, launch, new_k is not None)
+        self.meta = decode_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, launch, new_k is not None,
+                                       pdl.enabled(q.device))  # fmt: skip
         self.grid = (rows, num_kv_heads * self.meta["HEAD_BLOCKS"], splits)
         self.new_kv = new_k is not None
         self._layout = layer_layout(q, k_cache, v_cache, out, new_k, new_v)

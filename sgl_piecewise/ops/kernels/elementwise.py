@@ -1,12 +1,11 @@
-"""One-kernel versions of the model's small eager ops, for CUDA tensors.
+"""One-kernel versions of small elementwise ops, for CUDA tensors: RMSNorm
+(with the residual add before it), rotary embedding and SiLU·mul.
 
-Run eagerly, an RMSNorm is eight kernels (cast, square, mean, add, rsqrt,
-multiply, cast back, weight), and the residual add before it one more;
-rotary embedding eight and SiLU·mul two. The
-compiled paths never see these (Inductor fuses the plain formulas itself:
-``layers.py`` calls them only outside ``torch.compile``); the eager model and
-the breakable graphs, which replay the eager model's kernels, launch one
-kernel for each instead, as SGLang's models call fused kernels.
+Run as plain torch ops, an RMSNorm is eight kernels (cast, square, mean,
+add, rsqrt, multiply, cast back, weight), rotary embedding eight and
+SiLU·mul two. The projection ops take these where they do not take their
+fused kernel (``ops/projections.py``), and the models' norms call them
+eagerly on CUDA (a compiled model's plain formulas are fused by Inductor).
 
 Each kernel computes what the plain formula computes, rounding where the
 eager ops round (to the tensor's dtype after every op), with floating-point

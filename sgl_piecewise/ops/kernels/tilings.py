@@ -1,0 +1,104 @@
+"""How the projection kernels (``projection.py``) are cut into programs:
+measured tilings per card, and a rule where none was measured.
+
+A table is a JSON file ``tilings/<card>.json`` (the card's name as torch
+reports it, lower case, runs of other characters as ``_``), written by
+``benchmarks/bench_projections.py --sweep``: for each projection
+``"<kind>:<n>:<k>"`` (``kind``: ``linear``, ``silu``, ``rotary<head size>``;
+``n`` output columns, or pairs of them; ``k`` inputs) the fastest tiling
+measured at one row (``"1"``) and at 32 (``"many"``, used for 2 to
+``MAX_ROWS`` rows), or null where cuBLAS and the unfused ops were faster.
+``SGL_PIECEWISE_TILINGS=<file>`` reads another table.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from sgl_piecewise.errors import InvalidInputError
+
+TABLE_DIR = Path(__file__).parent / "tilings"
+ENV_TABLE = "SGL_PIECEWISE_TILINGS"
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How a projection is cut into programs; results do not depend on it
+    beyond the order of float32 additions, speed does. ``fma``: a single row
+    is multiplied on the CUDA cores (else on the tensor cores, as 16 rows)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    fma: bool = False
+
+    def __post_init__(self) -> None:
+        pow2 = lambda n: isinstance(n, int) and n > 0 and n & (n - 1) == 0  # noqa: E731
+        least = 1 if self.fma else 16  # tl.dot's minimum
+        if not (pow2(self.block_n) and self.block_n >= least and pow2(self.block_k) and self.block_k >= 16):
+            raise InvalidInputError(
+                f"Tiling: expected block_n and block_k powers of two, block_k >= 16 and block_n >= {least}, "
+                f"got {self.block_n!r} and {self.block_k!r}"
+            )
+        if not (pow2(self.split_k) and pow2(self.num_warps)) or not isinstance(self.num_stages, int):
+            raise InvalidInputError(
+                f"Tiling: expected split_k and num_warps powers of two and an int num_stages, got "
+                f"{self.split_k!r}, {self.num_warps!r}, {self.num_stages!r}"
+            )
+
+    def block_m(self, rows: int) -> int:
+        """The program's tile of rows: 1 for one row on the CUDA cores, else
+        a power of two >= 16 (tl.dot's minimum)."""
+        if rows == 1 and self.fma:
+            return 1
+        return max(16, 1 << max(rows - 1, 0).bit_length())
+
+
+def default_tiling(rows: int, n: int, k: int, device: torch.device, paired: bool = False) -> Tiling:
+    """A tiling of a projection of ``rows`` tokens onto ``n`` output columns
+    (for a paired kernel, ``n`` pairs) over ``k`` inputs where no measured one
+    is known (``tilings.py``): 16-column tiles, K split until the card holds
+    a program per SM."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    block_k = 256 if rows <= 16 else 128
+    tiles, split = -(-n // 16), 1
+    while tiles * split < sms and k >= 4 * block_k * split:
+        split *= 2
+    return Tiling(block_n=16, block_k=block_k, split_k=split)
+
+
+def table_path(card: str) -> Path:
+    """Where the shipped table of the card named ``card`` lies."""
+    return TABLE_DIR / (re.sub(r"[^a-z0-9]+", "_", card.lower()).strip("_") + ".json")
+
+
+@functools.lru_cache(maxsize=16)
+def _table(card: str, override: str) -> dict:
+    path = Path(override) if override else table_path(card)
+    if not path.is_file():
+        if override:
+            raise InvalidInputError(f"{ENV_TABLE}: expected a tilings JSON file, got {override!r} (no such file)")
+        return {}
+    return json.loads(path.read_text())["tilings"]
+
+
+def tiling_for(kind: str, rows: int, n: int, k: int, device: torch.device) -> Optional[Tiling]:
+    """The measured tiling of this projection on ``device``'s card (None:
+    the unfused ops measured faster), else :func:`default_tiling`."""
+    if device.type == "cuda":
+        table = _table(torch.cuda.get_device_name(device), os.environ.get(ENV_TABLE, ""))
+        entries = table.get(f"{kind}:{n}:{k}", {})
+        band = "1" if rows == 1 else "many"
+        if band in entries:
+            return None if entries[band] is None else Tiling(**entries[band])
+    return default_tiling(rows, n, k, device, paired=kind != "linear")
