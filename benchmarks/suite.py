@@ -73,7 +73,7 @@ from suite_profile import replay_profile  # noqa: E402
 import sgl_piecewise as sp
 from sgl_piecewise.compile import CompiledModel, CompileOptions, counters
 from sgl_piecewise.engine.runner import ModelRunner
-from sgl_piecewise.models import ModelConfig, build_random_model
+from sgl_piecewise.models import ModelConfig, build_random_model, set_fused_projections
 from sgl_piecewise.runners import CudaGraphRunner, PiecewiseCudaGraphRunner
 from sgl_piecewise.runners.whole_model import default_capture_sizes
 
@@ -82,6 +82,7 @@ def build(args):
     config = ModelConfig.from_hf_dict(SHAPES[args.shape])
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build_random_model(config, dtype, args.device, seed=0)
+    set_fused_projections(model, args.fused_projections)
     max_reqs = max(args.decode_bs) + 2
     # Room for the longest step, and for the piecewise capture's dummy step
     # of the largest default size (512 tokens).
@@ -236,6 +237,7 @@ def run(args) -> None:
     torch._dynamo.config.cache_size_limit = 64
     os.makedirs(args.out, exist_ok=True)
     info = {"shape": args.shape, "config": SHAPES[args.shape], "backend": args.backend, "argv": sys.argv,
+            "fused_projections": args.fused_projections,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "card": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "bytecode_written": not sys.dont_write_bytecode}  # fmt: skip
@@ -279,6 +281,7 @@ def main() -> None:
     r.add_argument("--reduce-overhead-extend", type=int, nargs="*", default=[16, 128, 512])
     r.add_argument("--startup-only", action="store_true", help="only the piecewise start-up (run as a 2nd process)")
     r.add_argument("--cache-dir", default=None, help="compile artifacts: saved by a 1st process, loaded by a 2nd")
+    r.add_argument("--fused-projections", action="store_true", help="the model's fused projection ops (one rank)")
     r.add_argument("--skip-hf", action="store_true")
     r.add_argument("--skip-reduce-overhead", action="store_true")
     rep = sub.add_parser("report", help="markdown table and PNG plot of the runs in a folder")

@@ -61,7 +61,9 @@ def _check(device, dtype):
         torch.testing.assert_close(got, want, atol=0, rtol=2**-20)
     else:
         assert torch.equal(got, want)
-    torch.testing.assert_close(elementwise.rms_norm(x, weight, 1e-6), plain_rms_norm(x, weight, 1e-6), **NORM_TOL[dtype])
+    torch.testing.assert_close(
+        elementwise.rms_norm(x, weight, 1e-6), plain_rms_norm(x, weight, 1e-6), **NORM_TOL[dtype]
+    )
     # The residual add and the norm in one kernel: the bits of the add, then of the norm's own kernel.
     delta = torch.randn(x.shape, device=device).to(dtype)
     total, normed = elementwise.add_rms_norm(x, delta, weight, 1e-6)

@@ -256,3 +256,41 @@ def test_large_and_float32_calls_take_the_plain_ops_on_cuda():
     x32, w32 = x.float()[:4], w.float()
     assert not projections._fused(x32, w32)
     assert rel_err(sp.ops.gate_up_silu(x32, w32, norm_weight=norm.float()), ref_gate_up(x32, w32, norm)) < 1e-5
+
+
+# ---- the model's fused route ------------------------------------------------
+
+
+def _greedy(model, graphs: str, device: str, backend: str, prompts) -> list:
+    from sgl_piecewise.engine.runner import ModelRunner
+
+    runner = ModelRunner(model, max_reqs=8, max_context_len=96, backend=backend, graphs=graphs)
+    return runner.generate(prompts, max_new_tokens=12)
+
+
+def test_the_fused_route_gives_the_plain_routes_greedy_tokens_on_a_cpu():
+    from sgl_piecewise.models import build_random_model, default_config, set_fused_projections
+
+    model = build_random_model(default_config(), torch.float32, "cpu", seed=3)
+    prompts = [[int(t) for t in torch.randint(0, 200, (n,))] for n in (5, 1, 9)]
+    plain = _greedy(model, "none", "cpu", "torch", prompts)
+    assert set_fused_projections(model, True) > model.config.num_hidden_layers
+    assert _greedy(model, "none", "cpu", "torch", prompts) == plain
+
+
+def test_fused_projections_are_refused_for_a_bad_flag():
+    from sgl_piecewise.models import build_random_model, default_config, set_fused_projections
+
+    with pytest.raises(InvalidTypeError, match="enabled: expected a bool, got 1"):
+        set_fused_projections(build_random_model(default_config(), torch.float32, "cpu"), 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", ["full", "breakable", "piecewise", "auto"])
+def test_every_graph_policy_gives_eagers_tokens_through_the_fused_route(graphs):
+    from sgl_piecewise.models import build_random_model, default_config, set_fused_projections
+
+    model = build_random_model(default_config(), torch.bfloat16, "cuda", seed=3)
+    set_fused_projections(model, True)
+    prompts = [[int(t) for t in torch.randint(0, 200, (n,))] for n in (5, 1, 9, 17, 3, 12, 7)]
+    assert _greedy(model, graphs, "cuda", "triton", prompts) == _greedy(model, "none", "cuda", "triton", prompts)

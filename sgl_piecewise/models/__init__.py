@@ -8,6 +8,7 @@ the caller (``torch.compile(model, backend="sgl_piecewise")``).
 from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
 from sgl_piecewise.models.gguf import load_gguf_model
 from sgl_piecewise.models.hf_weights import MODEL_CLASSES
+from sgl_piecewise.models.layers import set_fused_projections
 from sgl_piecewise.models.llama import LlamaForCausalLM
 from sgl_piecewise.models.loader import (
     build_random_model,
@@ -28,4 +29,5 @@ __all__ = [
     "load_gguf_model",
     "load_model",
     "load_model_or_default",
+    "set_fused_projections",
 ]

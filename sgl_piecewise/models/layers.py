@@ -39,10 +39,12 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from sgl_piecewise.checks import check_tensor
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
 from sgl_piecewise.models.norm import RMSNorm, add_rms_norm, all_reduce_add_rms_norm
 from sgl_piecewise.models.parallel import TPLayout
 from sgl_piecewise.ops import gate_up_silu, linear, qkv_rope, unified_attention
+from sgl_piecewise.ops.kernels import elementwise
 from sgl_piecewise.regions import repeated_region
 
 if TYPE_CHECKING:
@@ -62,12 +64,20 @@ class Linear(nn.Module):
 
 
 def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``hidden [N, H] @ weight[V, H].T`` as float32 logits, in one kernel
-    (``ops.linear``): never rounded to half precision, never converted in a
-    second kernel. ``hidden`` must match the weight's width, dtype and
+    """``hidden [N, H] @ weight[V, H].T`` as float32 logits.
+
+    On CUDA, half-precision inputs go through one matmul that writes float32
+    (``torch.mm(..., out_dtype=)``): ``linear(...).float()`` writes
+    half-precision logits, then converts them in a second kernel (16 µs of
+    a step at 32 rows of Qwen2.5's 152k vocabulary, 4 µs at one row, on an
+    H100, docs/BENCHMARKS.md). Both accumulate in float32; this one skips the
+    rounding to half precision. Elsewhere (CPU has no such matmul), linear
+    and the conversion. ``hidden`` must match the weight's width, dtype and
     device."""
     check_tensor("hidden", hidden, shape=(None, weight.shape[1]), dtype=weight.dtype, device=weight.device)
-    return linear(hidden, weight, float32_out=True)
+    if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype:
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return F.linear(hidden, weight).float()
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -120,14 +130,14 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias)
         if self.tp.splits_sequence:  # pad the narrower input, not the [Tp, H] product
             x = pad_rows(x, self.tp.size)
-        y = reduce_partial_sums(self.tp, linear(x, self.weight))
+        y = reduce_partial_sums(self.tp, F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``residual + self(x)`` on one rank: the add in the projection's kernel."""
+        """``residual + self(x)`` on one rank, the add in the projection's op."""
         return linear(x, self.weight, self.bias, residual=residual)
 
 
@@ -171,9 +181,12 @@ class ParallelLMHead(Linear):
         super().__init__(hidden_size, layout.vocab_per_rank, bias=False, dtype=dtype, device=device)
         self.tp = tp
         self.vocab_size = layout.vocab_size
+        self.fused_projections = False  # set_fused_projections
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H] -> [N, vocab]`` float32 logits, whole on every rank."""
+        if self.fused_projections:
+            return linear(hidden, self.weight, float32_out=True)
         local = float32_logits(hidden, self.weight)  # [N, Vp]
         if self.tp.size == 1:
             return local
@@ -207,9 +220,8 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding, Hugging Face "rotate_half" convention.
 
     ``cos_sin_cache [max_positions, head_dim]`` holds ``cos`` in its first half
-    and ``sin`` in its second, one row per position; the QKV projection's op
-    (``ops.qkv_rope``) gathers rows by position, so ragged batches need no
-    per-request offsets.
+    and ``sin`` in its second, one row per position; ``forward`` gathers rows
+    by ``positions``, so ragged batches need no per-request offsets.
     """
 
     def __init__(self, config: ModelConfig, dtype, device):
@@ -220,6 +232,19 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [P, D]
         cache = cache.to(device=device, dtype=dtype)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # positions: [T]; x: [T, heads, D], rotated by each token's position
+        if elementwise.eager(x) and self.cos_sin_cache.dtype == x.dtype:  # else the formula promotes
+            return elementwise.rotary(positions, x, self.cos_sin_cache)
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
+        return _rotate(x, cos.unsqueeze(1), sin.unsqueeze(1))  # cos, sin: [T, 1, D/2]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with ``cos``/``sin`` stored once per pair."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class GatedMLP(nn.Module):
@@ -235,11 +260,17 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(x))  # [T, H]
 
-    def activation(self, x: torch.Tensor, norm: Optional[RMSNorm] = None) -> torch.Tensor:
-        """``silu(gate(h)) * up(h)`` with ``h = norm(x)`` (``x`` itself
-        without ``norm``): ``[T, F]``, the input of ``down_proj``; one op."""
-        w = None if norm is None else norm.weight
-        return gate_up_silu(x, self.gate_up_proj.weight, norm_weight=w, eps=0.0 if norm is None else norm.eps)
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate(x)) * up(x)``: ``[T, F]``, the input of ``down_proj``."""
+        gate_up = self.gate_up_proj(x)  # [T, 2F]
+        if elementwise.eager(gate_up):
+            return elementwise.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, F] each
+        return F.silu(gate) * up
+
+    def normed_activation(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """``activation(norm(x))`` as one op (``ops.gate_up_silu``)."""
+        return gate_up_silu(x, self.gate_up_proj.weight, norm_weight=norm.weight, eps=norm.eps)
 
 
 class Attention(nn.Module):
@@ -263,16 +294,20 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype, device=device)
         self.o_proj = RowParallelLinear(self.q_size, h, bias=config.o_proj_bias, dtype=dtype, device=device, tp=tp)
 
-    def project_qkv(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding,
-                    norm: Optional[RMSNorm] = None) -> tuple:  # fmt: skip
-        """``x [T, H]`` (normalised by ``norm`` first where given) -> q and
-        k rotated, as one ``[T, Hq + Hkv, D]`` tensor, and v ``[T, Hkv, D]``:
-        one op (``ops.qkv_rope``)."""
-        w, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-        proj = self.qkv_proj
-        cache = rotary.cos_sin_cache.to(x.dtype)  # the model's dtype: the same tensor
+    def project_qkv(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> tuple:
+        """``x [T, H]`` -> q and k rotated as one ``[T, Hq + Hkv, D]`` tensor,
+        and v ``[T, Hkv, D]``: one fused rotary kernel instead of one each,
+        and the same arithmetic per element."""
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = rotary(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        return qk, v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def normed_project_qkv(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding,
+                           norm: RMSNorm) -> tuple:  # fmt: skip
+        """``project_qkv(positions, norm(x), rotary)`` as one op (``ops.qkv_rope``)."""
+        proj, cache = self.qkv_proj, rotary.cos_sin_cache.to(x.dtype)  # the model's dtype: the same tensor
         return qkv_rope(x, proj.weight, proj.bias, positions, cache, num_heads=self.num_heads,
-                        num_kv_heads=self.num_kv_heads, norm_weight=w, eps=eps)  # fmt: skip
+                        num_kv_heads=self.num_kv_heads, norm_weight=norm.weight, eps=norm.eps)  # fmt: skip
 
     def attend(self, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Paged attention of this layer (the custom op): ``[T, Hq * D]``."""
@@ -285,12 +320,17 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention, then the gated MLP.
 
     ``forward(positions, x, rotary)`` takes the residual stream and gives it
-    back; a model runs its layers through :meth:`run`. On one rank each norm
-    is computed by the projection after it and each residual add by the
-    projection before it: a layer is four projection ops and attention. On
-    several ranks each projection's all-reduce, the residual add and the
-    next norm are one op (``add_projected_and_norm``), so a layer hands the
-    next one its input norm already computed (``next_norm``)."""
+    back. A model runs its layers through :meth:`run` instead, which hands
+    each layer its input norm already computed and computes the next one's
+    (``next_norm``): each norm then directly follows the residual add it
+    normalises, in the same layer: the two are one kernel, and where the
+    group can, one with the all-reduce before them
+    (``add_projected_and_norm``).
+
+    With ``fused_projections`` (one rank, :func:`set_fused_projections`) a
+    layer is four projection ops and attention instead (:meth:`run_fused`):
+    each norm inside the projection after it, each residual add inside the
+    projection before it (``ops/projections.py``)."""
 
     def __init__(self, config: ModelConfig, layout: TPLayout, layer_id: int, dtype, device, tp: TensorParallel):
         super().__init__()
@@ -300,47 +340,52 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layout, layer_id, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
         self.mlp = GatedMLP(config, layout, dtype, device, tp)
+        self.fused_projections = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        h = None if self.tp.size == 1 else self.input_layernorm(x)
-        return self.run(positions, x, h, rotary)[0]
+        if self.fused_projections:
+            return self.run_fused(positions, x, rotary)
+        return self.run(positions, x, self.input_layernorm(x), rotary)
 
-    def run(self, positions: torch.Tensor, x: torch.Tensor, h: Optional[torch.Tensor], rotary: RotaryEmbedding,
-            next_norm: Optional[RMSNorm] = None) -> tuple:  # fmt: skip
-        """``(stream, h)`` after this layer from the stream ``x``: ``h`` is
-        the stream's norm by ``next_norm`` on several ranks (None without
-        ``next_norm``), and None on one rank, where the input ``h`` is None
-        too and the projections normalise.
+    def run_fused(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        """The stream after this layer from the stream ``x``, through the
+        fused projection ops (one rank)."""
+        qk, v = self._before_attention_fused(positions, x, rotary)
+        return self._after_attention_fused(self.self_attn.attend(qk, v), x)
+
+    @repeated_region
+    def _before_attention_fused(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> tuple:
+        return self.self_attn.normed_project_qkv(positions, x, rotary, self.input_layernorm)
+
+    @repeated_region
+    def _after_attention_fused(self, attn_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = self.self_attn.o_proj.add_to(x, attn_out)
+        return self.mlp.down_proj.add_to(x, self.mlp.normed_activation(x, self.post_attention_layernorm))
+
+    def run(self, positions: torch.Tensor, x: torch.Tensor, h: torch.Tensor, rotary: RotaryEmbedding,
+            next_norm: Optional[RMSNorm] = None):  # fmt: skip
+        """The stream after this layer from the stream ``x`` and its input
+        norm ``h``; with ``next_norm``, ``(stream, next_norm(stream))``.
 
         ``x`` and ``h``: ``[T, H]``, or this rank's ``[Tp / N, H]`` under
         sequence parallelism. The attention call names its layer, so it stays
         outside the two regions, which every layer shares (regions.py)."""
-        qk, v = self._before_attention(positions, x if h is None else h, rotary, h is None)
-        attn_out = self.self_attn.attend(qk, v)
-        if self.tp.size == 1:
-            return self._after_attention(attn_out, x), None
-        return self._after_attention_sharded(attn_out, x, next_norm)
+        qk, v = self._before_attention(positions, h, rotary)
+        return self._after_attention(self.self_attn.attend(qk, v), x, next_norm)
 
     @repeated_region
-    def _before_attention(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, normalise: bool):
-        if normalise:
-            return self.self_attn.project_qkv(positions, x, rotary, self.input_layernorm)
-        x = gather_rows(self.tp, x, rows=positions.shape[0])  # the step's T rows
-        return self.self_attn.project_qkv(positions, x, rotary)
+    def _before_attention(self, positions: torch.Tensor, h: torch.Tensor, rotary: RotaryEmbedding) -> tuple:
+        h = gather_rows(self.tp, h, rows=positions.shape[0])  # the step's T rows
+        return self.self_attn.project_qkv(positions, h, rotary)
 
     @repeated_region
-    def _after_attention(self, attn_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = self.self_attn.o_proj.add_to(x, attn_out)
-        return self.mlp.down_proj.add_to(x, self.mlp.activation(x, self.post_attention_layernorm))
-
-    @repeated_region
-    def _after_attention_sharded(self, attn_out: torch.Tensor, x: torch.Tensor, next_norm: Optional[RMSNorm]):
+    def _after_attention(self, attn_out: torch.Tensor, x: torch.Tensor, next_norm: Optional[RMSNorm]):
         x, h = add_projected_and_norm(self.self_attn.o_proj, attn_out, x, self.post_attention_layernorm)
         # Under sequence parallelism the MLP runs on all Tp rows, padding
         # included: per row, and its reduce-scatter then needs no padding.
         mlp_in = self.mlp.activation(gather_rows(self.tp, h))
         if next_norm is None:
-            return x + self.mlp.down_proj(mlp_in), None
+            return x + self.mlp.down_proj(mlp_in)
         return add_projected_and_norm(self.mlp.down_proj, mlp_in, x, next_norm)
 
 
@@ -351,5 +396,22 @@ def add_projected_and_norm(proj: RowParallelLinear, inp: torch.Tensor, x: torch.
     three are one op (``norm.all_reduce_add_rms_norm``); else the add and
     the norm are one kernel (``norm.add_rms_norm``)."""
     if proj.fuses_norm:
-        return all_reduce_add_rms_norm(proj.tp, linear(inp, proj.weight), x, norm)
+        return all_reduce_add_rms_norm(proj.tp, F.linear(inp, proj.weight), x, norm)
     return add_rms_norm(x, proj(inp), norm)
+
+
+def set_fused_projections(model: nn.Module, enabled: bool) -> int:
+    """Run ``model``'s decoder layers and LM head through the fused
+    projection ops (``enabled``) or the plain ones, from its next trace (or
+    eager call) on: a compiled model keeps what it was traced with. The
+    fused ops are measured faster for a decode step of a few requests and
+    slower for long prefills (docs/BENCHMARKS.md). One rank only. Returns
+    how many modules it set."""
+    if not isinstance(enabled, bool):
+        raise InvalidTypeError(f"enabled: expected a bool, got {enabled!r}")
+    modules = [m for m in model.modules() if hasattr(m, "fused_projections")]
+    if enabled and any(getattr(m, "tp", None) is not None and m.tp.size > 1 for m in modules):
+        raise InvalidInputError("set_fused_projections: expected a model of one rank, got a tensor-parallel shard")
+    for module in modules:
+        module.fused_projections = enabled
+    return len(modules)

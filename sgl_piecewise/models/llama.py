@@ -53,13 +53,14 @@ class LlamaModel(nn.Module):
             DecoderLayer(config, layout, i, dtype, device, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.fused_projections = False  # layers.set_fused_projections
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]; this rank's [Tp / N, H] under sequence parallelism
         layers = self.layers
-        if self.tp.size == 1:  # each projection normalises its input (DecoderLayer)
+        if self.fused_projections:  # each projection normalises its input (DecoderLayer.run_fused)
             for layer in layers:
-                x, _ = layer.run(positions, x, None, self.rotary_emb)
+                x = layer.run_fused(positions, x, self.rotary_emb)
             return self.norm(x)
         h = layers[0].input_layernorm(x)
         # Each layer computes the next one's input norm, the final norm after
