@@ -1,0 +1,183 @@
+"""A transformers causal LM, unchanged, as a model of this library.
+
+transformers looks attention up by name (``AttentionInterface``); the adapter
+registers ``"sgl_piecewise"``, whose function hands each layer's q, k, v to
+``ops.unified_attention`` with the module's ``layer_idx`` as ``layer_id``. A
+step's tokens go through the model as one sequence of batch 1 with their own
+positions, with no transformers cache and no mask: the op writes the paged KV
+and knows each request's context from the step's batch. So ``ModelRunner``,
+every graph policy and ``torch.compile(model, backend="sgl_piecewise")`` take a
+:class:`TransformersModel` as they take the native models.
+
+Which configs are taken, and why others are refused: ``transformers_support.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from sgl_piecewise.distributed import tensor_parallel
+from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, SglPiecewiseError
+from sgl_piecewise.models.transformers_support import AdaptedConfig, adapted_config
+from sgl_piecewise.ops import unified_attention
+
+ATTENTION_IMPLEMENTATION = "sgl_piecewise"
+logger = logging.getLogger("sgl_piecewise")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise SglPiecewiseError(
+            "a transformers model: expected transformers installed, got none; `pip install transformers`"
+        ) from None
+    return transformers
+
+
+def paged_attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention call (``query [1, Hq, T, D]``, ``key``/``value
+    [1, Hkv, T, D]``) as the op's token-major one; returns ``([1, T, Hq, D], None)``
+    as transformers' own implementations do."""
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    out = unified_attention(q, k, v, layer_id=module.layer_idx, scale=scaling)
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> None:
+    """Make ``"sgl_piecewise"`` an attention implementation transformers knows.
+    No mask function is registered: transformers then builds no mask for it."""
+    _transformers().AttentionInterface.register(ATTENTION_IMPLEMENTATION, paged_attention)
+
+
+class TransformersModel(nn.Module):
+    """``forward(input_ids [T], positions [T]) -> hidden [T, H]`` and
+    ``compute_logits(hidden [N, H]) -> [N, vocab]`` float32 over a transformers
+    causal LM, whose parameters it holds as ``hf_model``."""
+
+    def __init__(self, hf_model: nn.Module, config: AdaptedConfig):
+        super().__init__()
+        self.hf_model = hf_model
+        self.config = config
+        # Granite divides its logits by this; the others keep 1.
+        self.logits_scaling = float(getattr(config.hf_config, "logits_scaling", 1.0) or 1.0)
+        # A slice of transformers' ModuleList builds a new ModuleList at every
+        # step, and a module built inside a Dynamo trace recompiles it: a plain
+        # list of the same layers slices to a list.
+        decoder = hf_model.get_decoder()
+        decoder.layers = _LayerList(decoder.layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self._check_attention()
+        out = self.hf_model.get_decoder()(
+            input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False
+        )
+        return out.last_hidden_state[0]
+
+    def _check_attention(self) -> None:
+        # Another attention implementation set on the model (or on a config it
+        # shares) would attend over the step's own tokens only: a wrong answer.
+        implementation = self.hf_model.config._attn_implementation
+        if implementation != ATTENTION_IMPLEMENTATION:
+            raise InvalidInputError(
+                f"{self.config.architecture}: expected attention implementation {ATTENTION_IMPLEMENTATION!r}, got "
+                f"{implementation!r}; the model's config was changed after adapt() (shared with another model?)"
+            )
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.hf_model.get_output_embeddings()(hidden).float()
+        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
+
+
+class _LayerList(nn.ModuleList):
+    """transformers' layer list, sliced to a plain list (see ``TransformersModel``)."""
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return list(self._modules.values())[index]
+        return super().__getitem__(index)
+
+
+def adapt(hf_model: nn.Module) -> TransformersModel:
+    """A transformers causal LM as a model of this library, in eval mode.
+
+    The model is used in place: its attention implementation becomes
+    ``"sgl_piecewise"`` (pass a copy to keep the original as it was). Refused,
+    naming the architecture and the feature, where the op cannot compute its
+    attention exactly (``transformers_support.py``)."""
+    transformers = _transformers()
+    if not isinstance(hf_model, transformers.PreTrainedModel):
+        raise InvalidTypeError(f"hf_model: expected a transformers PreTrainedModel, got {type(hf_model).__name__}")
+    config = adapted_config(hf_model.config)
+    _refuse_tensor_parallel(config)
+    register_attention()
+    hf_model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
+    if config.max_position_embeddings < hf_model.config.max_position_embeddings:
+        logger.info(
+            "%s: context bounded to %d tokens, where its attention is what the op computes",
+            config.architecture,
+            config.max_position_embeddings,
+        )
+    return TransformersModel(hf_model.eval(), config)
+
+
+def _refuse_tensor_parallel(config: AdaptedConfig) -> None:
+    size = tensor_parallel().size
+    if size > 1:
+        raise InvalidInputError(
+            f"{config.architecture} through the transformers adapter: expected one rank, got a "
+            f"tensor-parallel group of {size}; the native Llama and Qwen2 models run sharded"
+        )
+
+
+def from_config(
+    hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0
+) -> TransformersModel:
+    """A model of ``hf_config`` (a transformers config) with transformers' own
+    seeded random initialisation; the architecture is checked first."""
+    transformers = _transformers()
+    adapted_config(hf_config)  # refuse before anything is built
+    _check_dtype(dtype)
+    # The model keeps the config object it is built from: a copy, so that the
+    # caller's config (and any model built from it later) keeps its attention.
+    hf_config = copy.deepcopy(hf_config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    return adapt(hf_model.to(device=device, dtype=dtype))
+
+
+def load_transformers_model(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> TransformersModel:
+    """A checkpoint directory (config.json and safetensors) or a GGUF file,
+    read by transformers; its config is checked before any weight is read."""
+    transformers = _transformers()
+    _check_dtype(dtype)
+    path = os.fspath(path)
+    folder, gguf_file = _gguf_parts(path)
+    hf_config = transformers.AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    adapted_config(hf_config)
+    register_attention()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=gguf_file, dtype=dtype, attn_implementation=ATTENTION_IMPLEMENTATION
+    )
+    return adapt(hf_model.to(device))
+
+
+def _gguf_parts(path: str) -> tuple[str, Optional[str]]:
+    if os.path.isfile(path):
+        folder, name = os.path.split(os.path.abspath(path))
+        return folder, name
+    return path, None
+
+
+def _check_dtype(dtype: object) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InvalidTypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
