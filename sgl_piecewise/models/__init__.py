@@ -1,5 +1,6 @@
 """Llama-family models written against ``sgl_piecewise.ops.unified_attention``,
-with Hugging Face config and safetensors loading, and GGUF loading.
+with Hugging Face config and safetensors loading, and GGUF loading; and any
+listed transformers decoder through the same op (``transformers_adapter.py``).
 
 Model code never imports ``sgl_piecewise.compile``: compilation is applied by
 the caller (``torch.compile(model, backend="sgl_piecewise")``).
@@ -17,17 +18,29 @@ from sgl_piecewise.models.loader import (
     load_model_or_default,
 )
 from sgl_piecewise.models.qwen2 import Qwen2ForCausalLM
+from sgl_piecewise.models.transformers_adapter import (
+    TransformersModel,
+    adapt,
+    from_config,
+    load_transformers_model,
+)
+from sgl_piecewise.models.transformers_support import ADAPTER_ARCHITECTURES
 
 __all__ = [
+    "ADAPTER_ARCHITECTURES",
     "Llama3RopeScaling",
     "LlamaForCausalLM",
     "MODEL_CLASSES",
     "ModelConfig",
     "Qwen2ForCausalLM",
+    "TransformersModel",
+    "adapt",
     "build_random_model",
     "default_config",
+    "from_config",
     "load_gguf_model",
     "load_model",
     "load_model_or_default",
+    "load_transformers_model",
     "set_fused_projections",
 ]

@@ -1,6 +1,7 @@
 """Building models: from a Hugging Face checkpoint directory (config.json +
 safetensors, single file or sharded), from a GGUF file (``gguf.py``), or with
 seeded random weights from a config (the embedded default one included).
+Architectures without a native model load through the transformers adapter.
 
 Checkpoint names map onto ours one to one, except that ``q_proj/k_proj/v_proj``
 are concatenated into ``qkv_proj`` and ``gate_proj/up_proj`` into
@@ -24,10 +25,11 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models import gguf
-from sgl_piecewise.models.config import ModelConfig, read_json_object
+from sgl_piecewise.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, read_json_object
 from sgl_piecewise.models.hf_weights import (
     INDEX_FILE,
     check_hf_shapes,
@@ -38,6 +40,8 @@ from sgl_piecewise.models.hf_weights import (
 )
 from sgl_piecewise.models.layers import RMSNorm
 from sgl_piecewise.models.llama import LlamaForCausalLM
+from sgl_piecewise.models.transformers_adapter import load_transformers_model
+from sgl_piecewise.models.transformers_support import ADAPTER_ARCHITECTURES
 
 
 def checkpoint_files(model_dir: str) -> List[str]:
@@ -136,20 +140,44 @@ def load_model(
     model_dir: str | os.PathLike,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-) -> LlamaForCausalLM:
-    """Load a Llama or Qwen2 checkpoint, eval mode: a Hugging Face checkpoint
-    directory, or a GGUF file (a ``.gguf`` path, or a directory holding one
-    ``.gguf`` file and no safetensors; see ``gguf.py``)."""
+    *,
+    adapter: bool = False,
+) -> nn.Module:
+    """Load a checkpoint, eval mode: a Hugging Face checkpoint directory, or a
+    GGUF file (a ``.gguf`` path, or a directory holding one ``.gguf`` file and
+    no safetensors; see ``gguf.py``).
+
+    Llama and Qwen2 load as the native models; the other architectures of
+    ``ADAPTER_ARCHITECTURES`` as their transformers model through the adapter
+    (``transformers_adapter.py``), as every architecture does with ``adapter=True``."""
     model_dir = os.fspath(model_dir)
     gguf_path = gguf.gguf_checkpoint_path(model_dir)
+    if adapter:
+        return load_transformers_model(gguf_path or model_dir, dtype, device)
     if gguf_path is not None:
         return gguf.load_gguf_model(gguf_path, dtype, device)
+    if _architecture(model_dir) not in SUPPORTED_ARCHITECTURES:
+        return load_transformers_model(model_dir, dtype, device)
     config = ModelConfig.from_pretrained_dir(model_dir)
     with open_safetensors(checkpoint_files(model_dir)) as slices:
         check_hf_shapes(config, {n: s.shape for n, s in slices.items()})
         model = new_model(config, dtype, device)
         load_hf_weights(model, slices)  # this rank's slices only
     return model.eval()
+
+
+def _architecture(model_dir: str) -> Optional[str]:
+    """The architecture a checkpoint directory's config.json names, refused
+    (naming it) unless a native model or the adapter runs it."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None  # ModelConfig.from_pretrained_dir says what is missing
+    archs = read_json_object(path).get("architectures")
+    arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
+    if arch not in SUPPORTED_ARCHITECTURES + ADAPTER_ARCHITECTURES:
+        known = ", ".join(dict.fromkeys(SUPPORTED_ARCHITECTURES + ADAPTER_ARCHITECTURES))
+        raise InvalidInputError(f"config.json at {path}: architectures: expected one of {known}, got {archs!r}")
+    return arch
 
 
 def build_random_model(
@@ -192,7 +220,7 @@ def load_model_or_default(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
-) -> LlamaForCausalLM:
+) -> nn.Module:
     """A checkpoint (a directory or a GGUF file, as ``load_model``) if ``model_dir``
     is given, else the default config with random weights."""
     if model_dir is None:

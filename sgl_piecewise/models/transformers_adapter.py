@@ -114,7 +114,7 @@ def adapt(hf_model: nn.Module) -> TransformersModel:
     transformers = _transformers()
     if not isinstance(hf_model, transformers.PreTrainedModel):
         raise InvalidTypeError(f"hf_model: expected a transformers PreTrainedModel, got {type(hf_model).__name__}")
-    config = adapted_config(hf_model.config)
+    config = adapted_config(hf_model.config, type(hf_model).__name__)
     _refuse_tensor_parallel(config)
     register_attention()
     hf_model.set_attn_implementation(ATTENTION_IMPLEMENTATION)

@@ -16,17 +16,19 @@ from typing import Any, Optional
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 
 # Decoders whose transformers code runs unchanged through the adapter, each
-# checked token for token against transformers' own generate in the tests.
-ADAPTER_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Phi3ForCausalLM",
-    "Olmo2ForCausalLM",
-    "GraniteForCausalLM",
-    "SmolLM3ForCausalLM",
-)
+# checked token for token against transformers' own generate in the tests:
+# a config's ``model_type`` -> its causal LM class.
+ADAPTER_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+}
+ADAPTER_ARCHITECTURES = tuple(ADAPTER_MODEL_TYPES.values())
 
 # Rotary types whose frequencies depend on the position only, never on the batch.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -48,10 +50,11 @@ class AdaptedConfig:
     hf_config: Any
 
 
-def adapted_config(hf_config: Any) -> AdaptedConfig:
-    """The checked shape of a transformers decoder config; raises
+def adapted_config(hf_config: Any, architecture: Optional[str] = None) -> AdaptedConfig:
+    """The checked shape of a transformers decoder config (of a model of class
+    ``architecture``, by default the one the config names); raises
     ``InvalidInputError`` naming the architecture and the feature it refuses."""
-    architecture = architecture_of(hf_config)
+    architecture = architecture_of(hf_config, architecture)
     _refuse_unsupported_attention(architecture, hf_config)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -68,12 +71,19 @@ def adapted_config(hf_config: Any) -> AdaptedConfig:
     )
 
 
-def architecture_of(hf_config: Any) -> str:
-    """The one architecture a config names, refused unless the adapter lists it."""
+def architecture_of(hf_config: Any, architecture: Optional[str] = None) -> str:
+    """``architecture``, else the one a config names (a config built in code
+    names none: its ``model_type`` then), refused unless the adapter lists it."""
     archs = getattr(hf_config, "architectures", None) or []
-    if len(archs) != 1 or archs[0] not in ADAPTER_ARCHITECTURES:
-        raise InvalidInputError(f"architectures: expected one of {', '.join(ADAPTER_ARCHITECTURES)}, got {archs!r}")
-    return archs[0]
+    if architecture is None and not archs:
+        architecture = ADAPTER_MODEL_TYPES.get(getattr(hf_config, "model_type", None))
+    elif architecture is None:
+        architecture = archs[0] if len(archs) == 1 else archs
+    if architecture not in ADAPTER_ARCHITECTURES:
+        raise InvalidInputError(
+            f"architectures: expected one of {', '.join(ADAPTER_ARCHITECTURES)}, got {architecture!r}"
+        )
+    return architecture
 
 
 def _refuse(architecture: str, feature: str, got: object) -> InvalidInputError:
