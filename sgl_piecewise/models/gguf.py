@@ -65,6 +65,11 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 
 GGUF_MAGIC = b"GGUF"
+# The fixed header: magic, version (uint32), tensor and metadata counts (uint64 each).
+GGUF_HEADER_BYTES = 24
+# The metadata transformers builds a GGUF file's tokenizer from; without them
+# it fails naming neither the file nor the key.
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")
 ROPE_FREQS = "rope_freqs.weight"
 
 # Fewer tensors than this load without a progress bar.
@@ -170,9 +175,12 @@ def gguf_checkpoint_path(model_path: str | os.PathLike) -> Optional[str]:
 
     A file is taken as GGUF (its magic is checked when read). A directory is
     GGUF when it holds no safetensors (nor shard index) and exactly one
-    ``*.gguf`` file; more than one is refused by name.
+    ``*.gguf`` file; more than one is refused by name. A path that does not
+    exist is refused here, as such, before a check of a checkpoint directory
+    would blame a missing config.json.
     """
     path = os.fspath(model_path)
+    check_path_exists("model_dir", path, "a Hugging Face checkpoint directory or a .gguf file")
     if os.path.isfile(path):
         return path
     if not os.path.isdir(path):
@@ -189,6 +197,13 @@ def gguf_checkpoint_path(model_path: str | os.PathLike) -> Optional[str]:
     return found[0] if found else None
 
 
+def check_path_exists(name: str, path: str, expected: str) -> None:
+    """Refuse a ``path`` that does not exist, naming it: the checks that
+    follow would otherwise blame what a file or a directory lacks."""
+    if not os.path.exists(path):
+        raise InvalidInputError(f"{name}: expected {expected}, got {path!r}: no such file or directory")
+
+
 def open_gguf(path: str):
     """``gguf.GGUFReader`` of ``path``; a file that is not GGUF, or is cut
     short, is refused naming it (the reader's own errors do not)."""
@@ -196,23 +211,44 @@ def open_gguf(path: str):
     label = _label(path)
     try:
         with open(path, "rb") as f:
-            head = f.read(len(GGUF_MAGIC))
+            head = f.read(GGUF_HEADER_BYTES)
     except OSError as exc:
         raise InvalidInputError(f"{label}: expected a readable GGUF file, got {exc}") from exc
-    if head != GGUF_MAGIC:
+    if head[: len(GGUF_MAGIC)] != GGUF_MAGIC:
         raise InvalidInputError(
-            f"{label}: expected a GGUF file (starting with {GGUF_MAGIC!r}), got {head!r}: not a GGUF file; "
-            "load_model takes a Hugging Face checkpoint directory or a .gguf file"
+            f"{label}: expected a GGUF file (starting with {GGUF_MAGIC!r}), got {head[: len(GGUF_MAGIC)]!r}: "
+            "not a GGUF file; a checkpoint is a Hugging Face checkpoint directory or a .gguf file"
+        )
+    if len(head) < GGUF_HEADER_BYTES:  # the reader's error would be a bare struct or index error
+        raise InvalidInputError(
+            f"{label}: expected a complete GGUF file, got {len(head)} bytes, shorter than its "
+            f"{GGUF_HEADER_BYTES}-byte header: truncated; re-download it"
         )
     try:
         reader = reader_class(path)
     except Exception as exc:  # a cut file fails anywhere: IndexError, reshape's ValueError, ...
         raise InvalidInputError(
-            f"{label}: expected a complete GGUF file, got one its reader could not parse "
-            f"({type(exc).__name__}: {exc}): truncated or not a GGUF file; re-download it"
+            f"{label}: expected a complete GGUF file, got {os.path.getsize(path)} bytes its reader could not "
+            f"parse ({type(exc).__name__}: {exc}): truncated or not a GGUF file; re-download it"
         ) from exc
     if reader.byte_order != "I":
         raise InvalidInputError(f"{label}: expected a GGUF file of this machine's byte order, got a byte-swapped one")
+    return reader
+
+
+def check_gguf_file(path: str, need_tokenizer: bool):
+    """The reader of the GGUF file at ``path`` once it is known to parse and,
+    with ``need_tokenizer``, to carry the tokenizer metadata; every fault is
+    refused naming the file. The one check before both a model and a
+    tokenizer are read from a GGUF file, so both refuse a file alike."""
+    reader = open_gguf(path)
+    if need_tokenizer:
+        missing = [k for k in TOKENIZER_KEYS if k not in reader.fields]
+        if missing:
+            raise InvalidInputError(
+                f"{_label(path)}: expected tokenizer metadata {list(TOKENIZER_KEYS)}, got {missing} missing: "
+                "this GGUF file carries no tokenizer"
+            )
     return reader
 
 
@@ -438,7 +474,7 @@ def load_gguf_model(
 ) -> LlamaForCausalLM:
     """Load a Llama or Qwen2 GGUF file into our model, eval mode."""
     path = os.fspath(path)
-    reader = open_gguf(path)
+    reader = check_gguf_file(path, need_tokenizer=False)
     config = read_gguf_config(reader, path)
     model = new_model(config, dtype, device)  # checks dtype; parameters uninitialised
     tensors = read_gguf_weights(reader, path, config, dtype)
