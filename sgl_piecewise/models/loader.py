@@ -156,7 +156,7 @@ def load_model(
         return load_transformers_model(gguf_path or model_dir, dtype, device)
     if gguf_path is not None:
         return gguf.load_gguf_model(gguf_path, dtype, device)
-    if _architecture(model_dir) not in SUPPORTED_ARCHITECTURES:
+    if _architecture(model_dir) in ADAPTER_ONLY:
         return load_transformers_model(model_dir, dtype, device)
     config = ModelConfig.from_pretrained_dir(model_dir)
     with open_safetensors(checkpoint_files(model_dir)) as slices:
@@ -164,6 +164,10 @@ def load_model(
         model = new_model(config, dtype, device)
         load_hf_weights(model, slices)  # this rank's slices only
     return model.eval()
+
+
+# What only the adapter runs: the listed architectures without a native model.
+ADAPTER_ONLY = tuple(a for a in ADAPTER_ARCHITECTURES if a not in SUPPORTED_ARCHITECTURES)
 
 
 def _architecture(model_dir: str) -> Optional[str]:

@@ -24,6 +24,7 @@ from torch import nn
 
 from sgl_piecewise.distributed import tensor_parallel
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, SglPiecewiseError
+from sgl_piecewise.models import gguf
 from sgl_piecewise.models.transformers_support import AdaptedConfig, adapted_config
 from sgl_piecewise.ops import unified_attention
 
@@ -173,6 +174,7 @@ def load_transformers_model(
 
 def _gguf_parts(path: str) -> tuple[str, Optional[str]]:
     if os.path.isfile(path):
+        gguf.check_gguf_file(path, need_tokenizer=False)  # a clear error where transformers' would not be
         folder, name = os.path.split(os.path.abspath(path))
         return folder, name
     return path, None
