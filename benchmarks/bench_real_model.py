@@ -9,6 +9,10 @@ every side does the same work: tokens per second = batch size x new tokens /
 wall time of the whole generate call, prefill included, median of
 ``--repeats`` runs after an untimed one.
 
+``--routes``: the model as the library's native Llama (``native``), and as
+transformers' own model through the adapter (``adapter``,
+``sgl_piecewise.models.adapt``), each under every policy.
+
 ``transformers`` runs with its default (dynamic) cache; with
 ``--hf-static-compile`` also with a static cache and its forward under
 ``torch.compile(mode="reduce-overhead")`` (docs/BENCHMARKS.md says how that
@@ -86,6 +90,17 @@ def ours(args, model, tokenizer, device) -> Dict[str, dict]:
     return rows
 
 
+# A route's key in real_model.json.
+ROUTES = {"native": "policies", "adapter": "adapter_policies"}
+
+
+def route_side(args, route: str, path: str, tokenizer) -> Dict[str, dict]:
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    model = load_model(path, dtype, device, adapter=route == "adapter")
+    print("route", route, type(model).__name__, flush=True)
+    return ours(args, model, tokenizer, device)
+
+
 def hf_side(args, dtype, device, compiled: bool) -> dict:
     """``transformers``' generate on the same file: greedy, left-padded, exactly
     ``--new-tokens`` new tokens."""
@@ -130,6 +145,8 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--routes", nargs="+", default=["native"], choices=list(ROUTES),
+                   help="native: the library's own model; adapter: transformers' model, adapted")  # fmt: skip
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--hf-static-compile", action="store_true",
                    help="also transformers with a static cache and torch.compile(mode='reduce-overhead')")  # fmt: skip
@@ -138,7 +155,6 @@ def main() -> None:
     args.policies = [g for g in args.policies.split(",") if g]
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     path = model_source(args.model)
-    model = load_model(path, dtype, device)
     tokenizer = load_tokenizer(path)
     result = {
         "model": os.path.basename(path),
@@ -150,7 +166,7 @@ def main() -> None:
     }
     # Written after each side: a side that hangs (a compile that never ends)
     # leaves the others on disk.
-    sides = [("policies", lambda: ours(args, model, tokenizer, device))]
+    sides = [(ROUTES[route], functools.partial(route_side, args, route, path, tokenizer)) for route in args.routes]
     if not args.skip_hf:
         sides.append(("transformers", lambda: hf_side(args, dtype, device, compiled=False)))
         if device.type == "cuda" and args.hf_static_compile:

@@ -27,6 +27,7 @@ RUNS = {
     "test_compile_users_example_traces_once_and_replays_its_prefill": "compile_users.py",
     "test_engine_builders_example_routes_every_step_and_generates_64_tokens_per_prompt": "engine_builders.py",
     "test_speculative_decoding_example_gives_plain_greedy_tokens": "speculative_decoding.py",
+    "test_transformers_models_example_gives_transformers_tokens": "transformers_models.py",
 }
 
 
@@ -60,7 +61,7 @@ def run(request, started_process):
 
 def test_there_are_examples():
     assert {p.name for p in EXAMPLES} >= {"model_authors.py", "compile_users.py", "engine_builders.py",
-                                          "speculative_decoding.py"}  # fmt: skip
+                                          "speculative_decoding.py", "transformers_models.py"}  # fmt: skip
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -116,3 +117,7 @@ def test_speculative_decoding_example_gives_plain_greedy_tokens(run):
     lines = run("speculative_decoding.py").strip().splitlines()
     assert lines[-2] == "True"  # exactly plain greedy's tokens
     assert re.fullmatch(r"acceptance rate [01]\.\d\d, \d+ verify steps for 15 tokens", lines[-1]), lines[-1]
+
+
+def test_transformers_models_example_gives_transformers_tokens(run):
+    assert run("transformers_models.py").strip().splitlines()[-1] == "True"

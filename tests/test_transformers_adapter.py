@@ -231,3 +231,35 @@ def test_smollm2_through_the_adapter_gives_the_native_tokens():
     native = ModelRunner(load_model(path), max_reqs=4, max_context_len=64, backend="torch")
     adapted = ModelRunner(load_model(path, adapter=True), max_reqs=4, max_context_len=64, backend="torch")
     assert adapted.generate(prompts, 8) == native.generate(prompts, 8)
+
+
+# ---- GPU: real CUDA graphs ----------------------------------------------------
+GPU_SHAPE = {**SHAPE, "vocab_size": 512, "hidden_size": 512, "intermediate_size": 1024, "head_dim": 64}
+GPU_CONFIGS = {  # the attention of the real models: Qwen3 16/8 heads with q/k norms, Mistral 32/8
+    "Qwen3ForCausalLM": lambda: transformers.Qwen3Config(
+        **{**GPU_SHAPE, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128}
+    ),
+    "MistralForCausalLM": lambda: transformers.MistralConfig(
+        **{**GPU_SHAPE, "num_attention_heads": 32, "num_key_value_heads": 8}, sliding_window=None
+    ),
+}
+RAGGED_PROMPT_LENS = (1, 3, 7, 12, 20, 33, 50)  # 126 tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", ["none", "full", "breakable", "piecewise", "auto"])
+@pytest.mark.parametrize("arch", sorted(GPU_CONFIGS))
+def test_gpu_adapted_models_generate_the_eager_tokens_for_7_ragged_prompts(arch, graphs):
+    """64 greedy fp32 tokens through the triton backend, Inductor pieces."""
+    model = from_config(GPU_CONFIGS[arch](), device="cuda", seed=5)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in RAGGED_PROMPT_LENS]
+    want = ModelRunner(model, max_reqs=8, max_context_len=128, backend="triton").generate(prompts, 64)
+    runner = ModelRunner(model, max_reqs=8, max_context_len=128, backend="triton", graphs=graphs)
+    if graphs != "none":
+        runner.capture_graphs(progress=False, capture_sizes=(1, 2, 4, 8, 16, 32, 64, 128))
+    assert runner.generate(prompts, 64) == want
+    paths = {s.path for s in runner.step_stats}
+    expected = {"auto": {"piecewise", "whole_model"}, "full": {"eager", "whole_model"}, "piecewise": {"piecewise"},
+                "breakable": {"breakable"}, "none": {"eager"}}  # fmt: skip
+    assert paths == expected[graphs]
