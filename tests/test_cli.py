@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 import transformers
+from conftest import smollm2_or_skip
 from safetensors.torch import load_file, save_file
 
 from sgl_piecewise.engine.bench import ragged_prompts, run_policy
@@ -34,11 +35,97 @@ def test_bench_runs_every_policy_and_they_agree(capsys, monkeypatch):
     for policy, paths in expected.items():
         assert re.search(rf"│ {policy} .*│ {paths} ", out), policy
     assert "check: outputs agree" in out
+    # auto's whole-model graphs hold the model its pieces were compiled from, full's the eager one.
+    assert "  piecewise: piecewise graphs of the model's pieces (piece compiler eager)" in out
+    assert re.search(r"  auto: piecewise graphs .*; whole-model graphs: .*, the compiled model\n", out), out
 
 
-def test_bench_rejects_unknown_policies_naming_the_valid_ones():
-    with pytest.raises(SystemExit, match=r"--graphs: expected a comma-separated subset of .*'breakable'"):
-        main(["bench", "--device", "cpu", "--graphs", "none,turbo"])
+def test_bench_rejects_unknown_policies_naming_the_valid_ones(capsys):
+    assert main(["bench", "--device", "cpu", "--graphs", "none,turbo"]) == 2
+    assert re.match(r"error: --graphs: expected a comma-separated subset of .*'breakable'", capsys.readouterr().out)
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """A check that must come first: no model loads and no rank starts before it."""
+    import sgl_piecewise.engine.cli as cli
+    import sgl_piecewise.models.loader as loader
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a model was loaded or a rank started before the flags were checked")
+
+    monkeypatch.setattr(loader, "load_model_or_default", must_not_run)
+    monkeypatch.setattr(cli, "launch", must_not_run)
+
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--graphs", "fast"], "--graphs: expected a comma-separated subset of ('auto', 'full', "),
+        (["verify", "--graphs", "none"], "--graphs: expected a comma-separated subset of ('auto', 'full', "),
+        (["bench", "--device", "foo"], "--device: expected cpu, cuda, cuda:N or auto, got 'foo'"),
+        pytest.param(["bench", "--device", "cuda"], "--device cuda: expected a CUDA device, got none", marks=NO_CUDA),
+        (["bench", "--tp", "2", "--graphs", "fast"], "--graphs: expected a comma-separated subset of "),
+    ],
+)
+def test_every_bad_flag_is_one_error_line_and_exit_2(argv, message, capsys, nothing_starts):
+    assert main([*argv, "--model", "random"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith(f"error: {message}") and out.count("\n") == 1, out
+
+
+@pytest.mark.parametrize("model", ["random", "checkpoint"])
+def test_a_tp_size_the_model_does_not_split_over_is_refused_before_any_rank_starts(
+    model, tiny_checkpoint, capsys, nothing_starts
+):
+    # Both have 4 attention heads: 3 ranks would hold a head and a third each.
+    name = str(tiny_checkpoint) if model == "checkpoint" else model
+    assert main(["bench", "--device", "cpu", "--model", name, "--tp", "3"]) == 2
+    assert capsys.readouterr().out == (
+        f"error: --tp 3 (--model {name}): num_attention_heads: expected a multiple of the tensor-parallel "
+        "size 3, got 4; use a --tp among [1, 2, 4]\n"
+    )
+
+
+def test_an_architecture_of_the_transformers_adapter_is_refused_above_one_rank(tmp_path, capsys, nothing_starts):
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    assert main(["bench", "--device", "cpu", "--model", str(tmp_path), "--tp", "2"]) == 2
+    assert capsys.readouterr().out == (
+        f"error: --tp 2 (--model {tmp_path}): expected --tp 1 for Qwen3ForCausalLM, which runs on one rank "
+        "through the transformers adapter\n"
+    )
+
+
+def test_the_default_model_at_tp_2_is_refused_from_its_gguf_metadata(capsys, nothing_starts, monkeypatch):
+    """SmolLM2 has 9 attention heads and 3 KV heads: 3 ranks split it, 2 do not."""
+    pytest.importorskip("gguf", reason="GGUF reading: pip install gguf")
+    smollm2_or_skip()
+    monkeypatch.setenv("COLUMNS", "80")  # the error stays one line however narrow the terminal
+    assert main(["bench", "--device", "cpu", "--tp", "2"]) == 2
+    assert capsys.readouterr().out == (
+        "error: --tp 2 (--model smollm2): num_attention_heads: expected a multiple of the tensor-parallel "
+        "size 2, got 9; use a --tp among [1, 3]\n"
+    )
+
+
+def test_a_cpu_bench_shows_paths_and_agreement_but_no_times(capsys, monkeypatch):
+    """On a CPU a graph replay runs its model directly: the policies' times
+    compare no graphs, so none is shown; what each policy built is said."""
+    monkeypatch.setenv("COLUMNS", "200")
+    argv = ["bench", "--model", "random", "--device", "cpu", "--batch-size", "2", "--prompt-len", "6",
+            "--new-tokens", "3", "--graphs", "none,full,breakable", "--max-capture-size", "16"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "sgl-piecewise bench (tp 1)" in out
+    assert re.search(r"┃ graphs +┃ steps by path +┃\n", out) and not re.search(r"\d\.\d+x", out), out
+    assert re.search(r"│ full +│ eager 1, whole_model 2 +│", out), out
+    assert "full vs none: 6/6 generated tokens identical" in out and "check: outputs agree" in out
+    assert "  none: no graphs, every step eager" in out
+    assert "  full: whole-model graphs: 2 sizes, bs 1..2, the eager model" in out
+    assert "  breakable: breakable graphs of the eager model (cut at each attention call, nothing compiled)" in out
 
 
 @pytest.mark.parametrize("flag", ["--batch-size", "--prompt-len", "--new-tokens", "--max-capture-size"])

@@ -1,17 +1,25 @@
 """``sgl-piecewise bench``: one ragged batch of prompts through the same model
-under each graph policy, timed, with a check that they give the same tokens;
-and what the bench commands share (the model, its device and dtype, the
-backend, the prompts)."""
+under each graph policy, with a check that they give the same tokens, timed
+on a GPU; and what the bench commands share (the model, its config, device
+and dtype, the backend, the prompts), each flag checked before a rank starts
+or a model loads.
+
+On a CPU a graph capture is a pass-through: a step on a graph path runs the
+model the graph would hold (eager or compiled) directly, so the times of the
+policies compare no graphs. The table then shows the paths and the
+agreement only.
+"""
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import os
 import random
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from rich.console import Console
@@ -27,7 +35,10 @@ from sgl_piecewise.engine.testing import prefill_logits
 from sgl_piecewise.engine.text import SMOLLM2, chat_prompt_ids, eos_ids, has_tokenizer, load_tokenizer, smollm2_path
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.graphs.counters import counters
-from sgl_piecewise.models.loader import load_model_or_default
+from sgl_piecewise.models import gguf
+from sgl_piecewise.models.config import ModelConfig
+from sgl_piecewise.models.loader import ADAPTER_ONLY, checkpoint_architecture, default_config, load_model_or_default
+from sgl_piecewise.models.parallel import tp_layout
 from sgl_piecewise.runners.dispatch import POLICIES
 
 RANDOM_MODEL = "random"
@@ -41,17 +52,25 @@ CHAT_PROMPTS = (
 # Policies that need a backend with graph hooks (auto goes without whole-model graphs).
 GRAPH_HOOK_POLICIES = ("full",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BENCH_POLICIES = ("none", "full", "piecewise", "breakable", "auto")  # the table's order: eager first
+# What each graph path of a step holds (``CaptureReport.paths`` says how many
+# sizes of it were captured, or why none).
+PATH_NOTES = {
+    "whole_model": "whole-model graphs",
+    "piecewise": "piecewise graphs of the model's pieces (piece compiler {compiler})",
+    "breakable": "breakable graphs of the eager model (cut at each attention call, nothing compiled)",
+}
 
 
-def parse_policies(text: str, allowed: Sequence[str]) -> List[str]:
+def parse_policies(text: str, allowed: Sequence[str], flag: str = "--graphs") -> List[str]:
     """``--graphs``: a comma-separated list among ``allowed``."""
     policies = [g.strip() for g in text.split(",") if g.strip()]
     if not policies or any(g not in allowed for g in policies):
-        raise SystemExit(f"--graphs: expected a comma-separated subset of {tuple(allowed)}, got {text!r}")
+        raise InvalidInputError(f"{flag}: expected a comma-separated subset of {tuple(allowed)}, got {text!r}")
     return policies
 
 
-@dataclass
+@dataclasses.dataclass
 class PolicyResult:
     policy: str
     setup_s: float
@@ -60,6 +79,8 @@ class PolicyResult:
     tokens: List[List[int]]
     paths: str  # how many timed steps took each path
     compiled_while_timed: int  # graphs traced, pieces compiled or graphs captured during the timed run: 0
+    prefill_path: str = "eager"
+    built: Dict[str, str] = dataclasses.field(default_factory=dict)  # the capture report's graph paths
 
 
 def check_backend(name: str, policies: Sequence[str]) -> None:
@@ -83,14 +104,20 @@ def backend_factory(name: str, model):
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """``--device`` and ``--dtype``; a device this machine lacks is refused."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: expected a CUDA device, got none; use --device cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:  # torch's message lists every device type it knows, none of which the bench runs
+        raise InvalidInputError(f"--device: expected cpu, cuda, cuda:N or auto, got {device!r}") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise InvalidInputError(f"--device: expected cpu, cuda, cuda:N or auto, got {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(f"--device {device}: expected a CUDA device, got none; use --device cpu")
     if dtype == "auto":
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    return device, DTYPES[dtype]
+        return resolved, torch.bfloat16 if resolved.type == "cuda" else torch.float32
+    return resolved, DTYPES[dtype]
 
 
 def load_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, Any]:
@@ -107,6 +134,48 @@ def model_source(name: Optional[str]) -> Optional[str]:
     if name in (None, RANDOM_MODEL):
         return None
     return smollm2_path() if name == SMOLLM2 else name
+
+
+def model_config(name: Optional[str]) -> ModelConfig:
+    """The config of ``--model`` alone, no weight read: a GGUF file's
+    metadata, a checkpoint directory's config.json, or the embedded one."""
+    source = model_source(name)
+    if source is None:
+        return default_config()
+    path = gguf.gguf_checkpoint_path(source)
+    if path is not None:
+        return gguf.read_gguf_config(gguf.open_gguf(path), path)
+    return ModelConfig.from_pretrained_dir(source)
+
+
+def check_tensor_parallel(name: Optional[str], size: int) -> None:
+    """Before any rank starts: ``--model`` splits over ``--tp size`` ranks,
+    else the error names the config field and the sizes that would work (a
+    rank would otherwise fail only once every rank had loaded the model)."""
+    source = model_source(name)
+    if source is not None and os.path.isdir(source) and checkpoint_architecture(source) in ADAPTER_ONLY:
+        raise InvalidInputError(
+            f"--tp {size} (--model {name}): expected --tp 1 for {checkpoint_architecture(source)}, "
+            "which runs on one rank through the transformers adapter"
+        )
+    config = model_config(name)
+    try:
+        tp_layout(config, 0, size)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"--tp {size} (--model {name}): {exc}; use a --tp among {tp_sizes(config)}") from exc
+
+
+def tp_sizes(config: ModelConfig) -> List[int]:
+    """The tensor-parallel sizes ``config`` splits over (each divides its attention heads)."""
+    return [n for n in range(1, config.num_attention_heads + 1) if _splits_over(config, n)]
+
+
+def _splits_over(config: ModelConfig, size: int) -> bool:
+    try:
+        tp_layout(config, 0, size)  # the model's own layout check, not a copy of it
+    except InvalidInputError:
+        return False
+    return True
 
 
 def ragged_prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> List[List[int]]:
@@ -126,9 +195,9 @@ def run_policy(policy: str, model, args, prompts, eos: frozenset = frozenset()) 
         graphs=policy,
     )
     start = time.perf_counter()
-    runner.capture_graphs(progress=tensor_parallel().is_first,  # rank 0's bar only
-                          capture_sizes=default_capture_sizes(args.max_capture_size),
-                          piece_compiler=args.piece_compiler)  # fmt: skip
+    report = runner.capture_graphs(progress=tensor_parallel().is_first,  # rank 0's bar only
+                                   capture_sizes=default_capture_sizes(args.max_capture_size),
+                                   piece_compiler=args.piece_compiler)  # fmt: skip
     # The timed run repeats an untimed one of the same prompts and length, so
     # every step size it takes has been compiled and captured, and the
     # kernels and the allocator are warm: set-up holds all of that.
@@ -144,7 +213,8 @@ def run_policy(policy: str, model, args, prompts, eos: frozenset = frozenset()) 
     decode = [s.seconds for s in steps[1:]]
     decode_ms = 1e3 * statistics.median(decode) if decode else None
     paths = ", ".join(f"{path} {n}" for path, n in collections.Counter(s.path for s in steps).items())
-    return PolicyResult(policy, setup, steps[0].seconds * 1e3, decode_ms, tokens, paths, compiled_while_timed)
+    return PolicyResult(policy, setup, steps[0].seconds * 1e3, decode_ms, tokens, paths, compiled_while_timed,
+                        prefill_path=steps[0].path, built=dict(report.paths))  # fmt: skip
 
 
 def _compile_work() -> int:
@@ -161,12 +231,30 @@ def agreement(results: Sequence[PolicyResult]) -> List[str]:
     return lines
 
 
-def bench(args: argparse.Namespace, console: Console) -> int:
+def bench_policies(args: argparse.Namespace) -> List[str]:
+    """``--graphs`` of the bench, default every policy, eager first."""
+    return parse_policies(args.graphs or ",".join(BENCH_POLICIES), POLICIES)
 
+
+def check_bench_flags(args: argparse.Namespace) -> List[str]:
+    """Every flag of ``bench`` that can be checked without the model; its policies."""
     for name in ("batch_size", "prompt_len", "new_tokens", "max_capture_size"):
         check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
-    policies = parse_policies(args.graphs, POLICIES)
+    policies = bench_policies(args)
     check_backend(args.backend, policies)
+    resolve_device_dtype(args.device, args.dtype)
+    return policies
+
+
+def tp_title(command: str) -> str:
+    """A table's title: the command and the tensor-parallel group it ran on."""
+    tp = tensor_parallel()
+    return f"{command} (tp {tp.size}{', sequence-parallel' if tp.splits_sequence else ''})"
+
+
+def bench(args: argparse.Namespace, console: Console) -> int:
+
+    policies = check_bench_flags(args)
     device, dtype, model = load_model(args)
     source = model_source(args.model)
     tokenizer = load_tokenizer(source) if source is not None and has_tokenizer(source) else None
@@ -185,20 +273,9 @@ def bench(args: argparse.Namespace, console: Console) -> int:
     for policy in policies:
         console.print(f"[bold]graphs={policy}[/bold] ...")
         results.append(run_policy(policy, model, args, prompts, eos))
-    table = Table(title="sgl-piecewise bench")
-    for col in ("graphs", "set-up s", "prefill ms", "decode ms/step (median)", "speed-up vs first", "steps by path"):
-        table.add_column(col, justify="left" if col in ("graphs", "steps by path") else "right", overflow="fold")
-    for r in results:
-        # --new-tokens 1 has no decode step: nothing to time or compare.
-        decode = "-" if r.decode_ms is None else f"{r.decode_ms:.3f}"
-        speedup = "-" if r.decode_ms is None else f"{results[0].decode_ms / r.decode_ms:.2f}x"
-        table.add_row(r.policy, f"{r.setup_s:.2f}", f"{r.prefill_ms:.2f}", decode, speedup, r.paths)
-    console.print(table)
-    if device.type != "cuda":
-        console.print(
-            f"on {device.type} a graph capture is a pass-through: these times compare the compiled pieces "
-            "with eager, not graphs; graph speed-ups show on a GPU"
-        )
+    console.print(results_table(results, timed=device.type == "cuda"))
+    for line in policy_notes(results, device, args.piece_compiler):
+        console.print(line, soft_wrap=True)
     if tokenizer is not None:
         return _check_text(results, tokenizer, questions, prompts, model, console)
     agree = agreement(results)
@@ -210,6 +287,41 @@ def bench(args: argparse.Namespace, console: Console) -> int:
         return 1
     console.print("check: " + ("outputs agree" if not mismatched else "tokens differ (expected in reduced precision)"))
     return 0
+
+
+def results_table(results: Sequence[PolicyResult], timed: bool) -> Table:
+    """A row per policy: the paths its steps took and, where ``timed`` (a
+    GPU, where the graphs are real), its times and decode speed-up."""
+    table = Table(title=tp_title("sgl-piecewise bench"))
+    times = ("set-up s", "prefill ms (path)", "decode ms/step (median)", "speed-up vs first") if timed else ()
+    for col in ("graphs", *times, "steps by path"):
+        table.add_column(col, justify="left" if col in ("graphs", "steps by path") else "right", overflow="fold")
+    for r in results:
+        table.add_row(r.policy, *(_times(r, results[0]) if timed else ()), r.paths)
+    return table
+
+
+def _times(r: PolicyResult, first: PolicyResult) -> tuple:
+    # --new-tokens 1 has no decode step: nothing to time or compare.
+    decode = "-" if r.decode_ms is None else f"{r.decode_ms:.3f}"
+    speedup = "-" if r.decode_ms is None else f"{first.decode_ms / r.decode_ms:.2f}x"
+    return f"{r.setup_s:.2f}", f"{r.prefill_ms:.2f} ({r.prefill_path})", decode, speedup
+
+
+def policy_notes(results: Sequence[PolicyResult], device: torch.device, piece_compiler: str) -> List[str]:
+    """What each policy built, from its capture report; on a CPU, first why no time is shown."""
+    lines = []
+    if device.type != "cuda":
+        lines.append(
+            f"on {device.type} a graph capture is a pass-through: a step on a graph path runs the model the "
+            "graph would hold (eager or compiled) directly, so no times are shown (they would compare no "
+            "graphs); graph speed-ups show on a GPU"
+        )
+    lines.append("what each policy built (a step no graph holds runs the eager model):")
+    for r in results:
+        built = [f"{PATH_NOTES[path].format(compiler=piece_compiler)}: {what}" for path, what in r.built.items()]
+        lines.append(f"  {r.policy}: " + ("; ".join(built) or "no graphs, every step eager"))
+    return lines
 
 
 def _check_text(results: Sequence[PolicyResult], tokenizer, questions, prompts, model, console: Console) -> int:

@@ -3,14 +3,15 @@
 ``sgl-piecewise bench`` runs one batch of prompts through the same model
 under each graph policy (``--graphs``: ``none`` eager, ``full`` whole-model
 decode graphs, ``piecewise``, ``breakable``, ``auto`` — see
-``runners/dispatch.py``), prints a table of set-up time, prefill time, decode
-step time and the path the steps took, and checks that every policy gives
-the same output: on a real model (SmolLM2 by default) the answers to four
-chat questions, printed; on ``--model random`` tokens of random prompts. On
-a CPU the graph capture is a pass-through (everything else runs as on a
-GPU). With ``--draft``, bench compares plain greedy decoding with
-speculative decoding instead (``speculative_bench.py``); ``bench.py`` holds
-the bench itself.
+``runners/dispatch.py``), prints a table of the paths the steps took and,
+on a GPU, set-up time, prefill time, decode step time and speed-up, says
+what each policy built, and checks that every policy gives the same
+output: on a real model (SmolLM2 by default) the answers to four chat
+questions, printed; on ``--model random`` tokens of random prompts. On a
+CPU the graph capture is a pass-through (everything else runs as on a
+GPU), so no time is shown there. With ``--draft``, bench compares plain
+greedy decoding with speculative decoding instead, with whole-model graphs
+or none (``speculative_bench.py``); ``bench.py`` holds the bench itself.
 
 ``sgl-piecewise verify`` replays the graphs of each policy against eager on
 fresh random ragged batches (``sgl_piecewise.engine.verify``) and exits non-zero on a
@@ -21,6 +22,11 @@ CUDA, gloo ranks on a CPU), or, under ``torchrun``, each process is a rank
 of its world. Every rank runs the command; rank 0 prints.
 ``--sequence-parallel`` splits the residual stream across the ranks by
 tokens (``sgl_piecewise.models.layers``).
+
+Every user error (a bad flag, a model that does not split over ``--tp``)
+prints one line, ``error: ...``, and exits 2, as argparse's own usage
+errors do; the flags and the model's config are checked before a rank
+starts or a model loads.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from rich.console import Console
@@ -39,21 +45,24 @@ from rich.text import Text
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.distributed import RankFailedError, init_tensor_parallel, launch, tensor_parallel
 from sgl_piecewise.engine.bench import (
+    BENCH_POLICIES,
     DTYPES,
     RANDOM_MODEL,
     backend_factory,
     bench,
     check_backend,
+    check_bench_flags,
+    check_tensor_parallel,
     load_model,
     parse_policies,
+    resolve_device_dtype,
 )
-from sgl_piecewise.engine.speculative_bench import add_draft_argument, bench_draft
+from sgl_piecewise.engine.speculative_bench import add_draft_argument, bench_draft, check_draft_flags
 from sgl_piecewise.engine.text import SMOLLM2
 from sgl_piecewise.engine.verify import NOISE_FACTOR, TOLERANCE, verify
 from sgl_piecewise.errors import InvalidInputError, SglPiecewiseError
 from sgl_piecewise.runners.dispatch import POLICIES
 
-BENCH_POLICIES = ("none", "full", "piecewise", "breakable", "auto")  # the table's order: eager first
 VERIFY_POLICIES = ("auto", "breakable")
 DESCRIPTION = (
     "The CUDA-graph and torch.compile layer of an LLM engine, from the command line: "
@@ -72,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-len", type=int, default=48, help="--model random: longest prompt, ragged down to half of it"
     )
     b.add_argument("--new-tokens", type=int, default=32, help="most new tokens per prompt (a real model stops at EOS)")
-    b.add_argument("--graphs", default=",".join(BENCH_POLICIES),
-                   help=f"comma-separated graph policies among {POLICIES}, run in that order")  # fmt: skip
+    b.add_argument("--graphs", default=None,
+                   help=f"comma-separated graph policies among {POLICIES}, run in that order "
+                        f"(default: {','.join(BENCH_POLICIES)}; with --draft see there)")  # fmt: skip
     b.add_argument("--max-capture-size", type=int, default=64, help="largest token count captured as graphs")
     add_draft_argument(b)
     v = sub.add_parser("verify", help="graph replay vs eager on random ragged batches")
@@ -113,10 +123,28 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
     return bench(args, console) if args.draft is None else bench_draft(args, console)
 
 
-def verify_command(args: argparse.Namespace, console: Console) -> int:
-
+def check_verify_flags(args: argparse.Namespace) -> List[str]:
+    """Every flag of ``verify`` that can be checked without the model; its policies."""
     policies = parse_policies(args.graphs, [g for g in POLICIES if g != "none"])
     check_backend(args.backend, policies)
+    resolve_device_dtype(args.device, args.dtype)
+    return policies
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The command's flags, checked before a rank starts or a model loads:
+    a bad one is then one ``error:`` line, not a rank's traceback."""
+    if args.command == "verify":
+        check_verify_flags(args)
+    elif args.draft is None:
+        check_bench_flags(args)
+    else:
+        check_draft_flags(args)
+
+
+def verify_command(args: argparse.Namespace, console: Console) -> int:
+
+    policies = check_verify_flags(args)
     device, dtype, model = load_model(args)
     reports = verify(
         model,
@@ -149,11 +177,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     console = Console()
     try:
         ranks = _ranks(args)
-        sp = args.sequence_parallel
+        check_flags(args)
+        if ranks > 1:
+            check_tensor_parallel(args.model, ranks)
+        sp, device = args.sequence_parallel, _launch_device(args)
         if ranks > 1 and "WORLD_SIZE" not in os.environ:  # start the ranks; each runs the command
-            return max(launch(_run_rank, ranks, argv, device=_launch_device(args.device), sequence_parallel=sp))
+            return max(launch(_run_rank, ranks, argv, device=device, sequence_parallel=sp))
         if ranks > 1:  # a rank of torchrun's world: an error ends it, and torchrun the others
-            init_tensor_parallel(device=_launch_device(args.device), sequence_parallel=sp)
+            init_tensor_parallel(device=device, sequence_parallel=sp)
             return _run_rank(argv)
         return _run(args, console)
     except RankFailedError as exc:  # its message names the rank and carries its traceback
@@ -175,8 +206,8 @@ def _ranks(args: argparse.Namespace) -> int:
     return ranks
 
 
-def _launch_device(device: str) -> str:
-    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device).type
+def _launch_device(args: argparse.Namespace) -> str:
+    return resolve_device_dtype(args.device, args.dtype)[0].type
 
 
 def _run_rank(argv: Sequence[str]) -> int:

@@ -2,19 +2,20 @@
 measurement behind ``sgl-piecewise bench --draft SPEC`` and
 ``benchmarks/bench_speculative.py``.
 
-Both runs use one target ``ModelRunner``; with a graph-capable backend the
-target gets whole-model graphs for DECODE (plain greedy) and TARGET_VERIFY,
-the draft for DECODE and DRAFT_EXTEND_V2 (``k + 1`` tokens per request).
-Prefills run eagerly in both. Each run is warmed up (kernel JIT, allocator)
-before it is timed; tokens per second count every generated token of the
-batch over the run's wall time.
+Both runs use one target ``ModelRunner``; with whole-model graphs (``--graphs
+full``, the default where the backend has graph hooks) the target gets them
+for DECODE (plain greedy) and TARGET_VERIFY, the draft for DECODE and
+DRAFT_EXTEND_V2 (``k + 1`` tokens per request); with ``--graphs none`` both
+run eagerly. Prefills run eagerly in both. Each run is warmed up (kernel
+JIT, allocator) before it is timed; tokens per second count every
+generated token of the batch over the run's wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from rich.table import Table
@@ -22,7 +23,15 @@ from rich.table import Table
 from sgl_piecewise.backends.factory import get_backend_class
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.options import default_capture_sizes
-from sgl_piecewise.engine.bench import backend_factory, check_backend, load_model, ragged_prompts
+from sgl_piecewise.engine.bench import (
+    backend_factory,
+    check_backend,
+    load_model,
+    parse_policies,
+    ragged_prompts,
+    resolve_device_dtype,
+    tp_title,
+)
 from sgl_piecewise.engine.drafts import DRAFT_SPELLING, DraftSpec, build_draft_model, parse_draft_spec
 from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.engine.speculative import speculative_generate
@@ -82,43 +91,91 @@ def compare_greedy_and_speculative(
 
 
 # ---- the command line: sgl-piecewise bench --draft SPEC ------------------------------
+# The speculative runs have whole-model graphs (full) or none: no token-axis graphs.
+DRAFT_POLICIES = ("full", "none")
+WHOLE_MODEL_GRAPHS = {"full": "on", "none": "off"}
+
+
 def add_draft_argument(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--draft",
         default=None,
-        help=f"compare plain greedy with speculative decoding instead of the --modes: {DRAFT_SPELLING}; "
-        "self = the target itself, self-layers = its first N layers, random = an unrelated model",
+        help=f"compare plain greedy with speculative decoding instead of the graph policies: {DRAFT_SPELLING}; "
+        "self = the target itself, self-layers = its first N layers, random = an unrelated model; "
+        f"--graphs then among {', '.join(DRAFT_POLICIES)} (default: full where the backend has graph hooks)",
     )
+
+
+def draft_policies(args: argparse.Namespace) -> List[str]:
+    """``--graphs`` of ``bench --draft``: given, a list among DRAFT_POLICIES
+    (the backend then must have graph hooks for full); else full where the
+    backend has graph hooks, none where it has not."""
+    check_backend(args.backend, [])
+    if args.graphs is None:
+        return ["full" if get_backend_class(args.backend).supports_cuda_graph else "none"]
+    policies = parse_policies(args.graphs, DRAFT_POLICIES, flag="--graphs with --draft")
+    check_backend(args.backend, policies)
+    return policies
+
+
+def check_draft_flags(args: argparse.Namespace) -> Tuple[DraftSpec, List[str]]:
+    """Every flag of ``bench --draft`` that can be checked without the model:
+    the draft and the graph policies."""
+    for name in ("batch_size", "prompt_len", "new_tokens"):
+        check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
+    spec = parse_draft_spec(args.draft)
+    policies = draft_policies(args)
+    resolve_device_dtype(args.device, args.dtype)
+    return spec, policies
 
 
 def bench_draft(args: argparse.Namespace, console) -> int:
-    """``bench --draft``: one table row per run; 1 when float32 runs differ.
-    Prompts, backend and device come as for the other bench modes."""
-    for name in ("batch_size", "prompt_len", "new_tokens"):
-        check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
-    spec = parse_draft_spec(args.draft)  # before the model loads
-    check_backend(args.backend, [])
-    graphs = get_backend_class(args.backend).supports_cuda_graph
+    """``bench --draft``: two table rows (plain greedy, speculative) per
+    graph policy; 1 when float32 runs differ. Prompts, backend and device
+    come as for the other bench modes."""
+    spec, policies = check_draft_flags(args)  # before the model loads
     device, dtype, model = load_model(args)
     prompts = ragged_prompts(args.batch_size, args.prompt_len, model.config.vocab_size, args.seed)
+    graphs = ", then ".join(WHOLE_MODEL_GRAPHS[p] for p in policies)
+    why = " (no graph hooks)" if args.graphs is None and policies == ["none"] else ""
     console.print(
         f"model: {args.model or 'embedded default (random weights)'} | draft {spec} | device {device} | {dtype} | "
-        f"backend {args.backend} | whole-model graphs {'on' if graphs else 'off (no graph hooks)'} | "
+        f"backend {args.backend} | whole-model graphs {graphs}{why} | "
         f"batch {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens"
     )
-    r = compare_greedy_and_speculative(model, spec, prompts, args.new_tokens, backend_factory(args.backend, model),
-                                       graphs=graphs)  # fmt: skip
-    table = Table(title=f"sgl-piecewise bench --draft {spec}")
-    for col in ("run", "tokens/s", "speed-up", "acceptance rate", "target steps"):
-        table.add_column(col, justify="left" if col == "run" else "right")
-    table.add_row("plain greedy", f"{r['plain_tokens_per_s']:.1f}", "1.00x", "-", str(r["plain_decode_steps"]))
-    table.add_row("speculative", f"{r['speculative_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
-                  f"{r['acceptance_rate']:.2f}", str(r["verify_steps"]))  # fmt: skip
-    console.print(table)
+    runs = {
+        p: compare_greedy_and_speculative(
+            model, spec, prompts, args.new_tokens, backend_factory(args.backend, model), graphs=p == "full"
+        )  # fmt: skip
+        for p in policies
+    }
+    console.print(_draft_table(spec, runs))
     console.print("target steps: after the prefill, decode steps (plain) or verify steps (speculative)")
+    failed = False
+    for policy, r in runs.items():
+        failed |= _check_draft(policy if len(runs) > 1 else "", r, dtype, console)
+    return 1 if failed else 0
+
+
+def _draft_table(spec: DraftSpec, runs: Dict[str, Dict[str, object]]) -> Table:
+    table = Table(title=tp_title(f"sgl-piecewise bench --draft {spec}"))
+    for col in ("graphs", "run", "tokens/s", "speed-up", "acceptance rate", "target steps"):
+        table.add_column(col, justify="left" if col in ("graphs", "run") else "right")
+    for policy, r in runs.items():
+        table.add_row(policy, "plain greedy", f"{r['plain_tokens_per_s']:.1f}", "1.00x", "-",
+                      str(r["plain_decode_steps"]))  # fmt: skip
+        table.add_row(policy, "speculative", f"{r['speculative_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
+                      f"{r['acceptance_rate']:.2f}", str(r["verify_steps"]))  # fmt: skip
+    return table
+
+
+def _check_draft(policy: str, r: Dict[str, object], dtype: torch.dtype, console) -> bool:
+    """Print the check of one run (named by ``policy`` where there are
+    several); True where float32 tokens differ."""
+    label = f"graphs {policy}: " if policy else ""
     if not r["identical_tokens"] and dtype == torch.float32:
-        console.print("[red]check failed: float32 speculative decoding must give plain greedy's tokens[/red]")
-        return 1
+        console.print(f"[red]{label}check failed: float32 speculative decoding must give plain greedy's tokens[/red]")
+        return True
     same = "identical tokens" if r["identical_tokens"] else "tokens differ (expected in reduced precision)"
-    console.print(f"check: {same}; eager fallbacks: {r['eager_fallbacks'] or 'none'}")
-    return 0
+    console.print(f"{label}check: {same}; eager fallbacks: {r['eager_fallbacks'] or 'none'}")
+    return False

@@ -156,7 +156,7 @@ def load_model(
         return load_transformers_model(gguf_path or model_dir, dtype, device)
     if gguf_path is not None:
         return gguf.load_gguf_model(gguf_path, dtype, device)
-    if _architecture(model_dir) in ADAPTER_ONLY:
+    if checkpoint_architecture(model_dir) in ADAPTER_ONLY:
         return load_transformers_model(model_dir, dtype, device)
     config = ModelConfig.from_pretrained_dir(model_dir)
     with open_safetensors(checkpoint_files(model_dir)) as slices:
@@ -170,7 +170,7 @@ def load_model(
 ADAPTER_ONLY = tuple(a for a in ADAPTER_ARCHITECTURES if a not in SUPPORTED_ARCHITECTURES)
 
 
-def _architecture(model_dir: str) -> Optional[str]:
+def checkpoint_architecture(model_dir: str) -> Optional[str]:
     """The architecture a checkpoint directory's config.json names, refused
     (naming it) unless a native model or the adapter runs it."""
     path = os.path.join(model_dir, "config.json")
