@@ -37,21 +37,16 @@ __all__ = [
 
 def _register_dynamo_backend() -> None:
     """Make ``backend="sgl_piecewise"`` work without an installed entry point
-    (a source checkout on ``PYTHONPATH``).
-
-    An installed package is found through its ``torch_dynamo_backends`` entry
-    point, which torch loads by importing this package and then registers
-    itself. Registering here too would make torch's registration fail on a
-    duplicate name, so the name is registered here only when this package
-    carries no such entry point.
-    """
+    (a source checkout). An installed package is registered by torch through
+    its ``torch_dynamo_backends`` entry point, and a second registration of the
+    name would fail."""
     if _installed_entry_point():
         return
-    import torch._dynamo
+    from torch._dynamo import register_backend
 
     from sgl_piecewise.compile.backend import sgl_piecewise_backend
 
-    torch._dynamo.register_backend(sgl_piecewise_backend, name="sgl_piecewise")
+    register_backend(sgl_piecewise_backend, name="sgl_piecewise")
 
 
 def _installed_entry_point() -> bool:

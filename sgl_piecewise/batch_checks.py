@@ -1,23 +1,10 @@
-"""One validation of a ``ForwardBatch`` against the pools it will run on.
-
-A caller-built batch is not trusted: a row index of -1 reads the last row of
-the request table, a real token given the dummy slot writes where padding
-writes, a slot of another live request overwrites its cache, lengths that
-disagree make each backend attend over different keys, and an index past
-the pool is a device-side assert that ends the whole CUDA context. Every
-such batch is refused here, before any kernel runs, with an
-``expected …, got …`` message.
-
-Two tiers, so that the check costs little on the hot path:
-
-* host checks, always: shapes, dtypes, devices, the host length fields and
-  their consistency with the mode, and the values of the request rows and
-  new-token slots (from the batch's host copies: no wait for the device);
-* device checks, under ``debug_checks`` (and always when the batch lives on
-  the CPU, where they cost no synchronisation): the device length tensors
-  against their host copies, positions, and that the request table maps each
-  new token's position to that token's slot, i.e. the slot belongs to the
-  request at that position and not to another one.
+"""One validation of a ``ForwardBatch`` against the pools it will run on. A
+caller-built batch is not trusted: a bad row or slot index reads or writes
+another request's cache, or ends the CUDA context with a device assert. Host
+checks run always (shapes, dtypes, devices, lengths, and rows and slots from
+the host copies); device checks (the device tensors against their host
+copies, positions, the table mapping each new token to its slot) run under
+``debug_checks``, and always on the CPU, where they cost no wait.
 """
 
 from __future__ import annotations
@@ -43,11 +30,7 @@ def check_batch(
     *,
     debug_checks: bool = False,
 ) -> None:
-    """Raise ``InvalidInputError`` if ``batch`` cannot run on these pools.
-
-    Host checks always; device checks with ``debug_checks`` or on the CPU
-    (module docstring).
-    """
+    """Raise ``InvalidInputError`` if ``batch`` cannot run on these pools."""
     prefix, extend, rows = _check_lengths_tensors_rows(batch, req_pool, kv_pool)
     slots = _first(_host_copy(batch.out_cache_loc_cpu, batch.out_cache_loc), sum(extend))
     _check_slots(slots, kv_pool)
@@ -62,7 +45,7 @@ def _host_copy(host: Optional[torch.Tensor], device_tensor: torch.Tensor) -> tor
 
 
 def _first(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t[:n]``; ``t`` itself where it holds ``n`` already (a slice costs a few µs each step)."""
+    """``t[:n]``; ``t`` itself where it holds ``n`` already (no slice on the hot path)."""
     return t if t.shape[0] == n else t[:n]
 
 
@@ -107,10 +90,7 @@ def _check_lengths_in_range(prefix: List[int], extend: List[int], max_context_le
 
 
 def _check_mode_widths(batch: ForwardBatch, extend: List[int]) -> None:
-    """New tokens per request as the mode defines them: 1 in DECODE,
-    ``spec_info.num_tokens_per_req`` in TARGET_VERIFY, at most that in
-    DRAFT_EXTEND_V2 (an eager step may carry fewer; graphs pad to the
-    uniform width), none in IDLE, at least 1 elsewhere."""
+    """New tokens per request as the mode defines them."""
     mode = batch.forward_mode
     if mode.is_idle():
         if batch.batch_size:
@@ -138,10 +118,8 @@ def _check_mode_widths(batch: ForwardBatch, extend: List[int]) -> None:
 
 
 def _check_accept_lengths(batch: ForwardBatch, extend: List[int], device: torch.device, values: bool) -> None:
-    """DRAFT_EXTEND_V2's optional ``spec_info.accept_lengths [bs]``: the
-    accepted rows at the head of each request's block, whose last one gives
-    the request's logits. A value of 0 or above the block would pick another
-    request's row, so values are checked with the device checks."""
+    """DRAFT_EXTEND_V2's optional ``accept_lengths``: a value of 0 or above the
+    block would pick another request's row (values checked on the device)."""
     spec = batch.spec_info
     if not batch.forward_mode.is_draft_extend_v2() or spec is None or spec.accept_lengths is None:
         return
@@ -200,8 +178,7 @@ def _check_rows(rows: torch.Tensor, req_pool: "ReqToTokenPool") -> None:
         raise InvalidInputError(f"req_pool_indices: expected distinct rows, got {values[:16]}")
 
 
-# Up to this many new tokens the slot checks run on Python lists: a few
-# microseconds, where each torch op on a small host tensor costs several.
+# Up to this many new tokens the slot checks run on Python lists (cheaper than torch ops).
 _SMALL_SLOT_COUNT = 1024
 
 
@@ -260,13 +237,9 @@ def _check_device_values(batch, req_pool, prefix, extend, rows, slots) -> None:
 
 
 def check_metadata_batch(batch: ForwardBatch, req_pool: "ReqToTokenPool", kv_pool: "KVPool") -> None:
-    """Raise ``InvalidInputError`` if an attention backend's metadata cannot
-    describe ``batch``: ``check_batch``'s host checks less the new tokens'
-    slots and positions, which the metadata never reads (``forward_context``
-    checks them before any K/V is written; a capture batch whose every token
-    writes the dummy slot passes here on purpose). On the CPU, where it
-    costs no wait, the row indices the fills gather with are checked as well
-    as their host copy."""
+    """Raise ``InvalidInputError`` if a backend's metadata cannot describe
+    ``batch``: the host checks less the new tokens' slots and positions, which
+    the metadata never reads (``forward_context`` checks them)."""
     _check_lengths_tensors_rows(batch, req_pool, kv_pool)
     rows, host = batch.req_pool_indices, batch.req_pool_indices_cpu
     if host is not None and rows is not host and rows.device.type == "cpu":  # the rows the fills gather with
@@ -274,8 +247,7 @@ def check_metadata_batch(batch: ForwardBatch, req_pool: "ReqToTokenPool", kv_poo
 
 
 def _check_lengths_tensors_rows(batch: ForwardBatch, req_pool: "ReqToTokenPool", kv_pool: "KVPool"):
-    """What both checks share: the batch's kind, its host lengths, its
-    tensors, and its request rows (from the host copy); ``(prefix, extend, rows)``."""
+    """What both checks share; ``(prefix, extend, rows)``."""
     if not isinstance(batch, ForwardBatch):
         raise InvalidInputError(f"batch: expected a ForwardBatch, got {type(batch).__name__}")
     if not isinstance(batch.forward_mode, ForwardMode):

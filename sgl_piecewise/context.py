@@ -1,10 +1,7 @@
 """The forward context: the step's batch and attention backend, as the
-attention ops of this thread see them.
-
-The ops run outside Dynamo's view (they are opaque custom ops), so reading
-this context costs no graph break and no recompile. The backend is typed by
-the protocol below, the part of ``backends.base.AttentionBackend`` that this
-layer and the ops call: the backends sit above this module.
+attention ops of this thread see them. The ops are opaque custom ops, so
+reading it costs no graph break; the backend is typed by a protocol, as
+the backends sit above this module.
 """
 
 from __future__ import annotations
@@ -63,13 +60,9 @@ class ForwardContext:
     num_tokens: int = 0  # the batch's real tokens, summed once per step
     args_checked: bool = False  # an attention call of this step has had its arguments checked
     out_cache_loc: Optional[torch.Tensor] = None  # the real tokens' slots, sliced once per step
-    # Set by the breakable runner while it captures or checks a step
-    # (runners/breakable.py): the attention ops hand each call to it instead
-    # of attending. None on every other path, where the ops pay one check.
+    # Set by the breakable runner (runners/breakable.py): the ops hand each call to it.
     breakable: Optional[Callable[..., None]] = None
-    # Set once a layer of this step attended through the backend's per-step
-    # plan (``AttentionBackend.layer_attend``): the attention between compiled
-    # pieces tries it first for every later layer.
+    # Set once a layer attended through the backend's per-step plan (``layer_attend``).
     layer_attend: Optional[Callable[..., bool]] = None
 
 
@@ -84,18 +77,10 @@ def forward_context(
     check: bool = True,
     debug_checks: bool = False,
 ) -> Iterator[ForwardContext]:
-    """Make ``batch`` and ``backend`` visible to the attention ops of this thread.
-
-    The ops run outside Dynamo's view (they are opaque custom ops), so reading
-    this context costs no graph break and no recompile.
-
-    ``check``: validate ``batch`` against the backend's pools first
-    (``batch_checks.check_batch``; ``debug_checks`` adds the device-side
-    checks). Runners that validated the batch already, or that run their own
-    padded static batches, pass ``check=False``. ``debug_checks`` also makes
-    the attention between compiled pieces check its arguments at every layer
-    (otherwise at the step's first layer: the rest share its shapes).
-    """
+    """Make ``batch`` and ``backend`` visible to this thread's attention ops.
+    ``check``: validate ``batch`` first (runners that did, or that run their own
+    static batches, pass False); ``debug_checks`` adds the device checks and
+    checks the attention arguments at every layer, not the step's first only."""
     if check:
         check_batch(batch, backend.req_to_token_pool, backend.kv_pool, debug_checks=debug_checks)
     stack = _stack()

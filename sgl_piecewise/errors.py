@@ -1,8 +1,5 @@
-"""One exception base for the library, and the errors users can act on.
-
-Bad *input* raises ``ValueError``/``TypeError`` subclasses (so generic callers
-can catch them as usual) that also derive from :class:`SglPiecewiseError`, so
-callers of this library can catch everything it raises in one clause.
+"""One exception base for the library: bad input raises ``ValueError`` or
+``TypeError`` subclasses that also derive from :class:`SglPiecewiseError`.
 """
 
 
@@ -19,11 +16,7 @@ class InvalidTypeError(SglPiecewiseError, TypeError):
 
 
 class KVPoolExhaustedError(SglPiecewiseError, RuntimeError):
-    """The paged KV pool (or the request table) has no room for a request.
-
-    Raised before anything is allocated: every slot held before the call is
-    still held, and the pool is unchanged.
-    """
+    """The KV pool or request table has no room; raised before anything is allocated."""
 
 
 class NoForwardContextError(SglPiecewiseError, RuntimeError):

@@ -1,19 +1,9 @@
-"""The data of one forward step, and the context the attention ops read it from.
-
-Conventions (docs/ARCHITECTURE.md, "Length conventions"; the same in every backend, through ``backends/lengths.py``):
-
-* ``extend_seq_lens[r]`` is the number of *new* tokens of request ``r`` in this
-  step, in every mode (1 for DECODE, ``num_tokens_per_req`` for TARGET_VERIFY,
-  ``num_tokens_per_req`` for DRAFT_EXTEND_V2, 0 requests for IDLE).
-* ``extend_prefix_lens[r]`` is the number of tokens already in the KV cache
-  before this step.
-* ``seq_lens[r]`` is ``prefix + new`` (the cache length after this step), except
-  in TARGET_VERIFY and DRAFT_EXTEND_V2, where — as in SGLang — it is the
-  *prefix* length; the key extent is then ``seq_lens + extend_seq_lens``
-  (upstream SGLang PR 26512). ``ForwardMode.seq_lens_exclude_new_tokens`` tells which.
-* Token-major tensors (``input_ids``, ``positions``, ``out_cache_loc``) may be
-  longer than ``num_tokens`` (padding for a graph); rows past ``num_tokens``
-  are padding and never reach a real output.
+"""The data of one forward step. Lengths, the same in every backend
+(docs/ARCHITECTURE.md, "Length conventions"): ``extend_seq_lens`` counts
+each request's new tokens, ``extend_prefix_lens`` its cached ones, and
+``seq_lens`` is prefix + new, except in TARGET_VERIFY and DRAFT_EXTEND_V2,
+where, as in SGLang, it is the prefix (``seq_lens_exclude_new_tokens``).
+Token-major tensors may be padded past ``num_tokens`` for a graph.
 """
 
 from __future__ import annotations
@@ -38,7 +28,6 @@ class ForwardMode(enum.IntEnum):
     DRAFT_EXTEND_V2 = 7
 
     def is_extend(self) -> bool:
-        """Modes whose attention is an extend kernel (many query rows per request)."""
         return self in (
             ForwardMode.EXTEND,
             ForwardMode.MIXED,
@@ -68,9 +57,7 @@ class ForwardMode(enum.IntEnum):
         return self == ForwardMode.DRAFT_EXTEND_V2
 
     def is_cuda_graph(self) -> bool:
-        """Modes a whole-model (batch-axis) graph can serve: a uniform number
-        of new tokens per request, or none (docs/ARCHITECTURE.md, "Runners");
-        ``CudaGraphRunner`` captures each of them."""
+        """Modes a whole-model (batch-axis) graph can serve: a uniform number of new tokens, or none."""
         return self in (
             ForwardMode.DECODE,
             ForwardMode.TARGET_VERIFY,
@@ -79,11 +66,11 @@ class ForwardMode(enum.IntEnum):
         )
 
     def seq_lens_exclude_new_tokens(self) -> bool:
-        """True where ``seq_lens`` holds the prefix only (upstream SGLang PR 26512)."""
+        """True where ``seq_lens`` holds the prefix only."""
         return self in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2)
 
     def has_uniform_query_width(self) -> bool:
-        """Every request has the same number of new tokens (upstream SGLang PR 25002)."""
+        """Every request has the same number of new tokens."""
         return self in (
             ForwardMode.DECODE,
             ForwardMode.TARGET_VERIFY,
@@ -93,16 +80,9 @@ class ForwardMode(enum.IntEnum):
 
 @dataclass
 class SpecInfo:
-    """Speculative-decoding inputs of one step.
-
-    ``num_tokens_per_req``: uniform query width (TARGET_VERIFY: the tokens
-    scored per request; DRAFT_EXTEND_V2: tokens per request). ``accept_lengths``:
-    accepted tokens per request (DRAFT_EXTEND v1, ragged; in DRAFT_EXTEND_V2,
-    optional: the accepted rows at the head of each uniform block, the last of
-    which gives the request's logits). ``custom_mask``: an
-    optional tree mask for TARGET_VERIFY, bool, the concatenation over requests
-    of a row-major ``[q_len, kv_len]`` block (prefix columns included).
-    """
+    """Speculative-decoding inputs of one step: ``num_tokens_per_req`` (the
+    uniform query width), ``accept_lengths`` (accepted tokens per request) and
+    ``custom_mask`` (TARGET_VERIFY's optional tree mask, row-major blocks)."""
 
     num_tokens_per_req: Optional[int] = None
     accept_lengths: Optional[torch.Tensor] = None
@@ -127,9 +107,7 @@ class ForwardBatch:
     extend_prefix_lens_cpu: List[int] = field(default_factory=list)
     num_token_non_padded: Optional[torch.Tensor] = None  # scalar int32
     spec_info: Optional[SpecInfo] = None
-    # Host copies of the two index tensors, so a batch's rows and slots are
-    # checked without reading the device (``build`` fills them; None: the
-    # check copies the device tensors back, which waits for the device).
+    # Host copies of the index tensors, so the checks need not wait for the device.
     req_pool_indices_cpu: Optional[torch.Tensor] = None  # [bs] int64
     out_cache_loc_cpu: Optional[torch.Tensor] = None  # [T] int64
 
@@ -144,8 +122,7 @@ class ForwardBatch:
 
     @property
     def seq_lens_sum(self) -> int:
-        # A Python sum of the host list: a tensor sum and .item() cost about
-        # 4 µs more, and a whole-model replay asks for it before its graph.
+        # A Python sum of the host list: cheaper than a tensor sum and .item().
         return sum(self.seq_lens_cpu.tolist()) if self.batch_size else 0
 
     @classmethod
@@ -159,13 +136,9 @@ class ForwardBatch:
         out_cache_loc: torch.Tensor,
         spec_info: Optional[SpecInfo] = None,
     ) -> "ForwardBatch":
-        """Derive every length field and the positions from prefix/new counts.
-
-        ``req_pool_indices [bs]`` and ``out_cache_loc [>= sum(extend_lens)]``
-        (int64) may be on the host (as ``allocate_requests`` and
-        ``KVPool.alloc`` return them) or on ``input_ids``' device; the batch
-        holds them on that device and keeps host copies for its checks.
-        """
+        """Derive every length field and the positions from prefix and new counts.
+        The index tensors may be on the host or the device; the batch holds them on
+        ``input_ids``' device and keeps host copies for its checks."""
         prefix_lens, extend_lens = check_request_lens(prefix_lens, extend_lens)
         bs = len(prefix_lens)
         for name, t in (("req_pool_indices", req_pool_indices), ("out_cache_loc", out_cache_loc)):
@@ -210,8 +183,7 @@ class ForwardBatch:
 
 
 def token_positions(prefix_lens: torch.Tensor, extend_lens: torch.Tensor) -> torch.Tensor:
-    """``[sum(extend_lens)]`` int64: request ``r``'s new tokens sit at positions
-    ``prefix_lens[r] .. prefix_lens[r] + extend_lens[r] - 1``, requests back to back."""
+    """``[sum(extend_lens)]`` int64: each request's new tokens' positions, requests back to back."""
     extend = extend_lens.to(torch.int64)
     n = int(extend.sum())
     starts = torch.cumsum(extend, 0) - extend  # first token row of each request

@@ -1,13 +1,8 @@
-"""Paged KV memory: the request-to-token table and the token-to-KV pool.
-
-Pages are one token wide (as SGLang's default): ``req_to_token[req, pos]`` is
-the KV slot of token ``pos`` of request ``req``; per layer, K and V are
-``[num_slots, num_kv_heads, head_dim]``. Slot ``DUMMY_SLOT`` is never handed
-out: padded tokens write their K/V there, so padding never touches a real
-request's cache.
-
-Allocation is all-or-nothing: when a request cannot be served the pool raises
-:class:`KVPoolExhaustedError` *before* changing anything.
+"""Paged KV memory, one token a page (as SGLang's default): ``req_to_token[req,
+pos]`` is the KV slot of a request's token; per layer, K and V are
+``[num_slots, num_kv_heads, head_dim]``. Padded tokens write the never
+handed-out ``DUMMY_SLOT``. Allocation is all or nothing:
+:class:`KVPoolExhaustedError` is raised before anything changes.
 """
 
 from __future__ import annotations
@@ -53,7 +48,6 @@ class ReqToTokenPool:
         return taken
 
     def is_allocated(self, row: int) -> bool:
-        """Whether ``row`` is held by a live request (False for any out-of-range value)."""
         return 0 <= row < self.max_reqs and self._allocated[row]
 
     def free(self, rows: Sequence[int]) -> None:
@@ -79,8 +73,7 @@ class ReqToTokenPool:
         self.req_to_token[row, start:end] = slots.to(self.req_to_token)
 
     def write_next(self, rows: torch.Tensor, positions: Sequence[int], slots: torch.Tensor) -> None:
-        """Record one slot per row at that row's ``positions[i]`` (a decode step),
-        in one indexed write rather than a loop over requests."""
+        """Record one slot per row at its ``positions[i]`` (a decode step), in one write."""
         if positions and max(positions) >= self.max_context_len:
             raise InvalidInputError(
                 f"request too long: expected at most {self.max_context_len} tokens of context, got {max(positions) + 1}"
@@ -89,9 +82,7 @@ class ReqToTokenPool:
         self.req_to_token[rows.to(self.device), cols] = slots.to(self.req_to_token)
 
     def write_block(self, rows: torch.Tensor, starts: Sequence[int], slots: torch.Tensor) -> None:
-        """Record ``slots [b, w]`` as the slots of positions ``starts[i] ..
-        starts[i] + w - 1`` of ``rows[i]`` (a speculative step's window), in
-        one indexed write."""
+        """Record ``slots [b, w]`` at positions ``starts[i] ..`` of ``rows[i]``, in one write."""
         width = slots.shape[1]
         if starts and max(starts) + width > self.max_context_len:
             raise InvalidInputError(
@@ -102,10 +93,8 @@ class ReqToTokenPool:
         self.req_to_token[rows.to(self.device).view(-1, 1), cols.to(self.device)] = slots.to(self.req_to_token)
 
     def unmap(self, rows: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        """The slots recorded at ``(rows[i], positions[i])``, int64 on the host;
-        those entries point at the dummy slot again. The caller frees the
-        slots (``KVPool.free``). Refuses, changing nothing, a pair that maps
-        no slot: the slot was given back already."""
+        """The slots recorded at ``(rows[i], positions[i])`` (int64, host), pointed at
+        the dummy slot again; the caller frees them. A pair mapping no slot is refused."""
         r = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
         c = torch.tensor(list(positions), dtype=torch.int64, device=self.device)
         slots = self.req_to_token[r, c].to("cpu", torch.int64)
@@ -117,9 +106,7 @@ class ReqToTokenPool:
         return slots
 
     def mapped_slots(self, rows: Sequence[int]) -> torch.Tensor:
-        """Every slot ``rows`` map, int64 on the host: what they hold, when
-        each slot a request holds is recorded in its row (as
-        ``allocate_requests`` and ``write_block`` leave it)."""
+        """Every slot ``rows`` map, int64 on the host."""
         table = self.req_to_token[torch.tensor(list(rows), dtype=torch.int64, device=self.device)]
         return table[table != DUMMY_SLOT].to("cpu", torch.int64)
 
@@ -130,15 +117,9 @@ def allocate_requests(
     prefix_lens: Sequence[int],
     extend_lens: Sequence[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows and KV slots for new requests, all or nothing.
-
-    Each request ``r`` gets a row whose first ``prefix_lens[r] + extend_lens[r]``
-    positions map to fresh slots. Returns ``(req_pool_indices [bs] int64,
-    out_cache_loc [sum(extend_lens)] int64)`` on the host: the rows and the
-    slots of the new tokens (``ForwardBatch.build`` moves them to the device).
-    Everything that can fail is checked before anything is taken, and a
-    failure part-way gives back what was taken, so no call leaks a row or a slot.
-    """
+    """Rows and KV slots for new requests, all or nothing: ``(req_pool_indices
+    [bs], out_cache_loc [sum(extend_lens)])`` int64 on the host. Everything is
+    checked before anything is taken; a failure part-way gives it back."""
     prefix_lens, extend_lens = check_request_lens(prefix_lens, extend_lens)
     for r, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
         if p + e > req_pool.max_context_len:
@@ -188,11 +169,8 @@ def check_request_lens(prefix_lens: Sequence[int], extend_lens: Sequence[int]) -
 
 
 class KVPool:
-    """Per-layer K and V buffers over ``num_slots`` usable slots (+ the dummy).
-
-    Which slots are free is host bookkeeping (slot ids on the host), so
-    allocating, freeing and checking a batch's slots never waits for the device.
-    """
+    """Per-layer K and V over ``num_slots`` usable slots (plus the dummy); which
+    slots are free is kept on the host, so nothing waits for the device."""
 
     def __init__(
         self,
@@ -216,8 +194,7 @@ class KVPool:
         # allocated[s]: slot s is held by a request. The dummy slot never is.
         self._allocated = torch.zeros(num_slots + 1, dtype=torch.bool)
         # The same memory as a numpy array: a decode step's few slot ids are
-        # looked up one by one in Python (1 us) instead of indexing the tensor
-        # with them (12 us, every step, before the graph can launch).
+        # looked up in Python, cheaper than indexing the tensor with them.
         self._allocated_view = self._allocated.numpy()
 
     @property
@@ -243,20 +220,14 @@ class KVPool:
         return in_range & self._allocated[slots.clamp(0, self.num_slots)]
 
     def all_allocated(self, slots: Union[torch.Tensor, Sequence[int]]) -> bool:
-        """Every host slot id in ``slots`` (a tensor, or a list of ints; already
-        known to lie in the pool) is held."""
         if isinstance(slots, torch.Tensor):
             return bool(self._allocated[slots].all())
         held = self._allocated_view
         return all(held[s] for s in slots)
 
     def free(self, slots: torch.Tensor) -> None:
-        """Release ``slots`` (all or none: a bad slot leaves the pool as it was).
-
-        Refuses the dummy slot, ids outside the pool, slots that are not
-        allocated (a double free would hand one slot to two requests) and a
-        slot named twice.
-        """
+        """Release ``slots``, all or none; refuses the dummy slot, ids outside the
+        pool, unallocated slots (a double free) and a slot named twice."""
         slots = slots.detach().to("cpu", torch.int64).flatten()
         if not slots.numel():
             return
@@ -280,10 +251,7 @@ class KVPool:
             raise InvalidInputError(f"layer_id: expected an int in [0, {self.num_layers}), got {layer_id!r}")
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k, v [n, num_kv_heads, head_dim]`` at slots ``loc [n]`` (int64).
-
-        ``index_copy_`` rather than ``buf[loc] = k``: the same write, without
-        Python's advanced-indexing path, once per layer per step."""
+        """Write ``k, v [n, num_kv_heads, head_dim]`` at slots ``loc [n]`` (``index_copy_``)."""
         self.k_buffers[layer_id].index_copy_(0, loc, k)
         self.v_buffers[layer_id].index_copy_(0, loc, v)
 

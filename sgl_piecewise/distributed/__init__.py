@@ -1,14 +1,8 @@
-"""Tensor parallelism: the group of ranks, and its collectives as custom ops.
-
-A model calls ``tp.all_reduce(x)``, ``tp.all_gather(x, dim)`` or
-``tp.reduce_scatter(x)`` on its :class:`TensorParallel` (``tensor_parallel()``
-by default): each is an out-of-place custom op (``comm_ops.py``) that
-Dynamo traces without a graph break and a CUDA graph captures; at one rank
-each returns its input. :func:`init_tensor_parallel` builds the group from
-torchrun's environment; :func:`prepare_communication`, before any capture,
-allocates the symmetric memory that makes small all-reduces one kernel
-(one-shot, or two-shot for the larger of them);
-:func:`launch` runs a function on several local ranks (tests, benchmarks).
+"""Tensor parallelism: the group of ranks (:class:`TensorParallel`,
+:func:`init_tensor_parallel` from torchrun's environment), its collectives
+as custom ops that Dynamo traces and CUDA graphs capture (``comm_ops.py``),
+the symmetric memory :func:`prepare_communication` allocates before any
+capture, and :func:`launch` to run a function on local ranks.
 """
 
 from sgl_piecewise.distributed.comm_ops import (

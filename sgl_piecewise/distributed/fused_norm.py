@@ -1,39 +1,10 @@
-"""The all-reduce after a row-parallel projection fused with the residual add
-and RMSNorm that follow it: FlashInfer's ``trtllm_allreduce_fusion``
-(pattern ``kARResidualRMSNorm``), one kernel in place of the all-reduce and
-the add-and-norm kernel, twice per decoder layer; for rows wider than
-:data:`FUSED_MAX_ROW_BYTES` the same kernel's all-reduce alone (pattern
-``kAllReduce``, :func:`all_reduce`), which with our add-and-norm kernel
-after it is measured faster there than the fused kernel.
-
-Its all-reduce is a one-shot Lamport protocol: each rank stores its partial
-sums into every peer's buffer over NVLink, and a reader knows a value has
-arrived because it no longer holds the buffer's "empty" marker (negative
-zero), so no barrier precedes the sum; three buffers take turns, each
-cleared by the kernel that uses the next. The buffers are torch symmetric
-memory (peer-mapped, no multicast), allocated and exchanged once per group
-by :func:`allocate` (a collective, before any CUDA graph capture). Which
-buffer comes next is kept on the device, so graph replays and eager calls
-advance it alike, as long as every rank makes the same calls in the same
-order, as tensor-parallel ranks do.
-
-Arithmetic (``fp32_acc``): the ranks' partial sums add in float32 and round
-once to the dtype, then the residual adds in float32 and rounds once: what
-``residual + all_reduce(partial)`` gives at two ranks. The norm multiplies
-``x * rsqrt(mean(x**2) + eps) * weight`` in float32 and rounds once, where
-the formula (``models/norm.py``) rounds ``x * rsqrt(...)`` to the dtype
-before the weight: the same in float32 up to the order the squares add in,
-within a rounding in half precision.
-
-What a workspace serves (:meth:`Workspace.serves`): ``[T, H]`` of its dtype (bf16,
-fp16 or fp32) and hidden size on its device, ``T`` at most its token
-count. ``prepare_communication`` sizes it for messages of at most
-:data:`MAX_BYTES` and at most :data:`MAX_TOKENS` (the one-shot kernel's
-limit). Larger steps take the unfused path.
-
-Needs the ``flashinfer`` package (``AVAILABLE``); :func:`build` compiles
-its kernels once per machine (minutes; then FlashInfer's cache serves), and
-``prepare_communication`` calls it, outside any capture.
+"""FlashInfer's ``trtllm_allreduce_fusion``: the all-reduce after a
+row-parallel projection fused with the residual add and RMSNorm after it,
+one kernel (a one-shot Lamport all-reduce over peer-mapped symmetric memory,
+no multicast, no barrier); rows wider than :data:`FUSED_MAX_ROW_BYTES` take
+its all-reduce alone. Sums in float32, rounded once. Needs ``flashinfer``;
+:func:`build` compiles its kernels once per machine, :func:`allocate` is
+collective and runs before any capture.
 """
 
 from __future__ import annotations
@@ -50,14 +21,8 @@ from sgl_piecewise.distributed import registry
 AVAILABLE: bool = importlib.util.find_spec("flashinfer") is not None
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_TOKENS = 128  # the one-shot kernel's limit (FlashInfer's kOneShotMaxToken)
-# The largest message it is measured faster at (32 tokens of hidden size
-# 4096 in bf16: bench_all_reduce.py --fused-norm, docs/BENCHMARKS.md).
+# Sizes where the fused kernel is faster (docs/BENCHMARKS.md).
 MAX_BYTES = 256 * 1024
-# Rows of at most this many bytes take the fused kernel; wider ones take its
-# all-reduce alone, then the library's add + RMSNorm kernel. Measured a call
-# at one token in bf16 (bench_all_reduce.py --fused-norm, docs/BENCHMARKS.md),
-# fused against apart: hidden 896, 4.3 against 4.9 us; 2048, 4.8 against
-# 4.6; 4096, 5.7 against 4.9 (and so at 8 and 32 tokens).
 FUSED_MAX_ROW_BYTES = 2048
 _VECTOR_BYTES = 16  # a row is read in 16-byte vectors
 
@@ -65,7 +30,6 @@ _comm: Any = None  # flashinfer.comm, imported by build()
 
 
 def shape_ok(hidden_size: int, dtype: torch.dtype) -> bool:
-    """Can the kernel take rows of ``hidden_size`` elements of ``dtype``?"""
     return dtype in DTYPES and hidden_size * dtype.itemsize % _VECTOR_BYTES == 0
 
 
@@ -97,9 +61,7 @@ class Workspace:
 
 
 def build() -> None:
-    """Import FlashInfer's communication module and build its kernels (the
-    first time on a machine, then cached), on this rank alone: raises what
-    FlashInfer raises where it cannot."""
+    """Import FlashInfer's comm module and build its kernels on this rank (raises where it cannot)."""
     global _comm
     if _comm is None:  # a heavy import, made only where it is used
         comm = importlib.import_module("flashinfer.comm")
@@ -107,18 +69,22 @@ def build() -> None:
         _comm = comm
 
 
-def allocate(rank: int, size: int, max_tokens: int, hidden_size: int, dtype: torch.dtype,
-             device: torch.device, group_name: str) -> Workspace:  # fmt: skip
-    """A workspace for ``[<= max_tokens, hidden_size]`` messages of ``dtype``,
-    registered as the group's newest, after one call of each pattern (so
-    that nothing runs for the first time inside a capture). Collective: every
-    rank calls it with the same arguments, after :func:`build` succeeded on
-    every rank."""
+def allocate(
+    rank: int, size: int, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device, group_name: str
+) -> Workspace:
+    """A workspace for ``[<= max_tokens, hidden_size]`` of ``dtype``, each pattern
+    run once (nothing runs first inside a capture). Collective, after
+    :func:`build`."""
     group = registry.resolve_group(group_name)
     handles, pointers, metadata = _comm.trtllm_create_ipc_workspace_for_all_reduce_fusion(
-        rank, size, max_tokens, hidden_size, use_fp32_lamport=dtype == torch.float32, group=group,
+        rank,
+        size,
+        max_tokens,
+        hidden_size,
+        use_fp32_lamport=dtype == torch.float32,
+        group=group,
         create_metadata=True,
-    )  # fmt: skip
+    )
     x = torch.zeros(1, hidden_size, dtype=dtype, device=device)
     workspace = Workspace(rank, size, max_tokens, hidden_size, dtype, x.device, pointers, metadata, handles)
     add_rms_norm(workspace, x, x, torch.ones(hidden_size, dtype=dtype, device=device), 1e-6)
@@ -129,7 +95,6 @@ def allocate(rank: int, size: int, max_tokens: int, hidden_size: int, dtype: tor
 
 
 def serving(group_name: str, x: torch.Tensor) -> Optional[Workspace]:
-    """The group's newest workspace that serves ``x``, or None."""
     for workspace in reversed(registry.workspaces(group_name)):
         if workspace.serves(x):
             return workspace
@@ -137,16 +102,12 @@ def serving(group_name: str, x: torch.Tensor) -> Optional[Workspace]:
 
 
 def fuses_norm(hidden_size: int, dtype: torch.dtype) -> bool:
-    """Do rows of ``hidden_size`` elements of ``dtype`` take the fused kernel
-    (:func:`add_rms_norm`), or the all-reduce alone (:func:`all_reduce`) and
-    a separate add + norm?"""
+    """Do such rows take the fused kernel, or the all-reduce alone and a separate norm?"""
     return hidden_size * dtype.itemsize <= FUSED_MAX_ROW_BYTES
 
 
 def all_reduce(workspace: Workspace, partial: torch.Tensor) -> torch.Tensor:
-    """The ranks' sum of ``partial [T, H]`` (float32 sums, rounded once),
-    through the same one-shot kernel and workspace, without the add and
-    norm. ``partial`` must be served by the workspace."""
+    """The ranks' sum of ``partial [T, H]`` through the same kernel, without the norm."""
     out = torch.empty(partial.shape, dtype=partial.dtype, device=partial.device)
     _launch(
         workspace,
@@ -162,11 +123,10 @@ def all_reduce(workspace: Workspace, partial: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def add_rms_norm(workspace: Workspace, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(x, normed)``: ``x = residual + `` the ranks' sum of ``partial``
-    ``[T, H]``, ``normed`` its RMSNorm by ``weight``, in one kernel.
-    ``partial`` and ``residual`` must be served by the workspace."""
+def add_rms_norm(
+    workspace: Workspace, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(x, normed)``: ``residual`` plus the ranks' sum of ``partial``, and its RMSNorm."""
     x, normed = (torch.empty(partial.shape, dtype=residual.dtype, device=residual.device) for _ in range(2))
     _launch(
         workspace,
@@ -183,13 +143,23 @@ def add_rms_norm(workspace: Workspace, partial: torch.Tensor, residual: torch.Te
 
 
 def _launch(workspace: Workspace, partial: torch.Tensor, pattern: Any, **outputs: Any) -> None:
-    """``trtllm_allreduce_fusion`` over the workspace with ``pattern``: the
-    one-shot kernel, float32 sums, no quantisation; ``outputs`` name the
-    pattern's operands."""
     tokens, hidden = partial.shape
     _comm.trtllm_allreduce_fusion(
-        allreduce_in=partial.contiguous(), world_size=workspace.size, world_rank=workspace.rank, token_num=tokens,
-        hidden_dim=hidden, workspace_ptrs=workspace.pointers, launch_with_pdl=False, trigger_completion_at_end=True,
-        fp32_acc=True, pattern_code=pattern, use_oneshot=True, quant_out=None, scale_out=None, scale_factor=None,
-        layout_code=None, metadata=workspace.metadata, **outputs,
-    )  # fmt: skip
+        allreduce_in=partial.contiguous(),
+        world_size=workspace.size,
+        world_rank=workspace.rank,
+        token_num=tokens,
+        hidden_dim=hidden,
+        workspace_ptrs=workspace.pointers,
+        launch_with_pdl=False,
+        trigger_completion_at_end=True,
+        fp32_acc=True,
+        pattern_code=pattern,
+        use_oneshot=True,
+        quant_out=None,
+        scale_out=None,
+        scale_factor=None,
+        layout_code=None,
+        metadata=workspace.metadata,
+        **outputs,
+    )

@@ -1,16 +1,8 @@
-"""The tensor-parallel group: its ranks, its process groups, and its
-collectives as methods.
-
-:func:`init_tensor_parallel` builds the group from the environment torchrun
-sets and makes it current; :func:`tensor_parallel` returns the current one,
-or a single rank where none was built, so a model written for tensor
-parallelism runs unchanged on one device. The collectives return their
-input itself at one rank: no op, no copy, nothing in a traced graph.
-
-Two process groups on the same ranks: the device group (NCCL on CUDA, gloo
-on the CPU) runs the collectives of the forward pass; a gloo group runs
-barriers and object exchanges on the host, so those never queue behind the
-device's work (on the CPU the two are one).
+"""The tensor-parallel group: its ranks, process groups and collectives.
+:func:`tensor_parallel` is a single rank where none was built, so a model
+written for tensor parallelism runs unchanged on one device (each
+collective then returns its input). The device group (NCCL, gloo on the CPU)
+runs the forward's collectives; a gloo group runs host-side barriers.
 """
 
 from __future__ import annotations
@@ -31,15 +23,12 @@ from sgl_piecewise.internals import symm_mem
 
 logger = logging.getLogger("sgl_piecewise.distributed")
 
-# Never multicast (NVLS): set before NCCL or symmetric memory starts. The
-# GPU hosts this library runs on are shared, and multicast objects there are
-# off for everyone; a value that would turn it on is overridden (logged).
+# Never NVLink multicast (NVLS): set before NCCL or symmetric memory starts.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def set_safe_env(environ: Optional[MutableMapping[str, str]] = None) -> None:
-    """Set :data:`SAFE_ENV`'s variables in ``environ`` (the process's
-    environment by default), whatever it held; never unsets one."""
+    """Set :data:`SAFE_ENV` in ``environ`` (the process's by default), whatever it held."""
     environ = os.environ if environ is None else environ
     for name, value in SAFE_ENV.items():
         held = environ.get(name)
@@ -50,15 +39,8 @@ def set_safe_env(environ: Optional[MutableMapping[str, str]] = None) -> None:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """One rank's view of its tensor-parallel group.
-
-    ``group_name`` is the device process group's name ("" at one rank): the
-    communication ops take it. ``device`` is this rank's device (None for
-    the single rank :func:`tensor_parallel` returns when none was built).
-    ``sequence_parallel``: models built in this group split their residual
-    stream across the ranks by tokens (``models/layers.py``); nothing at one
-    rank.
-    """
+    """One rank's view of its group: ``group_name`` is what the ops take ("" at
+    one rank); ``sequence_parallel`` splits the models' residual stream by tokens."""
 
     rank: int
     size: int
@@ -69,13 +51,11 @@ class TensorParallel:
     sequence_parallel: bool = False
 
     def __deepcopy__(self, memo: dict) -> "TensorParallel":
-        """The group itself: a copy of a model (an fp32 twin) is a model of
-        the same ranks, and process groups cannot be copied."""
+        """The group itself (a model's copy has the same ranks)."""
         return self
 
     @property
     def splits_sequence(self) -> bool:
-        """Is the residual stream split across several ranks by tokens?"""
         return self.size > 1 and self.sequence_parallel
 
     @property
@@ -84,30 +64,23 @@ class TensorParallel:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of ``x`` over the ranks, as a new tensor; ``x`` itself at one rank."""
         if self.size == 1:
             return x
         return torch.ops.sgl_piecewise.all_reduce(x, self.group_name)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Every rank's ``x`` concatenated along ``dim`` in rank order; ``x`` at one rank."""
         if self.size == 1:
             return x
         return torch.ops.sgl_piecewise.all_gather(x, dim, self.size, self.group_name)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over the ranks, then this rank's ``1/size`` share of dim 0
-        (which ``size`` must divide); ``x`` at one rank."""
         if self.size == 1:
             return x
         return torch.ops.sgl_piecewise.reduce_scatter(x, self.size, self.group_name)
 
     def fuses_all_reduce_norm(self, hidden_size: int, dtype: torch.dtype, device: Union[str, torch.device]) -> bool:
-        """Can a model's row-parallel projection of ``hidden_size`` outputs in
-        ``dtype`` on ``device`` all-reduce, add its residual and normalise
-        in one op (``fused_norm.py``)? Where the group has several ranks on
-        CUDA, the stream is not split by tokens, FlashInfer is installed and
-        its kernel takes the rows. A model asks when it is built."""
+        """Can a row-parallel projection's all-reduce, residual add and RMSNorm run
+        as one op (``fused_norm.py``) here?"""
         return (
             self.size > 1
             and not self.splits_sequence
@@ -118,12 +91,11 @@ class TensorParallel:
         )
 
     def barrier(self) -> None:
-        """Wait for every rank, on the host (the gloo group)."""
+        """Wait for every rank, on the host."""
         if self.size > 1:
             dist.barrier(group=self.cpu_group)
 
     def all_gather_object(self, obj: Any) -> List[Any]:
-        """Every rank's picklable ``obj``, in rank order (the gloo group)."""
         if self.size == 1:
             return [obj]
         out: List[Any] = [None] * self.size
@@ -133,32 +105,20 @@ class TensorParallel:
 
 _SINGLE = TensorParallel(rank=0, size=1, group_name="")
 _current: Optional[TensorParallel] = None
-_owns_world = False  # whether destroy_tensor_parallel destroys torch.distributed's default group
+_owns_world = False  # destroy_tensor_parallel destroys torch.distributed's default group
 
 
 def tensor_parallel() -> TensorParallel:
-    """The current group; a single rank where none was initialised."""
     return _SINGLE if _current is None else _current
 
 
 def init_tensor_parallel(
     *, device: Union[str, torch.device, None] = None, timeout_s: float = 300, sequence_parallel: bool = False
 ) -> TensorParallel:
-    """Build the group from torchrun's environment (``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and make it current.
-
-    ``device``: ``cuda`` (NCCL; this rank's GPU is ``LOCAL_RANK``, or the
-    index given, and becomes the current device), ``cpu`` (gloo), or None
-    for ``cuda`` where a GPU is visible. Without ``WORLD_SIZE``, or with 1,
-    the group is a single rank and no process group is made. ``timeout_s``
-    bounds every collective's wait. ``sequence_parallel``: the models built
-    in the group split their residual stream by tokens
-    (:attr:`TensorParallel.sequence_parallel`). A second call with the same
-    world returns the current group (with this ``sequence_parallel`` for
-    the models built from then on); with another, it raises (destroy first). If
-    ``torch.distributed`` was initialised already, its default group is the
-    device group (it must match the environment and the device).
-    """
+    """Build the group from torchrun's environment and make it current.
+    ``device``: ``cuda`` (NCCL, GPU ``LOCAL_RANK``), ``cpu`` (gloo) or None
+    (``cuda`` where visible). Without ``WORLD_SIZE`` (or 1), a single rank. A
+    second call with the same world returns the current group; another raises."""
     _check_timeout(timeout_s)
     if not isinstance(sequence_parallel, bool):
         raise InvalidTypeError(f"sequence_parallel: expected a bool, got {sequence_parallel!r}")
@@ -191,20 +151,16 @@ def init_tensor_parallel(
 
 
 def destroy_tensor_parallel() -> None:
-    """Destroy the current group's process groups and forget its buffers;
-    :func:`tensor_parallel` returns a single rank again. Every rank calls it.
-
-    The CUDA graphs captured while the group was current
-    (:func:`track_graph`) are reset first: their NCCL kernels would keep
-    the communicators from being destroyed, and a replay after the group is
-    gone has no peer to meet. Replaying one afterwards raises torch's error."""
+    """Destroy the current group (every rank calls it). The graphs captured while
+    it was current are reset first: their NCCL kernels would block the
+    communicators' destruction."""
     global _current, _owns_world
     tp, _current = _current, None
     if tp is None or tp.size == 1:
         return
     if tp.device is not None and tp.device.type == "cuda":
         torch.cuda.synchronize(tp.device)  # no replay still running when its graph is freed
-    registry.reset_graphs(tp.group_name)  # else NCCL waits for them (registry.py)
+    registry.reset_graphs(tp.group_name)
     registry.forget_group(tp.group_name)
     if tp.cpu_group is not tp.device_group:
         dist.destroy_process_group(tp.cpu_group)
@@ -214,32 +170,17 @@ def destroy_tensor_parallel() -> None:
 
 
 def track_graph(graph: "torch.cuda.CUDAGraph") -> None:
-    """Note a CUDA graph just captured: where the current group has several
-    ranks, :func:`destroy_tensor_parallel` resets it (it may hold the group's
-    collectives). The capture core calls it for every graph it records."""
+    """Note a just-captured graph, reset by :func:`destroy_tensor_parallel`."""
     if _current is not None and _current.size > 1:
         registry.add_graph(_current.group_name, graph)
 
 
 def prepare_communication(max_tokens: int, hidden_size: int, dtype: torch.dtype, device) -> None:
-    """Allocate what the current group's small all-reduces use, for
-    ``max_tokens x hidden_size`` of ``dtype`` (capped at
-    ``comm_ops.SMALL_ALL_REDUCE_MAX_BYTES`` a message: larger ones go
-    through NCCL anyway): the symmetric-memory buffer of the one-shot and
-    two-shot ops, and, where FlashInfer is installed, the workspace of the
-    fused all-reduce + residual add + RMSNorm (``fused_norm.py``; capped at
-    its own ``MAX_BYTES``).
-
-    Call it once, on every rank with the same arguments (the buffers'
-    handles are exchanged: a collective), before any CUDA graph is
-    captured: a capture bakes in the buffers' addresses and cannot allocate
-    them. A no-op at one rank, on the CPU, where symmetric memory is
-    unavailable (logged), and for what is large enough already. A larger
-    request allocates anew and keeps the old buffers for the graphs that
-    use them. Where allocation fails (no peer access between the GPUs;
-    FlashInfer cannot build on some rank), a warning is logged and separate
-    kernels, or NCCL, serve.
-    """
+    """Allocate what the group's small all-reduces use for ``max_tokens x
+    hidden_size`` of ``dtype``: the symmetric-memory buffer and, with
+    FlashInfer, the fused-norm workspace. Collective, before any capture (a
+    graph bakes in the addresses). A no-op at one rank or on the CPU; where
+    allocation fails, a warning, and NCCL or separate kernels serve."""
     check_positive_int("max_tokens", max_tokens)
     check_positive_int("hidden_size", hidden_size)
     if not isinstance(dtype, torch.dtype):
@@ -273,12 +214,8 @@ def _prepare_one_shot(tp: TensorParallel, needed: int, device: torch.device) -> 
 
 
 def _prepare_fused_norm(tp: TensorParallel, max_tokens: int, hidden_size: int, dtype: torch.dtype, device) -> None:
-    """The workspace of the fused all-reduce + residual add + RMSNorm, for
-    as many tokens as it is measured faster at (``fused_norm.py``). Where
-    FlashInfer cannot build on some rank, no rank allocates one (logged):
-    ranks that disagreed on the path would wait for each other forever.
-    None where no projection can take it (``fuses_all_reduce_norm``: under
-    sequence parallelism, say)."""
+    """The fused-norm workspace; where FlashInfer cannot build on some rank, no
+    rank allocates one (ranks must agree on the path)."""
     if not tp.fuses_all_reduce_norm(hidden_size, dtype, device):
         return
     measured = fused_norm.MAX_BYTES // (hidden_size * dtype.itemsize)
@@ -288,7 +225,7 @@ def _prepare_fused_norm(tp: TensorParallel, max_tokens: int, hidden_size: int, d
     try:
         fused_norm.build()
         error = None
-    except Exception as e:  # whatever FlashInfer raises where it cannot build: the separate kernels serve
+    except Exception as e:  # whatever FlashInfer raises: the separate kernels serve
         error = f"{type(e).__name__}: {e}"
     errors = [f"rank {r}: {e}" for r, e in enumerate(tp.all_gather_object(error)) if e is not None]
     if errors:
@@ -298,20 +235,17 @@ def _prepare_fused_norm(tp: TensorParallel, max_tokens: int, hidden_size: int, d
 
 
 def symmetric_buffer_bytes() -> int:
-    """The current group's symmetric-memory buffer size; 0 when its small
-    all-reduces go through NCCL."""
+    """The current group's symmetric buffer size (0: NCCL only)."""
     return registry.symmetric_buffer_bytes(tensor_parallel().group_name)
 
 
 def _buffer_bytes(needed: int) -> int:
-    """``needed`` capped at the small-message threshold, rounded up to 16
-    bytes (the op's widest vector access)."""
+    """``needed`` capped at the small-message threshold, rounded up to 16 bytes."""
     nbytes = min(needed, comm_ops.SMALL_ALL_REDUCE_MAX_BYTES)
     return -(-nbytes // 16) * 16
 
 
 def _init_world(rank: int, world: int, dev: torch.device, timeout_s: float) -> TensorParallel:
-    """The process groups of a world of several ranks."""
     global _owns_world
     set_safe_env()
     backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -332,7 +266,6 @@ def _init_world(rank: int, world: int, dev: torch.device, timeout_s: float) -> T
 
 
 def _check_existing_world(rank: int, world: int, backend: str) -> None:
-    """A world torch.distributed was initialised with by the caller must be this one."""
     got = (dist.get_rank(), dist.get_world_size())
     if got != (rank, world):
         raise InvalidInputError(
@@ -348,7 +281,6 @@ def _set_current(tp: TensorParallel) -> None:
 
 
 def _rank_device(device: Union[str, torch.device, None], world: int) -> torch.device:
-    """This rank's device: ``cuda`` means ``cuda:LOCAL_RANK``."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if not isinstance(device, (str, torch.device)):

@@ -1,14 +1,7 @@
-"""Run a function on several ranks of one host, as torchrun would start them.
-
-:func:`launch` is for tests, benchmarks and examples: it spawns the ranks
-(``torch.multiprocessing.start_processes``), gives each the environment
-torchrun sets, builds the tensor-parallel group in each, calls the function
-and returns every rank's result. A rank that raises ends the run: torch's
-``ProcessContext.join`` terminates the others (SIGTERM after a grace
-period, then SIGKILL), and :func:`launch` raises :class:`RankFailedError`
-with the failing rank's traceback. Where several ranks fail, the first to
-fail is the cause (a peer of a dead rank fails in its collective after it),
-so each rank records when it failed.
+"""Run a function on several ranks of one host, as torchrun would start them
+(tests, benchmarks, examples). A rank that raises ends the run:
+:class:`RankFailedError` names the first rank that failed (a peer of a dead
+rank fails after it) with its traceback.
 """
 
 from __future__ import annotations
@@ -31,15 +24,13 @@ from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.distributed.groups import destroy_tensor_parallel, init_tensor_parallel, set_safe_env
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, SglPiecewiseError
 
-# After a rank fails: how long the others get to end on their own, then again
-# after SIGTERM before SIGKILL.
+# After a rank fails: how long the others get to end, then again after SIGTERM.
 GRACE_S = 3.0
 _POLL_S = 0.5
 
 
 class RankFailedError(SglPiecewiseError, RuntimeError):
-    """A rank of :func:`launch` raised (or died); ``rank`` is the first that
-    failed and ``cause`` its traceback text."""
+    """A rank of :func:`launch` failed: ``rank`` the first, ``cause`` its traceback."""
 
     def __init__(self, message: str, rank: int, cause: str):
         super().__init__(message)
@@ -48,8 +39,7 @@ class RankFailedError(SglPiecewiseError, RuntimeError):
 
 
 class LaunchTimeoutError(SglPiecewiseError, TimeoutError):
-    """The ranks of :func:`launch` did not finish within its ``timeout_s``;
-    every rank was ended."""
+    """The ranks did not finish within ``timeout_s``; every rank was ended."""
 
 
 def launch(
@@ -60,19 +50,9 @@ def launch(
     timeout_s: Optional[float] = None,
     sequence_parallel: bool = False,
 ) -> List[Any]:
-    """Run ``fn(*args)`` on ``nprocs`` new processes, each a rank of a
-    tensor-parallel group on ``device`` (``init_tensor_parallel(device=...,
-    sequence_parallel=...)`` done before ``fn`` runs); return every rank's
-    (picklable) return value, in rank order.
-
-    ``fn`` must be a module-level function (spawn pickles it by name). Each
-    rank gets ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, and
-    ``groups.SAFE_ENV``. ``timeout_s`` (None: no limit) bounds
-    the whole run and every collective's wait; past it every rank is ended
-    and :class:`LaunchTimeoutError` raised. A rank that raises ends every
-    rank, and :class:`RankFailedError` names it with its traceback.
-    """
+    """Run ``fn(*args)`` (module-level, picklable result) on ``nprocs`` new
+    ranks of a group on ``device``; return the results in rank order.
+    ``timeout_s`` bounds the run and every collective."""
     _check_fn(fn)
     check_positive_int("nprocs", nprocs)
     if timeout_s is not None and (
@@ -92,13 +72,15 @@ def launch(
 
 
 def _run_rank(local_rank: int, setup: tuple, fn: Callable, args: tuple) -> None:
-    """One rank: torchrun's environment, the group, ``fn``, its result or
-    failure written where :func:`launch` reads it."""
     nprocs, port, device, timeout_s, sequence_parallel, folder = setup
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), WORLD_SIZE=str(nprocs),
-        LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(nprocs),
-    )  # fmt: skip
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(local_rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(nprocs),
+    )
     set_safe_env()
     try:
         timeout = {} if timeout_s is None else {"timeout_s": timeout_s}
@@ -113,18 +95,10 @@ def _run_rank(local_rank: int, setup: tuple, fn: Callable, args: tuple) -> None:
 
 
 def _exit_done() -> None:
-    """End a rank that has done its work without the interpreter's
-    finalisation, as multiprocessing's forked children end (``os._exit``).
-
-    A gloo worker thread may still hold the last reference to a finished
-    collective's tensors, and dropping it needs the GIL: while the
-    interpreter finalises, that aborts the process (SIGABRT, "terminate
-    called without an active exception"; pytorch/pytorch#190489), failing a
-    rank whose result is already written (about one run in ten of the
-    collectives' test on a 2-core CPU). The exit handlers run first, with
-    the interpreter whole (they end Inductor's compile workers and release
-    their semaphores), then the output is flushed."""
-    atexit._run_exitfuncs()  # what finalisation runs first (logging's flush too); CPython's since 3.0
+    """End a finished rank without interpreter finalisation (``os._exit``): a
+    gloo thread dropping a tensor then may abort the process. Exit handlers run
+    first."""
+    atexit._run_exitfuncs()  # what finalisation runs first (logging's flush too)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -145,8 +119,7 @@ def _join(context, timeout_s: Optional[float], folder: str) -> None:
 
 
 def _first_failure(folder: str, exc: ProcessException, nprocs: int) -> RankFailedError:
-    """The rank that failed first, from the ranks' records; torch's own
-    report where no rank recorded one (a rank killed by a signal)."""
+    """The rank that failed first; torch's own report where none recorded it."""
     records = []
     for rank in range(nprocs):
         path = Path(folder) / f"error-{rank}.pkl"
@@ -165,8 +138,6 @@ def _first_failure(folder: str, exc: ProcessException, nprocs: int) -> RankFaile
 
 
 def _end_all(context) -> None:
-    """Every rank ended: SIGTERM, then SIGKILL after the grace period (a
-    no-op where all have exited)."""
     alive = [p for p in context.processes if p.is_alive()]
     for p in alive:
         p.terminate()
@@ -179,15 +150,12 @@ def _end_all(context) -> None:
 
 
 def _check_fn(fn: object) -> None:
-    """Spawn pickles ``fn`` by its module and name: refuse what it cannot
-    find there, before any process starts."""
     qualname = getattr(fn, "__qualname__", "")
     if not callable(fn) or not getattr(fn, "__module__", None) or "<" in qualname or "." in qualname:
         raise InvalidInputError(f"fn: expected a module-level function (spawn pickles it by name), got {fn!r}")
 
 
 def _free_port() -> int:
-    """A port free now on 127.0.0.1 (the OS's choice)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,12 +1,7 @@
-"""The process groups, symmetric-memory buffers and fused-norm workspaces
-the communication ops find by a group's name, and the CUDA graphs captured
-while a group was current.
-
-The ops take the name, a string, rather than the group: a custom op's
-arguments are tensors and plain values, and a string is what Dynamo puts
-in a graph as a constant. ``torch.distributed`` keeps its own name-to-group
-table, but only privately; this one holds the groups
-:func:`~sgl_piecewise.distributed.init_tensor_parallel` made.
+"""The process groups, symmetric-memory buffers, fused-norm workspaces and
+CUDA graphs the communication ops find by a group's name: a string is what
+Dynamo puts in a graph as a constant (``torch.distributed``'s own table is
+private).
 """
 
 from __future__ import annotations
@@ -20,20 +15,15 @@ import torch.distributed as dist
 from sgl_piecewise.errors import InvalidInputError
 
 _groups: Dict[str, "dist.ProcessGroup"] = {}
-# Per group, every buffer allocated, the newest last: the ops use the newest;
-# the older ones stay allocated, because a graph captured with one replays it.
+# Per group, every buffer, newest last: the ops use the newest, graphs the older.
 _buffers: Dict[str, List[torch.Tensor]] = {}
-# Per group, the same for the fused all-reduce + norm's workspaces (fused_norm.py).
 _workspaces: Dict[str, List[Any]] = {}
-# Per group, the CUDA graphs captured while it was current, held weakly. NCCL
-# does not destroy a communicator while a graph holding its kernels exists:
-# destroy_process_group() waits for that forever (pytorch/pytorch#115388), and
-# a compiled function's cache keeps its graphs alive as long as the process.
+# Per group, the graphs captured while it was current (weakly): NCCL will not
+# destroy a communicator while a graph holding its kernels lives.
 _graphs: Dict[str, "weakref.WeakSet[torch.cuda.CUDAGraph]"] = {}
 
 
 def register_group(group: "dist.ProcessGroup") -> str:
-    """Make ``group`` findable by its name; return the name."""
     name = group.group_name
     _groups[name] = group
     return name
@@ -51,7 +41,6 @@ def resolve_group(name: str) -> "dist.ProcessGroup":
 
 
 def forget_group(name: str) -> None:
-    """Drop the group, its buffers, workspaces and graphs (when the group is destroyed)."""
     _groups.pop(name, None)
     _buffers.pop(name, None)
     for workspace in _workspaces.pop(name, ()):
@@ -60,14 +49,11 @@ def forget_group(name: str) -> None:
 
 
 def add_graph(name: str, graph: "torch.cuda.CUDAGraph") -> None:
-    """Remember ``graph`` (weakly) as one that may hold the group's collectives."""
     _graphs.setdefault(name, weakref.WeakSet()).add(graph)
 
 
 def reset_graphs(name: str) -> int:
-    """Reset (free) every live graph captured while the group was current, so
-    that its communicators can be destroyed; return how many. A reset graph
-    refuses a later replay with torch's error."""
+    """Reset every live graph captured while the group was current; return how many."""
     graphs = list(_graphs.pop(name, ()))
     for graph in graphs:
         graph.reset()
@@ -79,14 +65,11 @@ def add_buffer(name: str, buffer: torch.Tensor) -> None:
 
 
 def symmetric_buffer(name: str) -> Optional[torch.Tensor]:
-    """The group's newest symmetric-memory buffer, or None."""
     buffers = _buffers.get(name)
     return buffers[-1] if buffers else None
 
 
 def symmetric_buffer_bytes(name: str) -> int:
-    """The size of the buffer the group's small all-reduces use; 0 when none
-    was allocated (they then go through NCCL)."""
     buffer = symmetric_buffer(name)
     return 0 if buffer is None else buffer.numel() * buffer.element_size()
 
@@ -96,5 +79,4 @@ def add_workspace(name: str, workspace: Any) -> None:
 
 
 def workspaces(name: str) -> List[Any]:
-    """The group's fused-norm workspaces, the newest last."""
     return list(_workspaces.get(name, ()))

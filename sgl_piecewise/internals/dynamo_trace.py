@@ -1,39 +1,8 @@
-"""What Dynamo's trace of the graph being compiled tells beyond the graph:
-the source files it read and whether it had side effects. Read inside the
-backend, while Dynamo is compiling.
-
-What it bypasses: Dynamo keeps both in its tracing state and exposes
-neither publicly.
-
-* :func:`traced_code`: ``torch._guards.TracingContext.get_traced_code()``,
-  the code objects the trace inlined. A saved compile
-  (``compile/precompiled.py``) stores a hash of each of their files and is
-  stale once one changed.
-* :func:`mutated_existing_objects`: the instruction translator of the
-  running trace (``torch._dynamo.symbolic_convert.InstructionTranslator.current_tx()``),
-  its ``output.side_effects`` (``id_to_variable``, ``is_modified``) and
-  the mutation kinds of objects the trace created itself
-  (``torch._dynamo.variables.base.AttributeMutationNew``,
-  ``ValueMutationNew``): how many objects that existed before the call the
-  trace mutated (an attribute set in ``forward``, a global, a cell). A
-  graph with such effects is not the whole call, and may not be called
-  without Dynamo.
-
-Why: both gate the calls without Dynamo. A ``CompiledModel`` calls its
-graph directly after its first compile (Dynamo's per-call guards skipped)
-only where the trace had no side effects, and with
-``CompileOptions(cache_dir=...)`` saves the compile whole only where it
-also knows the traced files: a later process then starts without Dynamo or
-Inductor (warm start 9-11 s -> 2-4 s for the 0.5B shape,
-docs/BENCHMARKS.md).
-
-Written against torch 2.11-2.13. :data:`AVAILABLE` says at import whether
-the calls and classes are there (the instance attributes by the names the
-constructors set). It is read at every call, so a test sets it False to
-force the fallback: both functions raise :class:`TraceUnreadable`, and the
-callers treat that as "unknown": nothing is saved, and every call goes
-through Dynamo as ``torch.compile`` does, with the reason logged. Outputs
-are the same; the start is a cold one, and each call pays Dynamo's guards.
+"""What Dynamo's trace tells beyond the graph (written against torch
+2.11-2.13): the code it inlined (``TracingContext.get_traced_code``) and its
+side effects (the ``InstructionTranslator``'s ``side_effects``). Why: a
+graph is called without Dynamo, or saved whole, only where both are known.
+Fallback: :class:`TraceUnreadable`; every call goes through Dynamo.
 """
 
 from __future__ import annotations
@@ -47,16 +16,14 @@ TORCH_VERSIONS = ("2.11", "2.13")  # written against; others are only checked fo
 
 
 class TraceUnreadable(Exception):
-    """This torch's trace state cannot be read (:data:`AVAILABLE` False)."""
+    """:data:`AVAILABLE` is False."""
 
 
 def _sets(cls: type, attribute: str) -> bool:
-    """Does ``cls``'s constructor set ``attribute`` (by the names its code uses)?"""
     return attribute in getattr(getattr(cls.__init__, "__code__", None), "co_names", ())
 
 
 def _check() -> str:
-    """Why this torch lacks what the module uses ('' when it has it all)."""
     needed = (
         ("torch._guards", "TracingContext"),
         ("torch._dynamo.symbolic_convert", "InstructionTranslator"),
@@ -101,16 +68,12 @@ def _require() -> None:
 
 
 def traced_code() -> List[Any]:
-    """The code objects Dynamo traced for the graph being compiled."""
     _require()
     return list(_TracingContext.get_traced_code() or ())
 
 
 def mutated_existing_objects() -> int:
-    """How many objects that existed before the traced call the trace
-    mutated (attributes, globals, cells). Objects the trace created itself
-    reach the caller only through the result or through an existing object,
-    whose mutation counts here."""
+    """How many objects that existed before the traced call the trace mutated."""
     _require()
     effects = _InstructionTranslator.current_tx().output.side_effects
     new = (_AttributeMutationNew, _ValueMutationNew)

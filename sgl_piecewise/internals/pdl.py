@@ -1,19 +1,7 @@
-"""Programmatic dependent launch (PDL) for the library's Triton kernels.
-
-A kernel launched with PDL (Triton's launch option ``launch_pdl=True``) may
-be scheduled while the kernel before it on the stream is still running; it
-calls ``gdc_wait()`` before it touches anything that kernel writes or reads,
-and ``gdc_launch_dependents()`` to let the next one be scheduled early. In a
-CUDA graph the launches become programmatic edges, so a chain of such
-kernels runs without the drain and launch gap between kernels. A kernel
-launched without PDL is a full barrier: the chain breaks there, but nothing
-goes wrong.
-
-Written against Triton 3.4-3.6 (the launch option and the two functions of
-``triton.language.extra.cuda``, public but undocumented); Hopper (sm_90) or
-newer. :data:`AVAILABLE` is False, with :data:`UNAVAILABLE_REASON`, where the
-installed Triton lacks them; :func:`enabled` then answers False and kernels
-launch without PDL. ``SGL_PIECEWISE_PDL=0`` turns it off as well.
+"""Programmatic dependent launch for the Triton kernels (Triton 3.4-3.6's
+``launch_pdl`` and ``triton.language.extra.cuda``, undocumented; sm_90+): a
+kernel may start while the one before it runs, closing the gap between
+kernels in a graph. Fallback (or ``SGL_PIECEWISE_PDL=0``): no PDL.
 """
 
 from __future__ import annotations
@@ -51,9 +39,7 @@ def _device_supports(index: int) -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL: Triton has it, the
-    device is a CUDA one of compute capability 9.0 or newer, and the
-    environment does not turn it off."""
+    """Whether kernels on ``device`` launch with PDL."""
     if not AVAILABLE or device.type != "cuda" or os.environ.get(ENV_SWITCH, "1") == "0":
         return False
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())

@@ -6,6 +6,7 @@ Model code never imports ``sgl_piecewise.compile``: compilation is applied by
 the caller (``torch.compile(model, backend="sgl_piecewise")``).
 """
 
+from sgl_piecewise.models.architectures import ADAPTER_ARCHITECTURES, NATIVE_ARCHITECTURES
 from sgl_piecewise.models.config import Llama3RopeScaling, ModelConfig
 from sgl_piecewise.models.gguf import load_gguf_model
 from sgl_piecewise.models.hf_weights import MODEL_CLASSES
@@ -24,7 +25,6 @@ from sgl_piecewise.models.transformers_adapter import (
     from_config,
     load_transformers_model,
 )
-from sgl_piecewise.models.transformers_support import ADAPTER_ARCHITECTURES
 
 __all__ = [
     "ADAPTER_ARCHITECTURES",
@@ -32,6 +32,7 @@ __all__ = [
     "LlamaForCausalLM",
     "MODEL_CLASSES",
     "ModelConfig",
+    "NATIVE_ARCHITECTURES",
     "Qwen2ForCausalLM",
     "TransformersModel",
     "adapt",

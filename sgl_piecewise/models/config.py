@@ -21,8 +21,8 @@ from typing import Any, Mapping, Optional
 
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
+from sgl_piecewise.models.architectures import NATIVE_ARCHITECTURES
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -78,9 +78,9 @@ class ModelConfig:
     o_proj_bias: bool = False
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in NATIVE_ARCHITECTURES:
             raise InvalidInputError(
-                f"architecture: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}, got {self.architecture!r}"
+                f"architecture: expected one of {', '.join(NATIVE_ARCHITECTURES)}, got {self.architecture!r}"
             )
         for name in (
             "hidden_size",
@@ -227,10 +227,10 @@ def _architecture(d: Mapping[str, Any]) -> str:
     (GPT-2's ``n_embd``, Gemma's ``hidden_act``), and the error about them
     would hide that the architecture is the fault."""
     archs = _field_or(d, "architectures", [])
-    expected = f"architectures: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+    expected = f"architectures: expected one of {', '.join(NATIVE_ARCHITECTURES)}"
     if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
         raise InvalidInputError(f"{expected}, got {archs!r}")
-    if archs[0] not in SUPPORTED_ARCHITECTURES:
+    if archs[0] not in NATIVE_ARCHITECTURES:
         raise InvalidInputError(f"{expected}, got {archs[0]!r}")
     return archs[0]
 

@@ -1,43 +1,16 @@
-"""Loading GGUF checkpoints (llama.cpp's format) of the Llama and Qwen2 families.
+"""Loading GGUF checkpoints (llama.cpp's format) of the Llama and Qwen2
+families: the metadata mapped onto a Hugging Face-style config, the tensors
+onto Hugging Face's names, dequantised one by one, then the safetensors
+loader's path (each rank's slice, fused). Needs the ``gguf`` package, imported
+only when a GGUF file is read. Under tensor parallelism each rank
+dequantises every tensor whole (quantisation blocks need not fall on a
+rank's columns) and slices it.
 
-A ``.gguf`` file holds the config as metadata (``llama.block_count``, ...) and
-every tensor, possibly quantised. Loading maps the metadata onto a Hugging
-Face-style config dict and the tensor names onto Hugging Face's, dequantises
-tensor by tensor (to float32, then the requested dtype), and then takes the
-safetensors loader's path: ``ModelConfig.from_hf_dict``, ``check_hf_weights``,
-``load_hf_weights`` (each rank's slice, fused). Reading needs the ``gguf``
-package (``pip install gguf``); it is imported only when a GGUF file is loaded.
-
-Under tensor parallelism every rank dequantises every tensor whole and then
-takes its slice: a quantised tensor is stored in blocks of 32 or 256 values
-along a row, with scales per block (and, in the k-quants, per super-block),
-so a rank's columns of a row-parallel weight need not fall on block bounds,
-and reading only a rank's bytes would mean re-deriving each type's block
-layout here.
-
-Two things differ from a Hugging Face checkpoint besides the names:
-
-* **Shapes are stored reversed** (ggml order: the fastest-varying dimension
-  first). A Hugging Face ``[out, in]`` weight is ``[in, out]`` in the file's
-  tensor info; the data is the same row-major bytes.
-* **Llama's Q and K rows are permuted.** Hugging Face's rotary embedding
-  rotates each head's dimension ``j`` with ``j + head_dim/2`` ("rotate_half");
-  llama.cpp's (``LLAMA_ROPE_TYPE_NORM``) rotates adjacent pairs ``2j, 2j+1``.
-  llama.cpp's ``convert_hf_to_gguf.py`` therefore reorders the rows of each
-  head of ``q_proj`` and ``k_proj`` (``LlamaModel.permute``)::
-
-      w.reshape(n_head, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-  (``n_head``: the query heads for Q, the KV heads for K): the file's row
-  ``2j + s`` of a head is Hugging Face's row ``s * head_dim/2 + j``.
-  :func:`unpermute_qk` inverts it; transformers' ``LlamaTensorProcessor``
-  does the same. Qwen2 uses llama.cpp's NEOX rotary (rotate_half), so its
-  file is not permuted.
-
-Llama 3.1-style rotary scaling is not metadata in a GGUF file but a tensor,
-``rope_freqs.weight`` (one divisor per frequency). It is matched against
-the Llama 3 scaling rule and read back as ``Llama3RopeScaling``; a tensor
-that matches no such scaling is refused.
+Besides the names: shapes are stored reversed (ggml order), and Llama's Q
+and K rows are permuted (llama.cpp's ``LlamaModel.permute``, for its
+adjacent-pair rotary), which :func:`unpermute_qk` undoes. Llama 3.1 rotary
+scaling is a tensor, ``rope_freqs.weight``, read back as
+``Llama3RopeScaling`` or refused.
 """
 
 from __future__ import annotations
@@ -67,8 +40,7 @@ PERMUTED_QK_ARCHITECTURES = ("llama",)
 GGUF_MAGIC = b"GGUF"
 # The fixed header: magic, version (uint32), tensor and metadata counts (uint64 each).
 GGUF_HEADER_BYTES = 24
-# The metadata transformers builds a GGUF file's tokenizer from; without them
-# it fails naming neither the file nor the key.
+# The metadata transformers builds a GGUF tokenizer from.
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -102,8 +74,7 @@ _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def hf_name(gguf_name: str) -> Optional[str]:
-    """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``); None for a name not mapped."""
+    """The Hugging Face name of a GGUF tensor; None for a name not mapped."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
@@ -113,7 +84,6 @@ def hf_name(gguf_name: str) -> Optional[str]:
 
 
 def gguf_name(hf: str) -> str:
-    """The inverse of :func:`hf_name`, for every name ``hf_weight_shapes`` lists."""
     if hf in _HF_GLOBAL_NAMES:
         return _HF_GLOBAL_NAMES[hf]
     m = _HF_LAYER.fullmatch(hf)
@@ -123,15 +93,12 @@ def gguf_name(hf: str) -> str:
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's ``LlamaModel.permute``: Hugging Face Q/K rows -> GGUF rows.
-
-    ``w`` is ``[n_head * head_dim, ...]`` (a weight or a bias); within each
-    head, row ``s * head_dim/2 + j`` moves to ``2j + s``."""
+    """llama.cpp's ``LlamaModel.permute`` (Hugging Face Q/K rows -> GGUF rows):
+    within each head, row ``s * head_dim/2 + j`` moves to ``2j + s``."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """The inverse of :func:`permute_qk`: GGUF Q/K rows -> Hugging Face rows."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -149,12 +116,7 @@ def _import_gguf():
 
 @functools.lru_cache(maxsize=None)
 def _reader_class():
-    """``gguf.GGUFReader`` over a plain ndarray view of its file map.
-
-    The reader slices its ``np.memmap`` once per metadata value, and slicing
-    the memmap subclass is slow: a tokenizer's 50k tokens and merges took 6 s
-    to parse, 2.3 s over a plain view of the same (read-only) map. The
-    fields and tensors read are the same."""
+    """``gguf.GGUFReader`` over a plain ndarray view of its map (slicing a memmap is slow)."""
     gguf = _import_gguf()
 
     class PlainArrayReader(gguf.GGUFReader):
@@ -170,15 +132,9 @@ def _reader_class():
 
 
 def gguf_checkpoint_path(model_path: str | os.PathLike) -> Optional[str]:
-    """The GGUF file ``load_model`` should read for ``model_path``, or None for
-    a Hugging Face checkpoint directory.
-
-    A file is taken as GGUF (its magic is checked when read). A directory is
-    GGUF when it holds no safetensors (nor shard index) and exactly one
-    ``*.gguf`` file; more than one is refused by name. A path that does not
-    exist is refused here, as such, before a check of a checkpoint directory
-    would blame a missing config.json.
-    """
+    """The GGUF file ``load_model`` should read for ``model_path``, or None for a
+    Hugging Face directory: a file, or a directory with no safetensors and one
+    ``*.gguf`` file (more are refused). A missing path is refused as such."""
     path = os.fspath(model_path)
     check_path_exists("model_dir", path, "a Hugging Face checkpoint directory or a .gguf file")
     if os.path.isfile(path):
@@ -198,15 +154,12 @@ def gguf_checkpoint_path(model_path: str | os.PathLike) -> Optional[str]:
 
 
 def check_path_exists(name: str, path: str, expected: str) -> None:
-    """Refuse a ``path`` that does not exist, naming it: the checks that
-    follow would otherwise blame what a file or a directory lacks."""
     if not os.path.exists(path):
         raise InvalidInputError(f"{name}: expected {expected}, got {path!r}: no such file or directory")
 
 
 def open_gguf(path: str):
-    """``gguf.GGUFReader`` of ``path``; a file that is not GGUF, or is cut
-    short, is refused naming it (the reader's own errors do not)."""
+    """``gguf.GGUFReader`` of ``path``; a file not GGUF, or cut short, is refused naming it."""
     reader_class = _reader_class()
     label = _label(path)
     try:
@@ -237,10 +190,8 @@ def open_gguf(path: str):
 
 
 def check_gguf_file(path: str, need_tokenizer: bool):
-    """The reader of the GGUF file at ``path`` once it is known to parse and,
-    with ``need_tokenizer``, to carry the tokenizer metadata; every fault is
-    refused naming the file. The one check before both a model and a
-    tokenizer are read from a GGUF file, so both refuse a file alike."""
+    """The reader of ``path`` once it parses and, with ``need_tokenizer``, carries
+    the tokenizer metadata: the one check before a model or a tokenizer is read."""
     reader = open_gguf(path)
     if need_tokenizer:
         missing = [k for k in TOKENIZER_KEYS if k not in reader.fields]
@@ -258,8 +209,7 @@ def _meta(reader, key: str, default: Any = None) -> Any:
 
 
 def _meta_number(reader, key: str) -> Any:
-    """A metadata number; a float32 one back to the shortest decimal that
-    rounds to it (``9.99999974e-06`` -> ``1e-05``), as config.json had it."""
+    """A metadata number; a float32 one back to its shortest decimal (``1e-05``)."""
     value = _meta(reader, key)
     field = reader.fields.get(key)
     if isinstance(value, float) and field.types and field.types[0].name == "FLOAT32":
@@ -268,12 +218,10 @@ def _meta_number(reader, key: str) -> Any:
 
 
 def _torch_shape(tensor) -> Tuple[int, ...]:
-    """A reader tensor's shape in torch order (the file lists it reversed)."""
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
 def gguf_hf_config(reader, path: str) -> Dict[str, Any]:
-    """The Hugging Face-style config dict a GGUF file's metadata describes."""
     label = _label(path)
     arch = _meta(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -330,7 +278,6 @@ def gguf_hf_config(reader, path: str) -> Dict[str, Any]:
 
 
 def _rope_scaling(reader, path: str, config: ModelConfig) -> Optional[Llama3RopeScaling]:
-    """Llama 3 scaling read back from ``rope_freqs.weight``, or None without it."""
     tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if tensor is None:
         return None
@@ -359,9 +306,7 @@ def _rope_scaling(reader, path: str, config: ModelConfig) -> Optional[Llama3Rope
 def llama3_rope_factors(
     head_dim: int, theta: float, factor: float, low: float, high: float, original: int
 ) -> np.ndarray:
-    """llama.cpp's ``rope_freqs`` for Llama 3 scaling: the divisor of each
-    rotary frequency (1 for high frequencies, ``factor`` for low, smoothed
-    between), as its convert script computes it."""
+    """llama.cpp's ``rope_freqs`` for Llama 3 scaling, as its convert script computes it."""
     freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
     low_wavelen, high_wavelen = original / low, original / high
     out = []
@@ -378,7 +323,6 @@ def llama3_rope_factors(
 
 
 def read_gguf_config(reader, path: str) -> ModelConfig:
-    """The validated ``ModelConfig`` of a GGUF file; errors name the file."""
     d = gguf_hf_config(reader, path)
     try:
         config = ModelConfig.from_hf_dict(d)
@@ -393,7 +337,6 @@ def read_gguf_config(reader, path: str) -> ModelConfig:
 
 
 def supported_tensor_types() -> List[str]:
-    """The GGML tensor types ``gguf.quants.dequantize`` reads."""
     gguf = _import_gguf()
     from gguf.quants import _type_traits
 
@@ -402,9 +345,8 @@ def supported_tensor_types() -> List[str]:
 
 
 def check_gguf_tensors(reader, path: str, config: ModelConfig) -> Dict[str, Any]:
-    """``{gguf name: reader tensor}`` of every weight, checked before anything
-    is dequantised: the set of names, each shape (torch order) and each type.
-    Errors give the file's own names, with ours beside them."""
+    """``{gguf name: reader tensor}`` of every weight, names, shapes and types
+    checked before anything is dequantised; errors give the file's names."""
     label = _label(path)
     expected = {gguf_name(hf): shape for hf, shape in hf_weight_shapes(config).items()}
     tensors = {t.name: t for t in reader.tensors}
@@ -445,9 +387,8 @@ def _named(names: List[str], limit: int = 8) -> str:
 def read_gguf_weights(
     reader, path: str, config: ModelConfig, dtype: torch.dtype = torch.float32
 ) -> Dict[str, torch.Tensor]:
-    """Every weight of a GGUF file under its Hugging Face name, dequantised to
-    float32 and cast to ``dtype`` one tensor at a time, Llama's Q/K rows put
-    back in Hugging Face order."""
+    """Every weight under its Hugging Face name, dequantised and cast to
+    ``dtype`` one at a time, Q/K rows back in Hugging Face order."""
     gguf = _import_gguf()
     tensors = check_gguf_tensors(reader, path, config)
     arch = _meta(reader, "general.architecture")
@@ -482,5 +423,5 @@ def load_gguf_model(
         check_hf_weights(config, tensors)
     except InvalidInputError as exc:
         raise InvalidInputError(f"{_label(path)}: {exc}") from exc
-    load_hf_weights(model, tensors)  # dequantised whole, then sliced: see the module's docstring
+    load_hf_weights(model, tensors)  # dequantised whole, then sliced
     return model.eval()

@@ -1,7 +1,8 @@
 """Hugging Face weights into our models, whatever file they come from: the
-model class of a config, the weights a config expects by Hugging Face name,
-their checks, their fusion into our parameters (QKV, gate/up), and the one
-path that copies this rank's slice of each into a model (``load_hf_weights``)."""
+model class, the expected weights and their checks, their fusion (QKV,
+gate/up), and :func:`load_hf_weights`, the one path that copies each
+rank's slice into a model.
+"""
 
 from __future__ import annotations
 
@@ -18,18 +19,16 @@ from sgl_piecewise.models.qwen2 import Qwen2ForCausalLM
 if TYPE_CHECKING:
     from sgl_piecewise.distributed import TensorParallel
 
-MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": Qwen2ForCausalLM}
+# The class of each of ``architectures.NATIVE_ARCHITECTURES``, by its name.
+MODEL_CLASSES = {cls.__name__: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM)}
 
-# Checkpoint entries that carry no weight of ours: rotary caches that old
-# exports saved as buffers, and the copy of a tied lm_head some exports keep
-# (transformers ignores it too and ties to the embedding).
+# Checkpoint entries that carry no weight of ours: old rotary buffers, a tied lm_head's copy.
 _ROTARY_BUFFER_SUFFIX = ".rotary_emb.inv_freq"
 _TIED_HEAD = "lm_head.weight"
 
 INDEX_FILE = "model.safetensors.index.json"
 
-# Our fused projections and the Hugging Face ones each concatenates, in
-# order, on its first axis.
+# Our fused projections and the Hugging Face ones each concatenates on its first axis.
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
@@ -39,17 +38,14 @@ _FUSED = {
 def new_model(
     config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: Optional[TensorParallel] = None
 ) -> LlamaForCausalLM:
-    """The model class of ``config.architecture``, parameters uninitialised,
-    holding the shard of ``tp`` (by default the current group)."""
+    """The model class of ``config.architecture``, uninitialised, holding ``tp``'s shard."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InvalidTypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
     return MODEL_CLASSES[config.architecture](config, dtype=dtype, device=device, tp=tp)
 
 
 def hf_parts(name: str) -> List[str]:
-    """The Hugging Face tensors our parameter ``name`` concatenates on its
-    first axis (``...qkv_proj.weight`` -> q, k and v ``_proj.weight``), or
-    ``[name]`` for a parameter named as in Hugging Face."""
+    """The Hugging Face tensors our parameter ``name`` concatenates (``[name]`` where none)."""
     stem, kind = name.rsplit(".", 1)
     for fused, parts in _FUSED.items():
         if stem.endswith("." + fused):
@@ -106,20 +102,17 @@ def hf_weight_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
 
 
 def param_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
-    """Every parameter of the whole (one-rank) model of ``config``, fused,
-    with its shape: the full tensors each rank takes its slice of."""
+    """Every parameter of the whole (one-rank) model, fused, with its shape."""
     meta = {n: torch.empty(shape, device="meta") for n, shape in hf_weight_shapes(config).items()}
     return {n: tuple(t.shape) for n, t in fuse_hf_weights(config, meta).items()}
 
 
 def check_hf_weights(config: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Raise naming every missing, unexpected or misshapen checkpoint tensor."""
     check_hf_shapes(config, {n: tuple(t.shape) for n, t in tensors.items()})
 
 
 def check_hf_shapes(config: ModelConfig, shapes: Mapping[str, Sequence[int]]) -> None:
-    """:func:`check_hf_weights` from the checkpoint's names and shapes alone,
-    so a reader checks a file before reading any tensor."""
+    """:func:`check_hf_weights` from names and shapes alone, before any tensor is read."""
     expected = hf_weight_shapes(config)
     ignorable = {n for n in shapes if n.endswith(_ROTARY_BUFFER_SUFFIX)}
     if config.tie_word_embeddings:
@@ -149,7 +142,6 @@ def _abbrev(names: List[str], limit: int = 8) -> str:
 
 
 def fuse_hf_weights(config: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Checked checkpoint tensors -> our parameter names (fused projections)."""
     names = dict.fromkeys(_fused_name(n) for n in hf_weight_shapes(config))
     return {name: _cat([tensors[p] for p in hf_parts(name)]) for name in names}
 
@@ -159,10 +151,8 @@ def _cat(parts: List[torch.Tensor]) -> torch.Tensor:
 
 
 def shard_param(layout: TPLayout, config: ModelConfig, name: str, full: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of our parameter ``name`` from its whole (fused)
-    value ``full``: the fused parts split apart, each sliced by
-    ``parallel.shard_hf_tensor`` as a checkpoint's tensor is, and fused again,
-    so a parameter drawn whole gets the slice a checkpoint would give."""
+    """This rank's slice of our parameter ``name`` from its whole value: split
+    into its Hugging Face parts, each sliced as a checkpoint's, fused again."""
     parts = hf_parts(name)
     shapes = hf_weight_shapes(config)
     pieces = full.split([shapes[p][0] for p in parts]) if len(parts) > 1 else [full]
@@ -171,11 +161,8 @@ def shard_param(layout: TPLayout, config: ModelConfig, name: str, full: torch.Te
 
 def load_hf_weights(model: LlamaForCausalLM, sources: Mapping[str, Any]) -> None:
     """Copy into each parameter of ``model`` its rank's slice of the checked
-    checkpoint tensors ``sources`` (Hugging Face name -> the whole tensor, or
-    anything indexed like one: a safetensors slice reads only the indexed
-    bytes). Every source of weights loads through here, one parameter at a
-    time: its parts sliced (``parallel.shard_hf_tensor``), fused, copied
-    (cast to the model's dtype and device)."""
+    ``sources`` (Hugging Face name -> a tensor or a safetensors slice), one
+    parameter at a time, cast to the model's dtype and device."""
     layout = model.tp_layout
     params = dict(model.named_parameters())
     names = dict.fromkeys(_fused_name(n) for n in hf_weight_shapes(model.config))

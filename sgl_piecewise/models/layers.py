@@ -1,31 +1,14 @@
-"""Building blocks of the Llama-family models: linear, embedding, RMSNorm,
-rotary embedding, gated MLP, attention and the decoder layer, each holding
-its rank's shard under tensor parallelism (``parallel.py``).
+"""Building blocks of the Llama-family models, each holding its rank's shard
+under tensor parallelism (``parallel.py``). Activations are token-major
+(``[T, ...]``, every request's tokens concatenated); nothing branches on
+``T`` or reads a tensor on the host, so a model traces into one graph.
+Parameters start uninitialised: a checkpoint or a seed fills them.
 
-Everything is token-major: activations are ``[T, ...]`` with ``T`` the number
-of tokens of the step (all requests concatenated, padding included). Nothing
-here branches on ``T`` or reads a tensor's value on the host, so a model built
-from these traces into one graph under ``torch.compile(dynamic=True)``.
-
-Parameters are allocated uninitialised (``torch.empty``): a checkpoint or
-``build_random_model`` fills every one of them, and skipping a random init we
-would overwrite keeps loading a large model fast.
-
-Tensor parallelism adds communication only where the group has more than one
-rank: the checks are on Python ints fixed at build time, so a model of one
-rank is the plain model, op for op, and a model of several traces its
-collectives (custom ops) without a graph break.
-
-Sequence parallelism (``tp.splits_sequence``): between the projections the
-residual stream is split across the ranks by tokens. The ``T`` rows of a
-step are padded (zeros) to ``Tp``, the next multiple of the group's size
-``N``, and rank ``r`` holds rows ``[r * Tp / N, (r + 1) * Tp / N)``: the
-row-parallel projections and the embedding reduce-scatter their partial
-sums into those rows instead of all-reducing them, each rank normalises
-only its rows, and the column-parallel projections all-gather them back
-first. The same bytes cross the link as with an all-reduce; the norms and
-residual adds do ``1/N`` of the work. The rows past ``T`` are never read
-into a real row: every op on the stream is per row.
+Under sequence parallelism (``tp.splits_sequence``) the residual stream's
+rows, zero-padded to ``Tp`` (a multiple of the group's size ``N``), are
+split across ranks: row-parallel projections reduce-scatter into them and
+column-parallel ones all-gather them back, so norms and residual adds do
+``1/N`` of the work.
 """
 
 from __future__ import annotations
@@ -64,16 +47,8 @@ class Linear(nn.Module):
 
 
 def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``hidden [N, H] @ weight[V, H].T`` as float32 logits.
-
-    On CUDA, half-precision inputs go through one matmul that writes float32
-    (``torch.mm(..., out_dtype=)``): ``linear(...).float()`` writes
-    half-precision logits, then converts them in a second kernel (16 µs of
-    a step at 32 rows of Qwen2.5's 152k vocabulary, 4 µs at one row, on an
-    H100, docs/BENCHMARKS.md). Both accumulate in float32; this one skips the
-    rounding to half precision. Elsewhere (CPU has no such matmul), linear
-    and the conversion. ``hidden`` must match the weight's width, dtype and
-    device."""
+    """``hidden [N, H] @ weight[V, H].T`` as float32 logits: on CUDA one matmul
+    writing float32 (``out_dtype``), else linear then a conversion."""
     check_tensor("hidden", hidden, shape=(None, weight.shape[1]), dtype=weight.dtype, device=weight.device)
     if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype:
         return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
@@ -81,12 +56,8 @@ def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """``x`` with zero rows appended up to a multiple of ``multiple`` rows;
-    ``x`` itself where its row count is one already (also when that is
-    known from a symbolic shape, as for rows gathered from every rank).
-
-    A concatenation, not ``F.pad``: torch 2.11's ``constant_pad_nd`` takes
-    no symbolic padding, and a traced token axis makes it symbolic."""
+    """``x`` with zero rows up to a multiple of ``multiple`` (``x`` itself where
+    it is one already). A concatenation: ``F.pad`` takes no symbolic padding."""
     rows = x.shape[0]
     missing = (rows + multiple - 1) // multiple * multiple - rows
     if statically_known_true(missing == 0):
@@ -95,19 +66,15 @@ def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def reduce_partial_sums(tp: TensorParallel, y: torch.Tensor) -> torch.Tensor:
-    """The sum over the ranks of each rank's partial ``y [T, H]``: whole on
-    every rank (all-reduce), or, under sequence parallelism, this rank's
-    share of its rows padded to a multiple of the group's size
-    (reduce-scatter)."""
+    """The ranks' sum of each one's partial ``y``: all-reduced, or under sequence
+    parallelism reduce-scattered into this rank's padded share of the rows."""
     if tp.splits_sequence:
         return tp.reduce_scatter(pad_rows(y, tp.size))
     return tp.all_reduce(y)
 
 
 def gather_rows(tp: TensorParallel, x: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
-    """Every rank's share of the rows, in rank order: the padded ``[Tp, H]``
-    stream from this rank's ``[Tp / N, H]``, its first ``rows`` where given
-    (the step's ``T``); ``x`` itself where the stream is not split."""
+    """Every rank's share of the rows in rank order (its first ``rows``); ``x`` where not split."""
     if not tp.splits_sequence:
         return x
     gathered = tp.all_gather(x, dim=0)
@@ -115,16 +82,13 @@ def gather_rows(tp: TensorParallel, x: torch.Tensor, rows: Optional[int] = None)
 
 
 class RowParallelLinear(Linear):
-    """A linear layer over this rank's input columns (``o_proj``,
-    ``down_proj``): each rank's product is a partial sum, reduced over the
-    ranks (``reduce_partial_sums``); the bias, whole on every rank, is added
-    once after the reduction."""
+    """A linear layer over this rank's input columns (``o_proj``, ``down_proj``):
+    partial sums reduced over the ranks, the bias added once after."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device, tp: TensorParallel):
         super().__init__(in_features, out_features, bias, dtype, device)
         self.tp = tp
-        # Whether the reduction can go with the residual add and the RMSNorm
-        # after it into one op (add_projected_and_norm), and does.
+        # Whether the reduction, residual add and RMSNorm are one op (add_projected_and_norm).
         self.can_fuse_norm = not bias and tp.fuses_all_reduce_norm(out_features, dtype, device)
         self.fuses_norm = self.can_fuse_norm
 
@@ -151,11 +115,8 @@ class Embedding(nn.Module):
 
 
 class VocabParallelEmbedding(Embedding):
-    """This rank's rows ``[vocab_start, vocab_start + Vp)`` of the embedding.
-    An id outside them gives a zero row, so the sum of the ranks' rows is
-    the embedding of every id (under sequence parallelism, this rank's share
-    of the tokens). The range test is a mask, not a branch: nothing reads
-    the ids on the host."""
+    """This rank's rows of the embedding; an id outside them gives a zero row (a
+    mask, not a branch), so the ranks' sum is the whole embedding."""
 
     def __init__(self, layout: TPLayout, dim: int, dtype, device, tp: TensorParallel):
         super().__init__(layout.vocab_per_rank, dim, dtype, device)
@@ -172,10 +133,7 @@ class VocabParallelEmbedding(Embedding):
 
 
 class ParallelLMHead(Linear):
-    """The LM head's rows of this rank's vocabulary (``[Vp, H]``; the same
-    rows as the embedding's, so a tied head shares its shard). ``logits``
-    gathers every rank's columns; the padded ones, past the vocabulary, are
-    cut off."""
+    """The LM head's rows of this rank's vocabulary (shared with a tied embedding)."""
 
     def __init__(self, layout: TPLayout, hidden_size: int, dtype, device, tp: TensorParallel):
         super().__init__(hidden_size, layout.vocab_per_rank, bias=False, dtype=dtype, device=device)
@@ -194,11 +152,7 @@ class ParallelLMHead(Linear):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Llama3RopeScaling]) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim / 2]`` float32, Llama-3 scaled if asked.
-
-    Computed in float32 with the same operations as transformers, so the
-    rotary angles (and thus logits) agree with it exactly in float32.
-    """
+    """Inverse frequencies, Llama-3 scaled if asked, computed as transformers does."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponent)
     if scaling is None:
@@ -207,8 +161,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Llama3RopeScali
     low_freq_wavelen = old_len / scaling.low_freq_factor
     high_freq_wavelen = old_len / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are stretched by `factor`, short ones kept, the band
-    # between them interpolated smoothly.
+    # Long wavelengths stretched by `factor`, short ones kept, the band between interpolated.
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
     smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
@@ -217,12 +170,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[Llama3RopeScali
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding, Hugging Face "rotate_half" convention.
-
-    ``cos_sin_cache [max_positions, head_dim]`` holds ``cos`` in its first half
-    and ``sin`` in its second, one row per position; ``forward`` gathers rows
-    by ``positions``, so ragged batches need no per-request offsets.
-    """
+    """Rotary embedding ("rotate_half"): ``cos_sin_cache [positions, head_dim]``
+    holds cos then sin, one row per position, gathered by ``positions``."""
 
     def __init__(self, config: ModelConfig, dtype, device):
         super().__init__()
@@ -242,14 +191,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` with ``cos``/``sin`` stored once per pair."""
     x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused in one matmul:
-    this rank's gate rows, then its up rows, so ``chunk(2)`` pairs them."""
+    """``down(silu(gate(x)) * up(x))``, gate and up in one matmul (this rank's rows of each)."""
 
     def __init__(self, config: ModelConfig, layout: TPLayout, dtype, device, tp: TensorParallel):
         super().__init__()
@@ -261,7 +208,6 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.activation(x))  # [T, H]
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(gate(x)) * up(x)``: ``[T, F]``, the input of ``down_proj``."""
         gate_up = self.gate_up_proj(x)  # [T, 2F]
         if elementwise.eager(gate_up):
             return elementwise.silu_mul(gate_up)
@@ -274,13 +220,9 @@ class GatedMLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Fused QKV projection and rotary (``project_qkv``), paged attention (the
-    custom op, ``attend``) and the output projection ``o_proj``, which
-    ``DecoderLayer`` calls in turn: the attention call between its two
-    repeated regions.
-
-    Heads are this rank's (``layout``): ``qkv_proj`` holds its q, k and v
-    rows back to back, and ``o_proj`` its columns."""
+    """Fused QKV projection and rotary (``project_qkv``), paged attention
+    (``attend``, between the layer's two repeated regions) and ``o_proj``,
+    over this rank's heads."""
 
     def __init__(self, config: ModelConfig, layout: TPLayout, layer_id: int, dtype, device, tp: TensorParallel):
         super().__init__()
@@ -295,42 +237,40 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(self.q_size, h, bias=config.o_proj_bias, dtype=dtype, device=device, tp=tp)
 
     def project_qkv(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> tuple:
-        """``x [T, H]`` -> q and k rotated as one ``[T, Hq + Hkv, D]`` tensor,
-        and v ``[T, Hkv, D]``: one fused rotary kernel instead of one each,
-        and the same arithmetic per element."""
+        """``x [T, H]`` -> q and k rotated together as ``[T, Hq + Hkv, D]``, and v."""
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = rotary(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
         return qk, v.view(-1, self.num_kv_heads, self.head_dim)
 
-    def normed_project_qkv(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding,
-                           norm: RMSNorm) -> tuple:  # fmt: skip
+    def normed_project_qkv(
+        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, norm: RMSNorm
+    ) -> tuple:
         """``project_qkv(positions, norm(x), rotary)`` as one op (``ops.qkv_rope``)."""
         proj, cache = self.qkv_proj, rotary.cos_sin_cache.to(x.dtype)  # the model's dtype: the same tensor
-        return qkv_rope(x, proj.weight, proj.bias, positions, cache, num_heads=self.num_heads,
-                        num_kv_heads=self.num_kv_heads, norm_weight=norm.weight, eps=norm.eps)  # fmt: skip
+        return qkv_rope(
+            x,
+            proj.weight,
+            proj.bias,
+            positions,
+            cache,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            norm_weight=norm.weight,
+            eps=norm.eps,
+        )
 
     def attend(self, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Paged attention of this layer (the custom op): ``[T, Hq * D]``."""
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         o = unified_attention(q, k, v, layer_id=self.layer_id, scale=self.scaling)  # [T, Hq, D]
         return o.reshape(-1, self.q_size)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention, then the gated MLP.
-
-    ``forward(positions, x, rotary)`` takes the residual stream and gives it
-    back. A model runs its layers through :meth:`run` instead, which hands
-    each layer its input norm already computed and computes the next one's
-    (``next_norm``): each norm then directly follows the residual add it
-    normalises, in the same layer: the two are one kernel, and where the
-    group can, one with the all-reduce before them
-    (``add_projected_and_norm``).
-
-    With ``fused_projections`` (one rank, :func:`set_fused_projections`) a
-    layer is four projection ops and attention instead (:meth:`run_fused`):
-    each norm inside the projection after it, each residual add inside the
-    projection before it (``ops/projections.py``)."""
+    """Pre-norm residual block: attention, then the gated MLP. A model runs it
+    through :meth:`run`, which takes the input norm computed and computes the
+    next layer's, so each norm is one kernel with the residual add (and, where
+    the group can, the all-reduce) before it. With ``fused_projections`` (one
+    rank) :meth:`run_fused` instead puts norms and adds inside the projections."""
 
     def __init__(self, config: ModelConfig, layout: TPLayout, layer_id: int, dtype, device, tp: TensorParallel):
         super().__init__()
@@ -348,8 +288,6 @@ class DecoderLayer(nn.Module):
         return self.run(positions, x, self.input_layernorm(x), rotary)
 
     def run_fused(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        """The stream after this layer from the stream ``x``, through the
-        fused projection ops (one rank)."""
         qk, v = self._before_attention_fused(positions, x, rotary)
         return self._after_attention_fused(self.self_attn.attend(qk, v), x)
 
@@ -362,14 +300,17 @@ class DecoderLayer(nn.Module):
         x = self.self_attn.o_proj.add_to(x, attn_out)
         return self.mlp.down_proj.add_to(x, self.mlp.normed_activation(x, self.post_attention_layernorm))
 
-    def run(self, positions: torch.Tensor, x: torch.Tensor, h: torch.Tensor, rotary: RotaryEmbedding,
-            next_norm: Optional[RMSNorm] = None):  # fmt: skip
-        """The stream after this layer from the stream ``x`` and its input
-        norm ``h``; with ``next_norm``, ``(stream, next_norm(stream))``.
-
-        ``x`` and ``h``: ``[T, H]``, or this rank's ``[Tp / N, H]`` under
-        sequence parallelism. The attention call names its layer, so it stays
-        outside the two regions, which every layer shares (regions.py)."""
+    def run(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        rotary: RotaryEmbedding,
+        next_norm: Optional[RMSNorm] = None,
+    ):
+        """The stream after this layer from the stream ``x`` and its norm ``h``;
+        with ``next_norm``, ``(stream, next_norm(stream))``. The attention call
+        names its layer, so it stays outside the shared regions."""
         qk, v = self._before_attention(positions, h, rotary)
         return self._after_attention(self.self_attn.attend(qk, v), x, next_norm)
 
@@ -381,8 +322,7 @@ class DecoderLayer(nn.Module):
     @repeated_region
     def _after_attention(self, attn_out: torch.Tensor, x: torch.Tensor, next_norm: Optional[RMSNorm]):
         x, h = add_projected_and_norm(self.self_attn.o_proj, attn_out, x, self.post_attention_layernorm)
-        # Under sequence parallelism the MLP runs on all Tp rows, padding
-        # included: per row, and its reduce-scatter then needs no padding.
+        # Under sequence parallelism the MLP runs on all Tp rows (its reduce-scatter needs no padding).
         mlp_in = self.mlp.activation(gather_rows(self.tp, h))
         if next_norm is None:
             return x + self.mlp.down_proj(mlp_in)
@@ -390,23 +330,17 @@ class DecoderLayer(nn.Module):
 
 
 def add_projected_and_norm(proj: RowParallelLinear, inp: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> tuple:
-    """``(y, norm(y))`` with ``y = x + proj(inp)``: the residual stream plus a
-    row-parallel projection, and the RMSNorm after it. Where the projection
-    fuses its all-reduce with the add and the norm (``fuses_norm``), the
-    three are one op (``norm.all_reduce_add_rms_norm``); else the add and
-    the norm are one kernel (``norm.add_rms_norm``)."""
+    """``(y, norm(y))`` with ``y = x + proj(inp)``: one op with the all-reduce
+    where the projection fuses it, else the add and norm in one kernel."""
     if proj.fuses_norm:
         return all_reduce_add_rms_norm(proj.tp, F.linear(inp, proj.weight), x, norm)
     return add_rms_norm(x, proj(inp), norm)
 
 
 def set_fused_projections(model: nn.Module, enabled: bool) -> int:
-    """Run ``model``'s decoder layers and LM head through the fused
-    projection ops (``enabled``) or the plain ones, from its next trace (or
-    eager call) on: a compiled model keeps what it was traced with. The
-    fused ops are measured faster for a decode step of a few requests and
-    slower for long prefills (docs/BENCHMARKS.md). One rank only. Returns
-    how many modules it set."""
+    """Run ``model``'s layers and LM head through the fused projection ops
+    (faster for small decode batches) from its next trace on; one rank only.
+    Returns how many modules it set."""
     if not isinstance(enabled, bool):
         raise InvalidTypeError(f"enabled: expected a bool, got {enabled!r}")
     modules = [m for m in model.modules() if hasattr(m, "fused_projections")]

@@ -1,24 +1,9 @@
 """Llama (1/2/3/3.1) decoder for causal LM, token-major, attention through
-``sgl_piecewise.ops.unified_attention``.
-
-Parameter names follow Hugging Face (``model.layers.{i}.self_attn...``) except
-the fused projections ``qkv_proj`` (= q, k, v concatenated on the output axis)
-and ``gate_up_proj`` (= gate, up), which the loader builds.
-
-Example::
-
-    model = build_random_model(default_config())
-    with sgl_piecewise.forward_context(batch, backend):
-        hidden = model(batch.input_ids, batch.positions)   # [T, hidden]
-    logits = model.compute_logits(hidden[last_rows])       # [bs, vocab] float32
-
-Built while a tensor-parallel group of several ranks is current
-(``sgl_piecewise.distributed``), a model holds its rank's shard of every
-weight (``parallel.py``) under the same names; ``num_local_heads`` and
-``num_local_kv_heads`` are what its attention and KV pool hold, ``config``
-stays the whole model's, and the logits are whole on every rank. Built in a
-group with ``sequence_parallel``, its residual stream is split by tokens
-between the layers (``layers.py``); its output is whole on every rank.
+``sgl_piecewise.ops.unified_attention``. Parameter names follow Hugging
+Face except the fused ``qkv_proj`` and ``gate_up_proj``. Built in a
+tensor-parallel group, a model holds its rank's shard of every weight under
+the same names (``parallel.py``); ``config`` stays the whole model's, and
+hidden states and logits are whole on every rank.
 """
 
 from __future__ import annotations
@@ -63,9 +48,8 @@ class LlamaModel(nn.Module):
                 x = layer.run_fused(positions, x, self.rotary_emb)
             return self.norm(x)
         h = layers[0].input_layernorm(x)
-        # Each layer computes the next one's input norm, the final norm after
-        # the last (DecoderLayer.run). Indexed: a slice of the ModuleList
-        # would build a new one inside the trace.
+        # Each layer computes the next one's input norm (DecoderLayer.run); indexed,
+        # as a slice of the ModuleList would build a new one inside the trace.
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             x, h = layer.run(positions, x, h, self.rotary_emb, next_norm)
@@ -73,16 +57,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward(input_ids [T] int64, positions [T] int64) -> hidden [T, H]``.
-
-    The forward must run inside ``sgl_piecewise.forward_context(batch,
-    backend)``: attention reads the step's metadata and KV pool from there.
-    Logits are a separate call so a caller computes them only for the rows it
-    samples from.
-
-    ``tp``: the tensor-parallel group whose shard the model holds; by default
-    the current one (``tensor_parallel()``, one rank unless set up).
-    """
+    """``forward(input_ids [T], positions [T]) -> hidden [T, H]``, inside
+    ``sgl_piecewise.forward_context(batch, backend)``; logits are a separate
+    call (:meth:`compute_logits`) for the rows sampled. ``tp``: the group whose
+    shard it holds (the current one by default)."""
 
     def __init__(
         self,
@@ -99,8 +77,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, self.tp_layout, dtype, device, self.tp)
         self.lm_head = ParallelLMHead(self.tp_layout, config.hidden_size, dtype, device, self.tp)
         if config.tie_word_embeddings:
-            # One Parameter in two places: `named_parameters()` lists it once,
-            # as model.embed_tokens.weight.
+            # One Parameter in two places, listed once as model.embed_tokens.weight.
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -108,12 +85,12 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_local_heads(self) -> int:
-        """The query heads this rank's attention computes (the backend's ``num_q_heads``)."""
+        """The query heads this rank computes (the backend's ``num_q_heads``)."""
         return self.tp_layout.num_heads
 
     @property
     def num_local_kv_heads(self) -> int:
-        """The KV heads this rank's attention writes and reads (its KV pool's ``num_kv_heads``)."""
+        """The KV heads this rank writes and reads (its KV pool's)."""
         return self.tp_layout.num_kv_heads
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

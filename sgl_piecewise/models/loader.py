@@ -1,17 +1,9 @@
-"""Building models: from a Hugging Face checkpoint directory (config.json +
-safetensors, single file or sharded), from a GGUF file (``gguf.py``), or with
-seeded random weights from a config (the embedded default one included).
-Architectures without a native model load through the transformers adapter.
-
-Checkpoint names map onto ours one to one, except that ``q_proj/k_proj/v_proj``
-are concatenated into ``qkv_proj`` and ``gate_proj/up_proj`` into
-``gate_up_proj``, and a tied ``lm_head`` shares the embedding. Every tensor is
-checked against the shape the config implies *before* anything is fused, so
-an error names the checkpoint's own tensor.
-
-Under tensor parallelism each rank reads only its slices of the safetensors
-files (``safe_open(...).get_slice(name)[...]``, ``parallel.py``), and a random
-model's rank holds the slices of the weights its seed gives one rank.
+"""Building models: from a Hugging Face checkpoint directory (safetensors,
+single or sharded), a GGUF file (``gguf.py``), or seeded random weights
+(the embedded default config included); architectures without a native
+model through the transformers adapter. Every tensor is checked against the
+config's shape before anything is fused, so an error names the
+checkpoint's own tensor; each rank reads only its slices.
 """
 
 from __future__ import annotations
@@ -29,7 +21,8 @@ from torch import nn
 
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models import gguf
-from sgl_piecewise.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, read_json_object
+from sgl_piecewise.models.architectures import ADAPTER_ONLY, KNOWN_ARCHITECTURES
+from sgl_piecewise.models.config import ModelConfig, read_json_object
 from sgl_piecewise.models.hf_weights import (
     INDEX_FILE,
     check_hf_shapes,
@@ -41,7 +34,6 @@ from sgl_piecewise.models.hf_weights import (
 from sgl_piecewise.models.layers import RMSNorm
 from sgl_piecewise.models.llama import LlamaForCausalLM
 from sgl_piecewise.models.transformers_adapter import load_transformers_model
-from sgl_piecewise.models.transformers_support import ADAPTER_ARCHITECTURES
 
 
 def checkpoint_files(model_dir: str) -> List[str]:
@@ -76,12 +68,8 @@ def _index_weight_map(index_path: str) -> dict:
 
 
 def _shard_path(model_dir: str, index_path: str, shard: object, tensor: str) -> str:
-    """``shard`` joined to ``model_dir``, refused if it leads out of it.
-
-    The folders on the way are resolved (a linked folder may lead out) but not
-    the file itself: the Hugging Face cache keeps every file of a checkpoint as
-    a link into a shared blobs folder outside it.
-    """
+    """``shard`` joined to ``model_dir``, refused if its folders lead out of it
+    (the file itself may be a link: the Hugging Face cache keeps blobs outside)."""
     root = os.path.realpath(model_dir)
     if isinstance(shard, str) and shard and not os.path.isabs(shard):
         parent, name = os.path.split(os.path.join(model_dir, shard))
@@ -95,8 +83,7 @@ def _shard_path(model_dir: str, index_path: str, shard: object, tensor: str) -> 
 
 
 class FileSlice:
-    """A tensor of a safetensors file, read only where indexed (its
-    ``get_slice``); a read error names the file, as an open error does."""
+    """A safetensors tensor read only where indexed; a read error names the file."""
 
     def __init__(self, path: str, handle: Any, name: str):
         self.path, self.name = path, name
@@ -111,7 +98,6 @@ class FileSlice:
 
 
 def _reading(path: str, read):
-    # The reader's own errors do not say which file (of many shards) is bad.
     try:
         return read()
     except SafetensorError as exc:
@@ -123,8 +109,7 @@ def _reading(path: str, read):
 
 @contextlib.contextmanager
 def open_safetensors(files: Sequence[str]) -> Iterator[Dict[str, FileSlice]]:
-    """Every tensor of the files, by name, as a :class:`FileSlice`; the files
-    stay open (memory-mapped) inside the ``with``. A name in two files is refused."""
+    """Every tensor of the open files, by name; a name in two files is refused."""
     slices: Dict[str, FileSlice] = {}
     with contextlib.ExitStack() as stack:
         for path in files:
@@ -143,13 +128,10 @@ def load_model(
     *,
     adapter: bool = False,
 ) -> nn.Module:
-    """Load a checkpoint, eval mode: a Hugging Face checkpoint directory, or a
-    GGUF file (a ``.gguf`` path, or a directory holding one ``.gguf`` file and
-    no safetensors; see ``gguf.py``).
-
-    Llama and Qwen2 load as the native models; the other architectures of
-    ``ADAPTER_ARCHITECTURES`` as their transformers model through the adapter
-    (``transformers_adapter.py``), as every architecture does with ``adapter=True``."""
+    """Load a checkpoint, eval mode: a Hugging Face directory or a GGUF file (or a
+    directory with one ``.gguf`` and no safetensors). ``NATIVE_ARCHITECTURES``
+    load natively, ``ADAPTER_ONLY`` (or all, with ``adapter=True``) through the
+    transformers adapter."""
     model_dir = os.fspath(model_dir)
     gguf_path = gguf.gguf_checkpoint_path(model_dir)
     if adapter:
@@ -166,20 +148,15 @@ def load_model(
     return model.eval()
 
 
-# What only the adapter runs: the listed architectures without a native model.
-ADAPTER_ONLY = tuple(a for a in ADAPTER_ARCHITECTURES if a not in SUPPORTED_ARCHITECTURES)
-
-
 def checkpoint_architecture(model_dir: str) -> Optional[str]:
-    """The architecture a checkpoint directory's config.json names, refused
-    (naming it) unless a native model or the adapter runs it."""
+    """The architecture config.json names, refused unless a native model or the adapter runs it."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         return None  # ModelConfig.from_pretrained_dir says what is missing
     archs = read_json_object(path).get("architectures")
     arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
-    if arch not in SUPPORTED_ARCHITECTURES + ADAPTER_ARCHITECTURES:
-        known = ", ".join(dict.fromkeys(SUPPORTED_ARCHITECTURES + ADAPTER_ARCHITECTURES))
+    if arch not in KNOWN_ARCHITECTURES:
+        known = ", ".join(KNOWN_ARCHITECTURES)
         raise InvalidInputError(f"config.json at {path}: architectures: expected one of {known}, got {archs!r}")
     return arch
 
@@ -191,13 +168,9 @@ def build_random_model(
     seed: int = 0,
     std: float = 0.02,
 ) -> LlamaForCausalLM:
-    """A model with seeded normal(0, ``std``) weights and unit norm scales.
-
-    The draw happens on the CPU in float32 and is then cast, so a seed gives
-    the same weights on every device and dtype. Each parameter is drawn whole,
-    in the model's order, and sliced: a rank of a tensor-parallel group holds
-    the slices of the weights the same seed gives one rank.
-    """
+    """A model with seeded normal(0, ``std``) weights and unit norm scales, drawn
+    whole on the CPU in float32 then cast and sliced: a seed gives the same
+    weights on every device, dtype and rank count."""
     model = new_model(config, dtype, device)
     gen = torch.Generator().manual_seed(seed)
     norm_params = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
@@ -225,8 +198,7 @@ def load_model_or_default(
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> nn.Module:
-    """A checkpoint (a directory or a GGUF file, as ``load_model``) if ``model_dir``
-    is given, else the default config with random weights."""
+    """A checkpoint as ``load_model`` if ``model_dir`` is given, else the default config, random."""
     if model_dir is None:
         return build_random_model(default_config(), dtype, device, seed)
     return load_model(model_dir, dtype, device)

@@ -1,21 +1,8 @@
 """RMSNorm, with the residual add before it (:func:`add_rms_norm`), and the
-op that fuses both with the all-reduce before them.
-
-``all_reduce_add_rms_norm(partial, residual, weight, eps, group_name) ->
-(x, normed)`` (a ``torch.library`` custom op, namespace ``sgl_piecewise``):
-``x = residual +`` the ranks' sum of ``partial``, and ``normed`` its
-RMSNorm, in one FlashInfer kernel (``distributed/fused_norm.py``); for
-wide rows (``fused_norm.fuses_norm``), where it is measured faster, that
-kernel's all-reduce alone and then the add + RMSNorm kernel. A
-row-parallel projection built where its group can fuse the three
-(``TensorParallel.fuses_all_reduce_norm``) calls it
-(``layers.add_projected_and_norm``); :func:`fuse_all_reduce_norms` turns
-that off and on for a model's later traces. Out of place, with a fake
-implementation, like the collectives (``distributed/comm_ops.py``): Dynamo
-traces it as one node, and a CUDA graph captures it. Where no workspace
-serves the call (more tokens than it holds, before
-``prepare_communication``, inside ``nccl_only_all_reduces``), it runs the
-all-reduce, the add and the norm one after the other: the same sums.
+custom op ``all_reduce_add_rms_norm`` that fuses both with the all-reduce
+before them in one FlashInfer kernel (``distributed/fused_norm.py``). Out of
+place with a fake implementation, like the collectives; where no workspace
+serves a call, it runs the all-reduce, add and norm apart (the same sums).
 """
 
 from __future__ import annotations
@@ -35,9 +22,7 @@ if TYPE_CHECKING:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x**2) + eps))``, normalised in float32 and
-    scaled after casting back, in the same order as Hugging Face, so half
-    precision matches it bit for bit (the fused kernel up to the order its
-    sum of squares adds in)."""
+    scaled after casting back, as Hugging Face does (bit for bit)."""
     if elementwise.eager(x) and weight.dtype == x.dtype:  # else the formula promotes
         return elementwise.rms_norm(x, weight, eps)
     xf = x.float()
@@ -46,9 +31,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm: "RMSNorm") -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(y, norm(y))`` with ``y = x + delta``: the residual add and the norm
-    after it, in one kernel eagerly on CUDA (the same bits as the two ops),
-    as written elsewhere (a compiled model fuses them itself)."""
+    """``(y, norm(y))`` with ``y = x + delta``, in one kernel eagerly on CUDA."""
     return _add_rms_norm(x, delta, norm.weight, norm.eps)
 
 
@@ -74,8 +57,7 @@ class RMSNorm(nn.Module):
 def all_reduce_add_rms_norm(
     tp: "TensorParallel", partial: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(x, norm(x))`` with ``x = residual +`` the sum of every rank's
-    ``partial [T, H]``, through the op (module docstring)."""
+    """``(x, norm(x))`` with ``x = residual +`` the ranks' sum of ``partial``, through the op."""
     return torch.ops.sgl_piecewise.all_reduce_add_rms_norm(partial, residual, norm.weight, norm.eps, tp.group_name)
 
 
@@ -92,8 +74,6 @@ def _all_reduce_add_rms_norm(
 
 
 def _kernel_operands(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
-    """What the fused kernel takes: partial sums and residual of one shape,
-    a weight per column, all of one dtype."""
     same_shape = partial.shape == residual.shape and weight.shape == residual.shape[-1:]
     return same_shape and partial.dtype == weight.dtype == residual.dtype
 
@@ -104,10 +84,8 @@ def _all_reduce_add_rms_norm_fake(partial, residual, weight, eps, group_name):
 
 
 def fuse_all_reduce_norms(model: nn.Module, enabled: bool) -> int:
-    """Let (``enabled``) or stop every row-parallel projection of ``model``
-    that can fuse its all-reduce with the residual add and norm after it
-    doing so, from the model's next trace (or eager call) on: a compiled
-    model keeps what it was traced with. Returns how many can."""
+    """Let (``enabled``) or stop ``model``'s row-parallel projections fusing the
+    all-reduce with the add and norm, from its next trace on. Returns how many can."""
     if not isinstance(enabled, bool):
         raise InvalidTypeError(f"enabled: expected a bool, got {enabled!r}")
     able = [m for m in model.modules() if getattr(m, "can_fuse_norm", False)]

@@ -1,24 +1,12 @@
 """Tensor parallelism of the Llama-family models (Megatron-style): what rank
-``r`` of ``N`` holds of each weight, and the slicing that gives it.
-
-* **column-parallel** (``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``,
-  ``up_proj``, weight and bias): a block of output rows. Each rank has
-  ``num_attention_heads / N`` query heads and ``num_key_value_heads / N`` KV
-  heads, or, when there are fewer KV heads than ranks, one KV head,
-  ``rank * num_key_value_heads // N``, kept by ``N / num_key_value_heads``
-  ranks each (as SGLang and vLLM do): the KV head its query heads read.
-* **row-parallel** (``o_proj``, ``down_proj`` weights): a block of input
-  columns; the partial sums are all-reduced, and a bias, replicated, is added
-  once after the reduction.
-* **vocab-parallel** (``embed_tokens``, ``lm_head``): rows ``[r * Vp, (r + 1)
-  * Vp)`` with ``Vp = ceil(vocab / N)``; rows past the vocabulary are zeros.
-* **replicated**: the norms and the ``o_proj`` bias.
-
-Every source of weights (a safetensors slice, a dequantised GGUF tensor, a
-seeded random draw) goes through :func:`shard_hf_tensor`: one definition of
-the slice, indexed on the full tensor of each Hugging Face name, so a
-safetensors reader reads only this rank's bytes. At ``N = 1`` every slice is
-the whole tensor.
+``r`` of ``N`` holds of each weight. Column-parallel (q, k, v, gate, up):
+output rows, ``heads / N`` each, or one KV head shared by ``N / kv_heads``
+ranks where there are fewer KV heads than ranks. Row-parallel (o, down):
+input columns, partial sums all-reduced, the bias added once.
+Vocab-parallel (embedding, LM head): ``ceil(vocab / N)`` rows each, zero
+past the vocabulary. The norms are replicated. Every source of weights is
+sliced by :func:`shard_hf_tensor`, so a safetensors reader reads only this
+rank's bytes.
 """
 
 from __future__ import annotations
@@ -31,8 +19,7 @@ import torch
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models.config import ModelConfig
 
-# Hugging Face weight names by the way they are split: the last two parts
-# of the name, e.g. "q_proj.weight".
+# Hugging Face weight names (their last two parts) by the way they are split.
 _QUERY_ROWS = {"q_proj.weight", "q_proj.bias"}
 _KV_ROWS = {"k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"}
 _MLP_ROWS = {"gate_proj.weight", "up_proj.weight"}
@@ -43,9 +30,7 @@ _VOCAB_ROWS = {"embed_tokens.weight", "lm_head.weight"}
 
 @dataclass(frozen=True)
 class TPLayout:
-    """What rank ``rank`` of a tensor-parallel group of ``size`` holds of a
-    model: its attention heads, KV heads, MLP width and vocabulary rows. At
-    size 1, the whole model."""
+    """What rank ``rank`` of ``size`` holds: heads, KV heads, MLP width, vocabulary rows."""
 
     rank: int
     size: int
@@ -71,9 +56,7 @@ class TPLayout:
 
 
 def check_tp_size(config: ModelConfig, size: int) -> None:
-    """Refuse a group size the model's heads or MLP width do not split over
-    evenly, naming the numbers: a rank would otherwise hold a fraction of a
-    head, or ranks would hold different widths."""
+    """Refuse, naming the numbers, a group size the heads or MLP width do not split over."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % size:
         raise InvalidInputError(
@@ -91,8 +74,6 @@ def check_tp_size(config: ModelConfig, size: int) -> None:
 
 
 def tp_layout(config: ModelConfig, rank: int, size: int) -> TPLayout:
-    """The :class:`TPLayout` of ``rank`` of ``size``; a size the model does
-    not split over is refused (:func:`check_tp_size`)."""
     if not 0 <= rank < size:
         raise InvalidInputError(f"rank: expected an int in [0, {size}), got {rank!r}")
     check_tp_size(config, size)
@@ -115,10 +96,8 @@ def tp_layout(config: ModelConfig, rank: int, size: int) -> TPLayout:
 
 
 def hf_shard_index(layout: TPLayout, hf_name: str) -> Tuple[slice, ...]:
-    """The index of this rank's part of the full tensor ``hf_name`` (a
-    Hugging Face weight name): rows for column-parallel and vocabulary
-    weights, columns for row-parallel ones, everything for replicated ones.
-    A vocabulary index stops at the vocabulary; :func:`shard_hf_tensor` pads."""
+    """The index of this rank's part of the full Hugging Face tensor ``hf_name``
+    (rows, columns or everything), stopping at the vocabulary."""
     kind = ".".join(hf_name.split(".")[-2:])
     r = layout.rank
     if kind in _QUERY_ROWS:
@@ -142,9 +121,8 @@ def _block(rank: int, width: int) -> slice:
 
 
 def shard_hf_tensor(layout: TPLayout, hf_name: str, source: Any) -> torch.Tensor:
-    """This rank's part of the full tensor ``hf_name``, read from ``source``:
-    anything indexed like a tensor (a tensor, a safetensors slice, which then
-    reads only these bytes). Vocabulary rows past the vocabulary are zeros."""
+    """This rank's part of ``hf_name`` read from ``source`` (a tensor, or a
+    safetensors slice that reads only those bytes), zero-padded past the vocabulary."""
     part = source[hf_shard_index(layout, hf_name)]
     kind = ".".join(hf_name.split(".")[-2:])
     missing = layout.vocab_per_rank - part.shape[0]

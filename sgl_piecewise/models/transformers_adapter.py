@@ -1,15 +1,9 @@
-"""A transformers causal LM, unchanged, as a model of this library.
-
-transformers looks attention up by name (``AttentionInterface``); the adapter
-registers ``"sgl_piecewise"``, whose function hands each layer's q, k, v to
-``ops.unified_attention`` with the module's ``layer_idx`` as ``layer_id``. A
-step's tokens go through the model as one sequence of batch 1 with their own
-positions, with no transformers cache and no mask: the op writes the paged KV
-and knows each request's context from the step's batch. So ``ModelRunner``,
-every graph policy and ``torch.compile(model, backend="sgl_piecewise")`` take a
-:class:`TransformersModel` as they take the native models.
-
-Which configs are taken, and why others are refused: ``transformers_support.py``.
+"""A transformers causal LM, unchanged, as a model of this library: the
+registered attention implementation ``"sgl_piecewise"`` hands each layer's
+q, k, v to ``ops.unified_attention`` (``layer_idx`` as ``layer_id``), a
+step's tokens go through as one sequence with their own positions, no
+transformers cache and no mask. Which configs are taken:
+``transformers_support.py``.
 """
 
 from __future__ import annotations
@@ -43,24 +37,20 @@ def _transformers():
 
 
 def paged_attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention call (``query [1, Hq, T, D]``, ``key``/``value
-    [1, Hkv, T, D]``) as the op's token-major one; returns ``([1, T, Hq, D], None)``
-    as transformers' own implementations do."""
+    """transformers' attention call (``[1, H, T, D]``) as the op's token-major one."""
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     out = unified_attention(q, k, v, layer_id=module.layer_idx, scale=scaling)
     return out.unsqueeze(0), None
 
 
 def register_attention() -> None:
-    """Make ``"sgl_piecewise"`` an attention implementation transformers knows.
-    No mask function is registered: transformers then builds no mask for it."""
+    """Make ``"sgl_piecewise"`` an attention transformers knows (with no mask function)."""
     _transformers().AttentionInterface.register(ATTENTION_IMPLEMENTATION, paged_attention)
 
 
 class TransformersModel(nn.Module):
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]`` and
-    ``compute_logits(hidden [N, H]) -> [N, vocab]`` float32 over a transformers
-    causal LM, whose parameters it holds as ``hf_model``."""
+    ``compute_logits`` (float32) over a transformers causal LM (``hf_model``)."""
 
     def __init__(self, hf_model: nn.Module, config: AdaptedConfig):
         super().__init__()
@@ -68,9 +58,8 @@ class TransformersModel(nn.Module):
         self.config = config
         # Granite divides its logits by this; the others keep 1.
         self.logits_scaling = float(getattr(config.hf_config, "logits_scaling", 1.0) or 1.0)
-        # A slice of transformers' ModuleList builds a new ModuleList at every
-        # step, and a module built inside a Dynamo trace recompiles it: a plain
-        # list of the same layers slices to a list.
+        # Slicing a ModuleList builds a module inside the trace (a recompile):
+        # these layers slice to a plain list.
         decoder = hf_model.get_decoder()
         decoder.layers = _LayerList(decoder.layers)
 
@@ -82,8 +71,7 @@ class TransformersModel(nn.Module):
         return out.last_hidden_state[0]
 
     def _check_attention(self) -> None:
-        # Another attention implementation set on the model (or on a config it
-        # shares) would attend over the step's own tokens only: a wrong answer.
+        # Another attention implementation would attend over the step's own tokens only.
         implementation = self.hf_model.config._attn_implementation
         if implementation != ATTENTION_IMPLEMENTATION:
             raise InvalidInputError(
@@ -97,8 +85,6 @@ class TransformersModel(nn.Module):
 
 
 class _LayerList(nn.ModuleList):
-    """transformers' layer list, sliced to a plain list (see ``TransformersModel``)."""
-
     def __getitem__(self, index):
         if isinstance(index, slice):
             return list(self._modules.values())[index]
@@ -106,12 +92,9 @@ class _LayerList(nn.ModuleList):
 
 
 def adapt(hf_model: nn.Module) -> TransformersModel:
-    """A transformers causal LM as a model of this library, in eval mode.
-
-    The model is used in place: its attention implementation becomes
-    ``"sgl_piecewise"`` (pass a copy to keep the original as it was). Refused,
-    naming the architecture and the feature, where the op cannot compute its
-    attention exactly (``transformers_support.py``)."""
+    """A transformers causal LM, used in place (its attention implementation
+    becomes ``"sgl_piecewise"``), eval mode; refused where the op cannot
+    compute its attention exactly."""
     transformers = _transformers()
     if not isinstance(hf_model, transformers.PreTrainedModel):
         raise InvalidTypeError(f"hf_model: expected a transformers PreTrainedModel, got {type(hf_model).__name__}")
@@ -140,13 +123,11 @@ def _refuse_tensor_parallel(config: AdaptedConfig) -> None:
 def from_config(
     hf_config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0
 ) -> TransformersModel:
-    """A model of ``hf_config`` (a transformers config) with transformers' own
-    seeded random initialisation; the architecture is checked first."""
+    """A seeded random model of a transformers config, checked first."""
     transformers = _transformers()
     adapted_config(hf_config)  # refuse before anything is built
     _check_dtype(dtype)
-    # The model keeps the config object it is built from: a copy, so that the
-    # caller's config (and any model built from it later) keeps its attention.
+    # A copy: the model keeps its config, and the caller's keeps its attention.
     hf_config = copy.deepcopy(hf_config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -157,8 +138,7 @@ def from_config(
 def load_transformers_model(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> TransformersModel:
-    """A checkpoint directory (config.json and safetensors) or a GGUF file,
-    read by transformers; its config is checked before any weight is read."""
+    """A checkpoint directory or GGUF file read by transformers, its config checked first."""
     transformers = _transformers()
     _check_dtype(dtype)
     path = os.fspath(path)

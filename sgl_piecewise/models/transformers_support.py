@@ -14,21 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
-
-# Decoders whose transformers code runs unchanged through the adapter, each
-# checked token for token against transformers' own generate in the tests:
-# a config's ``model_type`` -> its causal LM class.
-ADAPTER_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "olmo2": "Olmo2ForCausalLM",
-    "granite": "GraniteForCausalLM",
-    "smollm3": "SmolLM3ForCausalLM",
-}
-ADAPTER_ARCHITECTURES = tuple(ADAPTER_MODEL_TYPES.values())
+from sgl_piecewise.models.architectures import ADAPTER_ARCHITECTURES, ADAPTER_MODEL_TYPES
 
 # Rotary types whose frequencies depend on the position only, never on the batch.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
