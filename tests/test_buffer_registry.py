@@ -487,14 +487,15 @@ def test_foreach_failure_falls_back_to_per_tensor_copies(monkeypatch, caplog):
     assert [r.levelno for r in caplog.records] == [logging.WARNING] + [logging.DEBUG] * 3
 
 
-def test_torch_without_foreach_copy_falls_back(monkeypatch):
-    monkeypatch.delattr(torch, "_foreach_copy_")
-    reg = reg_()
-    slot = slot_(reg)
-    src = rand(4)
-    reg.fill_from({"x": src}, ctx_(4, 4))
-    assert torch.equal(slot.buffer[:4], src)
-    assert reg.stats.last_fallback_reason == "this torch has no torch._foreach_copy_"
+@pytest.mark.gpu
+def test_a_dtype_without_a_cuda_foreach_copy_is_copied_per_tensor():
+    # CUDA's _foreach_copy_ has no uint32 kernel; copy_ has.
+    reg = CudaGraphBufferRegistry(MAX_BS, MAX_TOKENS, "cuda")
+    slot = reg.register_slot("x", rows, torch.uint32, "bs")
+    src = torch.arange(3, device="cuda").to(torch.uint32)
+    reg.fill_from({"x": src}, ctx_(3, 4))
+    assert slot.buffer[:3].cpu().tolist() == [0, 1, 2]
+    assert reg.stats.per_tensor_fallbacks == 1 and "UInt32" in reg.stats.last_fallback_reason
 
 
 # ---- property ----------------------------------------------------------------

@@ -1,9 +1,6 @@
-"""Attention backends: the contract (``base``), shared length helpers
-(``lengths``), graph metadata helpers (``metadata``), the Pattern A base
-class of graph-capable backends (``static_graph``) and implementations.
-``reference`` is the oracle. ``factory`` builds a backend by name; the Triton
-and FlashInfer backends are imported only when named, since their
-dependencies are optional."""
+"""Attention backends: the contract (``base``), ``reference`` (the oracle)
+and the graph-capable ones; ``factory`` imports Triton and FlashInfer only
+when named."""
 
 from sgl_piecewise.backends.base import AttentionBackend, BackendUnavailableError
 from sgl_piecewise.backends.composite import CompositeBackend

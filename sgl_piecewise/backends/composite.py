@@ -1,16 +1,7 @@
-"""A composite backend: one primary plus children, every hook delegated to all.
-
-Use it where one step needs more than one backend ready at once — e.g. a
-hybrid model whose some layers need another kernel (``layer_routes``), or an
-engine that keeps a second backend prepared on the same batch. Every metadata
-hook (eager, graph state, capture, replay) runs on every member, in order, so
-any member can attend any layer of the step; attention runs on the primary
-unless the layer is routed to a child.
-
-Upstream SGLang PR 26665: the capture hook of such a composite must work for a batch size
-that has never been replayed. Each member's capture stores its own per-``bs``
-metadata before delegating to its own replay, so there is nothing for the
-composite to look up.
+"""A composite backend: every metadata hook runs on a primary and its
+children, in order, so any member can attend any layer of the step (a
+hybrid model's ``layer_routes``). Each member's capture binds its own
+per-``bs`` metadata before its replay, so a never-replayed size works.
 """
 
 from __future__ import annotations
@@ -25,19 +16,9 @@ from sgl_piecewise.forward import ForwardBatch
 
 
 class CompositeBackend(AttentionBackend):
-    """``primary`` + ``children`` over the same pools.
-
-    Args:
-        primary: attends every layer not in ``layer_routes``; its fill value is
-            the composite's.
-        children: backends kept in step with the primary.
-        layer_routes: ``{layer_id: child index}`` for layers a child attends.
-
-    Example::
-
-        backend = CompositeBackend(TorchGraphBackend(rp, kv), [TritonBackend(rp, kv, 8)],
-                                   layer_routes={0: 0})
-    """
+    """``primary`` + ``children`` over the same pools. ``primary`` attends every
+    layer not in ``layer_routes`` (``{layer_id: child index}``) and gives the
+    fill value."""
 
     name = "composite"
 
@@ -74,7 +55,6 @@ class CompositeBackend(AttentionBackend):
                     f"got {layer!r}: {child!r}"
                 )
 
-    # ---- hooks: every member -------------------------------------------------
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         for member in self.members:
             member.prepare_metadata(batch)
@@ -132,7 +112,6 @@ class CompositeBackend(AttentionBackend):
             buffers.update({f"{prefix}.{name}": t for name, t in member.cuda_graph_buffers().items()})
         return buffers
 
-    # ---- attention: the layer's member ---------------------------------------
     def member_for_layer(self, layer_id: int) -> AttentionBackend:
         child = self.layer_routes.get(layer_id)
         return self.primary if child is None else self.children[child]

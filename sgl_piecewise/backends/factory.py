@@ -1,10 +1,5 @@
-"""Attention backends by name: ``"reference"``, ``"torch"``, ``"triton"``,
-``"flashinfer"``.
-
-Classes are imported on first use, so naming a backend whose optional
-dependency (``triton``, ``flashinfer``) is missing fails only for that name,
-with an error that says how to install it.
-"""
+"""Attention backends by name, imported on first use: a missing optional
+dependency fails only for its name, saying how to install it."""
 
 from __future__ import annotations
 
@@ -49,13 +44,5 @@ def create_backend(
     num_q_heads: Optional[int] = None,
     **options,
 ) -> AttentionBackend:
-    """Build backend ``name`` over the pools.
-
-    ``num_q_heads`` is required by ``triton`` and ``flashinfer``, accepted by
-    all; ``options`` go to the class (e.g. ``max_kv_splits`` for triton).
-
-    Example::
-
-        backend = create_backend("triton", req_to_token_pool, kv_pool, num_q_heads=32)
-    """
+    """Build backend ``name`` over the pools; ``options`` go to its class."""
     return get_backend_class(name)(req_to_token_pool, kv_pool, num_q_heads, **options)

@@ -1,27 +1,12 @@
-"""The FlashInfer backend (``"flashinfer"``): FlashInfer's paged decode and
-prefill wrappers over the pool, page size 1, NHD layout.
+"""The FlashInfer backend (``"flashinfer"``): FlashInfer's paged decode
+(DECODE) and prefill (every other mode) wrappers over the pool, page size 1.
 
-DECODE runs ``BatchDecodeWithPagedKVCacheWrapper``; every other mode runs
-``BatchPrefillWithPagedKVCacheWrapper`` (causal, FlashInfer aligns the causal
-diagonal bottom-right, i.e. offset ``kv_len - q_len``; or the verify tree mask).
-
-Graphs follow Pattern B (docs/ARCHITECTURE.md, "Pattern A and Pattern B"): one creation helper,
-:meth:`FlashInferBackend._create_wrappers`, builds the eager wrappers at
-construction and, at capture, a graph wrapper per ``(mode, bs)`` whose fixed
-buffers are views of the static buffers; capture then calls replay once.
-Replay fills the buffers with the same ``_fill_metadata`` as the eager path and
-calls ``plan()`` — host side, outside the graph; ``run()`` is what the graph
-captures.
-
-Between compiled pieces a step's attention goes through a plan its first
-layer builds (:class:`_FlashInferStep`): the checks and the K/V write's
-launch (one Triton kernel for K, V and the padded rows' zeros, instead of
-two ``index_copy_`` and a ``zero_``) are fixed once per step, the pool's
-paged views once per backend, so a later layer only writes its K/V and
-calls ``run()``.
-
-``flashinfer`` is optional (``pip install sgl_piecewise[gpu]``): importing this
-module does not import it; constructing the backend does.
+Graphs follow Pattern B (docs/ARCHITECTURE.md, "Pattern A and Pattern B"):
+:meth:`FlashInferBackend._create_wrappers` makes the eager wrappers and, at
+capture, one per ``(mode, bs)`` over the static buffers. Replay fills the
+buffers and calls ``plan()`` on the host; the graph holds ``run()``.
+Importing this module does not import ``flashinfer``; constructing the
+backend does.
 """
 
 from __future__ import annotations
@@ -47,15 +32,10 @@ from sgl_piecewise.forward import ForwardBatch, ForwardMode
 
 # FlashInfer's documented recommendation for the float workspace.
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
-# Prefill-kernel family for every mode. FA2 serves custom masks (verify
-# trees), which FA3 does not, so one family covers EXTEND, MIXED and the
-# speculative modes alike, and its JIT build takes about a minute where
-# FlashInfer's "auto" would also build FA3 on Hopper (several minutes).
+# FA2 serves custom masks (verify trees), which FA3 does not: one family for every mode.
 PREFILL_KERNELS = "fa2"
 PAGE_SIZE = 1  # req_to_token maps one token to one slot
-# Head sizes FlashInfer's paged decode and FA2 prefill kernels serve (the
-# sizes it ships prebuilt). Others fail inside the kernel dispatch (head_dim
-# 32: "Invalid configuration", seen on an H200), so they are refused here.
+# Head sizes FlashInfer ships prebuilt; others fail inside its dispatch, so they are refused here.
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
@@ -75,10 +55,10 @@ class FlashInferMetadata(LengthMetadata):
     kv_indices: torch.Tensor  # [N >= kv_indptr[bs]] int32 slots (= pages)
     last_page_len: torch.Tensor  # [bs] int32, all 1: every page holds one token
     custom_mask: Optional[torch.Tensor]  # [M] bool flat [q_len, kv_len] blocks
-    # Graph mode with a mask only: the static buffer plan() packs the mask into.
+    # Graph mode with a mask: the static buffer plan() packs the mask into.
     packed_mask: Optional[torch.Tensor]
     wrapper: Any  # the decode or prefill wrapper that plans and runs this step
-    step: Optional["_FlashInferStep"] = None  # the attention plan of the step (its first layer builds it)
+    step: Optional["_FlashInferStep"] = None  # built by the step's first layer
 
 
 def _is_decode_step(mode: ForwardMode) -> bool:
@@ -86,17 +66,11 @@ def _is_decode_step(mode: ForwardMode) -> bool:
 
 
 class FlashInferBackend(StaticGraphBackend):
-    """FlashInfer kernels behind the capture/replay contract (CUDA only).
-
-    Args:
-        req_to_token_pool, kv_pool: the pools (``kv_pool`` on a CUDA device,
-            float16 or bfloat16).
-        num_q_heads: query heads per layer (``plan()`` needs it).
-        workspace_bytes: FlashInfer's float workspace, shared by all wrappers.
-    """
+    """FlashInfer kernels behind the capture/replay contract (CUDA, fp16/bf16
+    pools). ``workspace_bytes``: the float workspace all wrappers share."""
 
     name = "flashinfer"
-    fill_on_device = False  # the fill ends in plan(), host work a recorded fill would skip
+    fill_on_device = False  # the fill ends in plan(), host work
 
     def __init__(
         self,
@@ -108,8 +82,7 @@ class FlashInferBackend(StaticGraphBackend):
     ):
         super().__init__(req_to_token_pool, kv_pool, num_q_heads)
         self._flashinfer = import_flashinfer()
-        # Triton comes with torch on CUDA (and the gpu extra); its one-launch
-        # fill replaces some 20 small torch kernels a step.
+        # Imported here: importing the backends loads no Triton.
         from sgl_piecewise.backends.triton_kernels.metadata_fill import fill_paged_metadata
 
         self._fill_paged = fill_paged_metadata
@@ -131,8 +104,7 @@ class FlashInferBackend(StaticGraphBackend):
             )
         check_positive_int("workspace_bytes", workspace_bytes)
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=kv_pool.device)
-        # Grouped heads: the tensor-core (prefill-kernel) decode path is the
-        # faster one from a group of 4 up, as in SGLang's choice.
+        # From a group of 4 up, the tensor-core decode path (SGLang's choice).
         self._decode_tensor_cores = num_q_heads // kv_pool.num_kv_heads >= 4
         # plan() fixes the softmax scale; layers with another scale rescale q.
         self._plan_scale = 1.0 / math.sqrt(kv_pool.head_dim)
@@ -140,8 +112,7 @@ class FlashInferBackend(StaticGraphBackend):
         self._eager_prefill = self._create_wrappers(decode=False, views=None)
 
     def _create_wrappers(self, decode: bool, views: Optional[FlashInferMetadata]) -> Any:
-        """The one place wrappers are made: eager (``views=None``) or graph
-        mode on ``views``' fixed buffers (batch size fixed for its lifetime)."""
+        """The one place wrappers are made: eager (``views=None``) or over ``views``' fixed buffers."""
         fi = self._flashinfer
         if decode:
             graph = (
@@ -178,7 +149,6 @@ class FlashInferBackend(StaticGraphBackend):
         # plan() needs >= 1 page per request (last_page_len is 1, not 0).
         return 1
 
-    # ---- metadata --------------------------------------------------------
     def _alloc_metadata(self, batch: ForwardBatch) -> FlashInferMetadata:
         bs, mode, new = batch.batch_size, batch.forward_mode, self._new
         q_cpu, kv_cpu = host_lengths(batch)
@@ -225,14 +195,14 @@ class FlashInferBackend(StaticGraphBackend):
         return views
 
     def _fill_metadata(self, meta, bs, req_pool_indices, seq_lens, extend_lens, mode, spec_info) -> None:
-        self._fill_paged(meta, meta.kv_indices, self.req_to_token_pool.req_to_token, req_pool_indices,
-                         seq_lens, extend_lens)  # fmt: skip
+        self._fill_paged(
+            meta, meta.kv_indices, self.req_to_token_pool.req_to_token, req_pool_indices, seq_lens, extend_lens
+        )
         meta.last_page_len.fill_(PAGE_SIZE)
         if meta.masked:
             copy_custom_mask(meta.custom_mask, spec_info.custom_mask)
         if meta.packed_mask is not None:
-            # plan() writes only this step's packed bytes; clear the rest so
-            # the buffer depends on this step alone (capture == replay).
+            # plan() writes only this step's bytes: clear the rest (capture == replay).
             meta.packed_mask.zero_()
         if bs:
             self._plan(meta)
@@ -259,11 +229,8 @@ class FlashInferBackend(StaticGraphBackend):
     def _begin_step(self, meta: FlashInferMetadata) -> None:
         meta.step = None
 
-    # ---- attention -------------------------------------------------------
     def write_kv_and_attend(self, q, k, v, out, layer_id, batch, scale, num_tokens, out_cache_loc) -> bool:
-        """The step's first layer: build its plan (:class:`_FlashInferStep`)
-        and attend through it; later layers take it through
-        :meth:`layer_attend`."""
+        """The step's first layer builds its plan and attends through it."""
         mode = batch.forward_mode
         if mode.is_idle() or num_tokens == 0:  # nothing to write or attend: the op zeroes the rows
             return False
@@ -289,9 +256,7 @@ class FlashInferBackend(StaticGraphBackend):
         meta.wrapper.run(q, self._paged_cache(layer_id), out=out)
 
     def _paged_cache(self, layer_id: int) -> tuple:
-        """Layer ``layer_id``'s pool as FlashInfer's paged cache, views made
-        once per backend and made again where the pool's buffers were
-        replaced since."""
+        """Layer ``layer_id``'s pool as FlashInfer's paged cache (views kept until the buffers change)."""
         k, v = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         pages = self._pages[layer_id]
         if pages[0]._base is not k or pages[1]._base is not v:
@@ -300,27 +265,44 @@ class FlashInferBackend(StaticGraphBackend):
 
 
 def _paged(k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """Page size 1: a ``[slots, Hkv, D]`` pool is ``[pages, page_size=1, Hkv,
-    D]`` (NHD)."""
+    """A ``[slots, Hkv, D]`` pool as ``[pages, 1, Hkv, D]`` (NHD)."""
     return k.unsqueeze(1), v.unsqueeze(1)
 
 
 class _FlashInferStep:
     """One step's attention between compiled pieces, fixed at its first
-    layer: the checks and the K/V write's launch (``store_kv``: the real
-    rows' K/V into the pool, zeros into the padded rows of ``out``), over
-    the wrapper the step's metadata fill planned. Called for a later
-    layer, it compares only what can differ between layers (the metadata
-    and plan still the backend's, the scale, the layer index, the layer's
-    tensors' layout) and returns False, launching nothing, for anything
-    else; the op then takes the full path."""
+    layer: the checks and the ``store_kv`` launch. For a later layer it
+    compares only what can differ between layers; False, launching nothing,
+    sends the op down the full path."""
 
-    __slots__ = ("backend", "meta", "scale", "q_factor", "layout_of", "layout", "store", "num_tokens", "padded",
-                 "k_buffers", "v_buffers")  # fmt: skip
+    __slots__ = (
+        "backend",
+        "meta",
+        "scale",
+        "q_factor",
+        "layout_of",
+        "layout",
+        "store",
+        "num_tokens",
+        "padded",
+        "k_buffers",
+        "v_buffers",
+    )
 
-    def __init__(self, backend: FlashInferBackend, meta: FlashInferMetadata, q, k, v, out, layer_id: int,
-                 scale: float, num_tokens: int, out_cache_loc: torch.Tensor):  # fmt: skip
-        # Triton only when built (importing the backends loads none of it).
+    def __init__(
+        self,
+        backend: FlashInferBackend,
+        meta: FlashInferMetadata,
+        q,
+        k,
+        v,
+        out,
+        layer_id: int,
+        scale: float,
+        num_tokens: int,
+        out_cache_loc: torch.Tensor,
+    ):
+        # Imported here: importing the backends loads no Triton.
         from sgl_piecewise.backends.triton_kernels.store_kv import launch_store_kv, store_kv_args, store_kv_meta
         from sgl_piecewise.backends.triton_kernels.tiles import check_last_dim_contiguous, check_new_kv, layer_layout
         from sgl_piecewise.internals.triton_launch import StepLaunch

@@ -1,11 +1,6 @@
-"""Length arithmetic shared by every backend's eager, capture and replay paths.
-
-Upstream SGLang bugs (PRs 26665, 22404, 26512) came from one path computing a
-length its own way. The graph-capable backends derive key extents and
-cumulative offsets on their eager, capture and replay paths through these
-functions, so the paths cannot drift apart. (The reference backend, the
-oracle, computes its host-side offsets independently, by design.)
-"""
+"""Length arithmetic every graph-capable backend's eager, capture and replay
+paths share, so they cannot drift apart (the reference backend, the oracle,
+computes its own)."""
 
 from __future__ import annotations
 
@@ -18,12 +13,8 @@ from sgl_piecewise.forward import ForwardMode
 
 
 def kv_lens(mode: ForwardMode, seq_lens: torch.Tensor, extend_seq_lens: torch.Tensor) -> torch.Tensor:
-    """Key extent per request: the cache length the new tokens attend over.
-
-    TARGET_VERIFY and DRAFT_EXTEND_V2 hold the prefix in ``seq_lens`` and the
-    new rows are already in the cache, so the extent is ``prefix + new``
-    (upstream SGLang PR 26512). Every other mode's ``seq_lens`` already counts them.
-    """
+    """Key extent per request: ``prefix + new`` for TARGET_VERIFY and
+    DRAFT_EXTEND_V2 (whose ``seq_lens`` hold the prefix), else ``seq_lens``."""
     if mode.seq_lens_exclude_new_tokens():
         return seq_lens + extend_seq_lens
     return seq_lens

@@ -1,9 +1,6 @@
-"""The reference backend: pure PyTorch, one request at a time, every mode.
-
-It is the oracle every other backend is tested against, so it favours being
-obviously right over being fast: it gathers each request's keys through the
-page table, upcasts to float32, builds the mask explicitly and calls SDPA.
-It reads host-side lengths, so it cannot run inside a CUDA graph.
+"""The reference backend, the oracle: pure PyTorch, one request at a time,
+float32 and an explicit mask into SDPA; obviously right, not fast. It reads
+host-side lengths, so it cannot run inside a CUDA graph.
 """
 
 from __future__ import annotations

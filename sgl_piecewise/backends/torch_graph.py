@@ -1,28 +1,12 @@
-"""The graph-safe PyTorch backend (``"torch"``): every mode, pure torch ops.
+"""The graph-safe PyTorch backend (``"torch"``): every mode, pure torch ops,
+the whole batch at once with shapes that depend only on the batch size. Keys
+are gathered through a page table ``[bs, W]`` and hidden by a ``[bs, S, W]``
+mask built once per step; graphed, ``W`` is the pool's context length and
+``S`` the uniform query width. Ragged eager steps gather queries into
+``[bs, max_q_len]`` and back.
 
-Where the reference backend loops over requests with host-side lengths, this
-one works on the whole batch at once with shapes that depend only on the batch
-size: keys are gathered through a page table ``[bs, W]`` into
-``[bs, W, Hkv, D]``, a ``hidden [bs, S, W]`` mask (outside the key extent,
-past the causal offset ``kv_len - q_len``, or off the verify tree mask) and
-the keys past each request's extent are prepared once per step, not per
-layer, and the softmax runs in float32. When graphed, ``W`` is the pool's
-context length and ``S`` the uniform query width, so a captured step
-replays for any lengths.
-
-Eager EXTEND / MIXED / DRAFT_EXTEND use the same math over the ragged layout:
-queries are gathered into ``[bs, S = max_q_len]`` and gathered back.
-
-Non-finite values: a NaN or inf reaches an output row if it is in that row's
-query or in a key or value the row may see (a non-finite scale is refused
-before any backend runs, ``ops/attention.py``). Page-table entries
-past a request's ``kv_len`` point at the dummy slot, stale slots or other
-requests' slots; their logits are masked and their gathered values zeroed, so
-nothing there reaches any row (a weight of 0 alone would not do: 0 * NaN is
-NaN). Values of keys inside the extent but hidden from a row still meet its
-weight 0 in the einsum, so a NaN there is left undefined, as in flash kernels.
-A row whose visible keys all carry weight 0 (none, or every logit -inf) gets
-zeros, as SDPA gives.
+Gathered values past a request's extent are zeroed, not only weighted 0
+(0 * NaN is NaN); a row whose visible keys all weigh 0 gets zeros, as SDPA gives.
 """
 
 from __future__ import annotations
@@ -44,8 +28,7 @@ from sgl_piecewise.backends.metadata import (
 from sgl_piecewise.backends.static_graph import StaticBuffers, StaticGraphBackend
 from sgl_piecewise.forward import ForwardBatch, ForwardMode
 
-# Finite, so a row whose visible logits are all -inf (or that sees no key)
-# normalises over its hidden keys instead of 0/0; those weights are then zeroed.
+# Finite: a row that sees no key normalises over hidden keys, not 0/0; their weights are then zeroed.
 _MASKED = torch.finfo(torch.float32).min
 
 
@@ -55,24 +38,15 @@ class TorchGraphMetadata(LengthMetadata):
     page_table: torch.Tensor  # [bs, W] int64: slot of key j of request b
     hidden: torch.Tensor  # [bs, S, W] bool: query row i of request b may not see key j
     past_extent: torch.Tensor  # [bs, W] bool: key j is past request b's keys (j >= kv_len)
-    # Ragged eager steps only (None when every request has S query rows):
+    # Ragged eager steps only:
     q_rows: Optional[torch.Tensor]  # [bs * S] int64: token row behind padded query (b, i)
     token_src: Optional[torch.Tensor]  # [T] int64: padded query row each token's output is
 
 
 class TorchGraphBackend(StaticGraphBackend):
-    """Pure-PyTorch attention that can be captured in a CUDA graph.
-
-    Example::
-
-        backend = TorchGraphBackend(req_to_token_pool, kv_pool)
-        backend.init_forward_metadata(batch)
-        with sgl_piecewise.forward_context(batch, backend):
-            o = sgl_piecewise.ops.unified_attention(q, k, v, layer_id=0)
-
-    Memory per layer call: the gathered keys and values in float32,
-    ``[bs, W, Hkv, D]`` each, and the logits ``[bs, Hq, S, W]``.
-    """
+    """Pure-PyTorch attention that can be captured in a CUDA graph. Per layer
+    it holds the gathered keys and values in float32 and the logits
+    ``[bs, Hq, S, W]``."""
 
     name = "torch"
 
@@ -80,7 +54,6 @@ class TorchGraphBackend(StaticGraphBackend):
         # One key per padded request: every padded row has something to attend.
         return 1
 
-    # ---- metadata --------------------------------------------------------
     def _alloc_metadata(self, batch: ForwardBatch) -> TorchGraphMetadata:
         bs, tokens, new = batch.batch_size, batch.num_tokens, self._new
         q_cpu, kv_cpu = host_lengths(batch)
@@ -137,7 +110,6 @@ class TorchGraphBackend(StaticGraphBackend):
         custom = spec_info.custom_mask if meta.masked else None
         _fill_masks(meta, custom)
 
-    # ---- attention -------------------------------------------------------
     def forward_decode(self, q, k, v, out, layer_id, batch, scale) -> None:
         self._attend(q, out, layer_id, batch, scale)
 
@@ -170,12 +142,8 @@ class TorchGraphBackend(StaticGraphBackend):
 
 
 def _fill_ragged_rows(meta: TorchGraphMetadata) -> None:
-    """Maps between the ragged token layout and the padded ``[bs, S]`` one.
-
-    Padded query slots past a request's ``q_len`` repeat its last row (any
-    valid row will do: ``hidden`` masks them and ``token_src`` never reads
-    them back).
-    """
+    """Maps between the ragged token layout and the padded ``[bs, S]`` one;
+    padded slots repeat a request's last row (masked, never read back)."""
     bs, width = meta.bs, meta.max_q_len
     i = torch.arange(width, device=meta.q_lens.device)
     last = (meta.q_lens.long() - 1).clamp_(min=0)
@@ -187,10 +155,9 @@ def _fill_ragged_rows(meta: TorchGraphMetadata) -> None:
 
 
 def _fill_masks(meta: TorchGraphMetadata, custom_mask: Optional[torch.Tensor]) -> None:
-    """``past_extent[b, j]``: key ``j >= kv_len``. ``hidden[b, i, j]``: not
-    (key ``j < kv_len`` for query ``i < q_len``, and either causal at offset
-    ``kv_len - q_len`` or ``custom_mask``, a flat concatenation of row-major
-    ``[q_len, kv_len]`` blocks, SpecInfo)."""
+    """``past_extent[b, j]``: ``j >= kv_len``. ``hidden[b, i, j]``: key ``j``
+    invisible to query ``i`` (causal at offset ``kv_len - q_len``, or off
+    ``custom_mask``)."""
     bs, width, keys = meta.hidden.shape
     device = meta.hidden.device
     i = torch.arange(width, device=device).view(1, width, 1)

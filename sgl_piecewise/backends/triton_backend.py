@@ -1,14 +1,7 @@
 """The Triton backend (``"triton"``): the split-KV decode kernel for DECODE,
 the extend kernel for every other mode, over the paged pool (page size 1).
-
-Per step it builds, on the device and into caller-visible buffers,
-``qo_indptr``, ``kv_indptr``, the flattened page table ``kv_indices`` and the
-decode split counts in one launch (``fill_paged_metadata``) and, for tree
-verification, ``mask_indptr`` plus a copy of the flat custom mask. Graphs
-bind all of them to static buffers once (Pattern A, ``StaticGraphBackend``);
-the kernels' grids depend only on the batch size and the static
-``max_q_len``, so one captured launch serves every
-replay. Importing this module imports ``triton``.
+Metadata is filled in one launch (``fill_paged_metadata``); graphs bind it
+to static buffers (Pattern A). Importing this module imports ``triton``.
 """
 
 from __future__ import annotations
@@ -46,25 +39,19 @@ from sgl_piecewise.forward import ForwardBatch, ForwardMode
 class TritonMetadata(LengthMetadata):
     mask_indptr: Optional[torch.Tensor]  # [bs+1] int64 block offsets in custom_mask
     kv_indices: torch.Tensor  # [N >= kv_indptr[bs]] int32 slots, request-major
-    # Decode steps (DECODE, IDLE) only:
+    # Decode steps only:
     num_kv_splits: Optional[torch.Tensor]  # [bs] int32
     attn_logits: Optional[torch.Tensor]  # [bs, Hq, S, Dv] f32 scratch, S = grid splits of bs
     attn_lse: Optional[torch.Tensor]  # [bs, Hq, S] f32 scratch
     merge_counts: Optional[torch.Tensor]  # [bs, Hq] int32 split arrival counts, zero between launches
-    # Steps with a tree mask only: the flat [q_len, kv_len] blocks, request-major.
-    custom_mask: Optional[torch.Tensor]  # [M] bool
-    # The step's launches, found or built at its first layer: (what they
-    # were built for, out_cache_loc, DecodePlan or ExtendPlan); cleared by
-    # every fill.
+    custom_mask: Optional[torch.Tensor]  # [M] bool flat [q_len, kv_len] blocks (tree mask only)
+    # The step's launches, built at its first layer: (key, out_cache_loc, plan); cleared by every fill.
     step_plan: Optional[tuple] = None
-    # The plans built over this metadata, by what they were built for: a
-    # binding (static buffers) serves step after step, and a step of the
-    # same sizes takes its last plan with the new step's slots.
+    # Plans built over this metadata: a step of the same sizes reuses its last one.
     plans: Dict[tuple, Any] = field(default_factory=dict)
 
 
-# Plans one metadata binding keeps (TritonMetadata.plans): a decode binding
-# needs one per logit scale; a ragged extend's sizes change step by step.
+# Plans one binding keeps: decode needs one per logit scale; a ragged extend's sizes vary.
 _MAX_PLANS = 8
 
 
@@ -74,8 +61,7 @@ def _is_decode_step(mode: ForwardMode) -> bool:
 
 
 def _check_kernels_can_run_on(device: torch.device) -> None:
-    # Without the interpreter Triton fails at the first launch on CPU tensors,
-    # deep inside its driver lookup ("0 active drivers"); say why here instead.
+    # Without the interpreter Triton fails deep in its driver lookup on CPU tensors.
     if device.type != "cpu" or INTERPRETED:
         return
     now = os.environ.get("TRITON_INTERPRET")
@@ -88,18 +74,11 @@ def _check_kernels_can_run_on(device: torch.device) -> None:
 
 
 class TritonBackend(StaticGraphBackend):
-    """Triton kernels behind the capture/replay contract.
-
-    Args:
-        req_to_token_pool, kv_pool: the pools the kernels read.
-        num_q_heads: query heads per layer; sizes the decode scratch.
-        max_kv_splits: most key splits per decode request. Only small batches
-            reach it: the kernel's grid adds splits until the card is busy
-            (``grid_kv_splits``), and the scratch is sized per batch to match.
-    """
+    """Triton kernels behind the capture/replay contract. ``max_kv_splits``:
+    most key splits per decode request (only small batches reach it)."""
 
     name = "triton"
-    eager_steps_bound = True  # any step's page table fits its binding (bs * context slots)
+    eager_steps_bound = True  # any step's page table fits its binding
 
     def __init__(
         self,
@@ -122,7 +101,6 @@ class TritonBackend(StaticGraphBackend):
         # One key per padded request: one split, one tile, no empty-range work.
         return 1
 
-    # ---- metadata --------------------------------------------------------
     def _alloc_metadata(self, batch: ForwardBatch) -> TritonMetadata:
         bs, mode, new = batch.batch_size, batch.forward_mode, self._new
         q_cpu, kv_cpu = host_lengths(batch)
@@ -150,14 +128,14 @@ class TritonBackend(StaticGraphBackend):
 
     def _grid_splits(self, bs: int) -> int:
         pool = self.kv_pool
-        return grid_kv_splits(bs, self.num_q_heads, pool.num_kv_heads, pool.dtype, self.max_kv_splits, pool.device,
-                              head_dim=pool.head_dim)  # fmt: skip
+        return grid_kv_splits(
+            bs, self.num_q_heads, pool.num_kv_heads, pool.dtype, self.max_kv_splits, pool.device, head_dim=pool.head_dim
+        )
 
     def _alloc_graph_buffers(self, buffers: StaticBuffers, max_bs: int, max_num_tokens: int) -> None:
         context = self.req_to_token_pool.max_context_len
         hq, dv = self.num_q_heads, self.kv_pool.head_dim
-        # Flat: each batch size views [bs, Hq, S(bs)(, Dv)] of the front, so
-        # the scratch is the largest bs * S(bs), not max_bs * max_kv_splits.
+        # Flat: each batch size views the front, so the scratch is the largest bs * S(bs).
         split_rows = max(bs * self._grid_splits(bs) for bs in range(1, max_bs + 1))
         buffers.alloc_lengths(max_bs)
         buffers.alloc("num_kv_splits", (max_bs,), torch.int32)
@@ -166,7 +144,7 @@ class TritonBackend(StaticGraphBackend):
         buffers.alloc("kv_indices", (max_bs * context,), torch.int32)
         buffers.alloc("attn_logits", (split_rows * hq * dv,), torch.float32)
         buffers.alloc("attn_lse", (split_rows * hq,), torch.float32)
-        buffers.alloc("merge_counts", (max_bs * hq,), torch.int32)  # zeros; every launch leaves them so
+        buffers.alloc("merge_counts", (max_bs * hq,), torch.int32)  # every launch leaves them zero
         # One [context] row of mask per graph query row.
         buffers.alloc("custom_mask", (max_num_tokens * context,), torch.bool)
 
@@ -179,8 +157,7 @@ class TritonBackend(StaticGraphBackend):
         return TritonMetadata(
             **b.length_views(bs, width, mode, masked),
             mask_indptr=b["mask_indptr"][: bs + 1] if masked else None,
-            # Each request's keys fit its req_to_token row, so bs rows of it
-            # hold the step's page table; the fill rewrites all of them.
+            # bs rows of req_to_token hold the step's page table.
             kv_indices=b["kv_indices"][: bs * context],
             num_kv_splits=b["num_kv_splits"][:bs] if decode else None,
             attn_logits=b["attn_logits"][: bs * hq * splits * dv].view(bs, hq, splits, dv) if decode else None,
@@ -190,9 +167,16 @@ class TritonBackend(StaticGraphBackend):
         )
 
     def _fill_metadata(self, meta, bs, req_pool_indices, seq_lens, extend_lens, mode, spec_info) -> None:
-        # One launch for the lengths, indptrs, page table and split counts.
-        fill_paged_metadata(meta, meta.kv_indices, self.req_to_token_pool.req_to_token, req_pool_indices,
-                            seq_lens, extend_lens, meta.num_kv_splits, self.max_kv_splits)  # fmt: skip
+        fill_paged_metadata(
+            meta,
+            meta.kv_indices,
+            self.req_to_token_pool.req_to_token,
+            req_pool_indices,
+            seq_lens,
+            extend_lens,
+            meta.num_kv_splits,
+            self.max_kv_splits,
+        )
         if meta.masked:
             fill_mask_indptr(meta.mask_indptr, meta.q_lens, meta.kv_lens)
             copy_custom_mask(meta.custom_mask, spec_info.custom_mask)
@@ -200,12 +184,8 @@ class TritonBackend(StaticGraphBackend):
     def _begin_step(self, meta: TritonMetadata) -> None:
         meta.step_plan = None
 
-    # ---- attention -------------------------------------------------------
     def write_kv_and_attend(self, q, k, v, out, layer_id, batch, scale, num_tokens, out_cache_loc) -> bool:
-        """One layer's K/V write and attention, padded rows zeroed, through
-        the step's plan: built at its first layer (checks, grids, metadata),
-        then one launch per layer for DECODE (``DecodePlan``) and two for the
-        extend modes (``ExtendPlan``)."""
+        """One layer's K/V write and attention through the step's plan, built at its first layer."""
         mode = batch.forward_mode
         if mode.is_idle() or num_tokens == 0:  # nothing to write or attend: the op zeroes the rows
             return False
@@ -232,11 +212,22 @@ class TritonBackend(StaticGraphBackend):
         new_kv = dict(new_k=k, new_v=v, out_cache_loc=out_cache_loc, num_rows=num_tokens)
         if mode.is_decode():
             return self._decode(q, kc, vc, out, meta, scale, **new_kv)
-        # A plain extend's new tokens are each request's last keys, in
-        # order: the attention kernel can write them itself (one launch).
-        plan = ExtendPlan(q, kc, vc, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.max_q_len, scale,
-                          meta.custom_mask, meta.mask_indptr, **new_kv,
-                          fuse_kv_write=mode == ForwardMode.EXTEND)  # fmt: skip
+        # A plain extend's new tokens are each request's last keys, in order: one launch.
+        plan = ExtendPlan(
+            q,
+            kc,
+            vc,
+            out,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.max_q_len,
+            scale,
+            meta.custom_mask,
+            meta.mask_indptr,
+            **new_kv,
+            fuse_kv_write=mode == ForwardMode.EXTEND,
+        )
         plan.launch(q, kc, vc, out, k, v)
         return plan
 
@@ -284,12 +275,9 @@ class TritonBackend(StaticGraphBackend):
 
 
 class _LayerAttend:
-    """A later layer of the step whose plan a first layer built: the step's
-    mode, token count, slots and metadata are the plan's as long as the
-    backend still holds that metadata and that plan (every fill clears it);
-    what is left to compare is the scale, the layer index and, in the plan's
-    launch, the layer's tensors. Anything else returns False and takes the
-    full path."""
+    """A later layer through the plan its step's first layer built, while the
+    backend holds it; compares the scale, layer and tensors only (False:
+    take the full path)."""
 
     __slots__ = ("backend", "meta", "entry", "plan", "scale", "k_buffers", "v_buffers")
 

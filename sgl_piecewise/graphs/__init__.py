@@ -1,13 +1,5 @@
-"""What every graph path shares, below the compiler and the runners.
-
-* ``capture``: the capture core (one pool and one capture stream per device,
-  warm-up, gc frozen, cuBLAS workspaces in the pool, largest size first);
-* ``graph_slot``, ``buffer_registry``, ``input_registries``: the declared
-  static inputs of every graph, filled the same way at capture and replay;
-* ``weight_guard``: the weights a graph read at capture, checked at replay;
-* ``fill_graphs``: a graph-capable backend's metadata fill, recorded once;
-* ``counters``: what was split, compiled, captured and replayed, and why not.
-"""
+"""What every graph path shares: the capture core, the graphs' static
+inputs, the weight guard, recorded metadata fills and the counters."""
 
 from sgl_piecewise.graphs.buffer_registry import CudaGraphBufferRegistry
 from sgl_piecewise.graphs.capture import GraphCapture, shared_capture

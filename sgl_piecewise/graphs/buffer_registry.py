@@ -1,44 +1,19 @@
-"""Static graph inputs, declared once: the buffer registry (upstream SGLang PR 26742).
-
-A CUDA graph reads its inputs from fixed addresses. Before each replay the new
-step's data must land at those addresses, padded rows must hold values that
-are safe to compute on, and nothing else may move. When every runner copied
-``ForwardBatch`` fields by hand, the copies drifted apart (upstream SGLang PR 26742). Here
-each input is declared once as a :class:`GraphSlot`, and every runner — at
-capture and at replay alike — fills all of them through
-:meth:`CudaGraphBufferRegistry.fill_from`.
-
-Ownership: the registry owns every buffer it allocates and adopts, without
-copying, a buffer handed to ``register_slot(bind=...)``. A slot's buffer never
-changes after registration, so a graph captured on ``slot.slice_for(...)``
-sees every later fill.
+"""Static graph inputs, declared once as :class:`GraphSlot` s and filled alike
+at capture and replay. A slot's buffer never changes after registration.
 
 One ``fill_from(batch, ctx)``:
 
-1. checks ``ctx`` against the capacity and resolves and checks every source
-   (a tensor; dtype castable; shape ``[raw, *buffer.shape[1:]]``; device) —
-   all before writing, so a rejected fill leaves every buffer as it was;
-2. resets the padded tail ``[raw, padded)`` of each copied slot by its policy;
-3. copies every head ``[:raw]`` with one ``torch._foreach_copy_`` per
-   (device, dst dtype, src dtype) group, per tensor if that call raises,
-   and writes the ``value_from_sizes`` slots;
-4. runs the ``post_fill(slot, batch, ctx)`` hooks in registration order.
+1. checks ``ctx`` and every source (tensor, device, shape
+   ``[raw, *buffer.shape[1:]]``, a widening dtype) before writing anything;
+2. resets each copied slot's padded tail ``[raw, padded)`` by its policy;
+3. copies the heads ``[:raw]`` with one ``torch._foreach_copy_`` per
+   (device, dtype) group and writes the ``value_from_sizes`` slots;
+4. runs the ``post_fill`` hooks in registration order.
 
-Steps 2 and 3 are the same for every fill of one set of sizes, so the
-registry plans them once per set (:class:`_FillPlan`: the views to copy
-into, grouped). The plan copies the tails and the sized values from
-constants the registry keeps, in the same grouped copies as the heads: a
-replay's fill is one copy per (device, dtype), however it is padded, where
-a ``fill_`` per tail would add a launch each. A fill whose every source copies as
-it is (the usual step: the slot's dtype and device, the raw rows' shape)
-runs the plan after checking only that; any other fill (a cast, a missing
-source, an error to report) takes the checked path of steps 1-3, which
-writes the same values.
-
-``graph_slot`` defines the slot, its policies and ``FillContext``
-(re-exported here); ``input_registries`` declares the registries of the
-runners (``build_decode_registry``, ``build_prefill_registry``) and the pool
-they share.
+Steps 2-3 are planned once per set of sizes (:class:`_FillPlan`): tails and
+sized values copy from registry-owned constants within the heads' grouped
+copies, so a fill is one copy per (device, dtype). Sources that need a cast,
+or are missing, take a checked path that writes the same values.
 """
 
 from __future__ import annotations
@@ -85,7 +60,7 @@ class RegistryStats:
 
 
 class _Fill(NamedTuple):
-    """A slot's part in one fill. ``src is None``: every row is padding (MissingSource.PAD)."""
+    """A slot's part in one fill; ``src is None``: every row is padding."""
 
     slot: GraphSlot
     src: Optional[torch.Tensor]
@@ -94,18 +69,17 @@ class _Fill(NamedTuple):
 
 
 class _CopyGroup(NamedTuple):
-    """One ``torch._foreach_copy_`` of a planned fill: the batch's sources
-    into the heads, then constants into the tails and sized values."""
+    """One grouped copy of a plan: sources into heads, then constants."""
 
-    dsts: List[torch.Tensor]  # the heads' views, then the constants' destinations
-    which: Tuple[int, ...]  # per head, the index of its source in the plan's sources
-    constants: List[torch.Tensor]  # the rest's sources: registry-owned constants
+    dsts: List[torch.Tensor]  # heads, then the constants' destinations
+    which: Tuple[int, ...]  # per head, its source's index
+    constants: List[torch.Tensor]
 
 
 class _FillPlan(NamedTuple):
     """A fill of one set of sizes whose sources copy as they are."""
 
-    sources: Tuple[Tuple[GraphSlot, Tuple[int, ...]], ...]  # every copied slot, the shape of its source
+    sources: Tuple[Tuple[GraphSlot, Tuple[int, ...]], ...]  # copied slot, its source's shape
     groups: Tuple[_CopyGroup, ...]
     fills: Tuple[Tuple[torch.Tensor, PadValue], ...]  # writes no constant serves: view, value
 
@@ -120,19 +94,14 @@ def _poison_value(dtype: torch.dtype) -> PadValue:
 
 
 def _source(slot: GraphSlot, batch: Any, mapping: bool) -> Any:
-    """``slot``'s source in ``batch``: its ``source_fn``'s, else the item
-    (``mapping``: ``isinstance(batch, Mapping)``, asked once per fill) or the
-    attribute of its name, None when absent."""
+    """``slot``'s source in ``batch`` (item or attribute of its name), None when absent."""
     if slot.source_fn is not None:
         return slot.source_fn(batch)
     return batch.get(slot.name) if mapping else getattr(batch, slot.name, None)
 
 
 def copies_as_is(src: object, dtype: torch.dtype, device: torch.device, shape: Tuple[int, ...]) -> bool:
-    """Does ``src`` copy as it is into a view of this dtype, device and
-    shape: a tensor of all three, so no cast and no broadcast? The usual
-    source, checked without building a message: this runs per input per
-    replay."""
+    """Is ``src`` a tensor of exactly this dtype, device and shape (no cast, no broadcast)?"""
     return type(src) is torch.Tensor and src.dtype == dtype and src.shape == shape and src.device == device
 
 
@@ -175,8 +144,7 @@ def _tail_value(slot: GraphSlot, poison_tails: bool) -> Optional[PadValue]:
 
 
 def _usual_sources(plan: _FillPlan, batch: Any) -> Optional[List[torch.Tensor]]:
-    """Every copied slot's source, if each copies as it is (``copies_as_is``,
-    against the plan's shapes); else None."""
+    """Every copied slot's source if each copies as it is; else None."""
     sources = []
     mapping = isinstance(batch, Mapping)
     for slot, shape in plan.sources:
@@ -188,7 +156,6 @@ def _usual_sources(plan: _FillPlan, batch: Any) -> Optional[List[torch.Tensor]]:
 
 
 def _sized_value(slot: GraphSlot, ctx: FillContext) -> PadValue:
-    """``slot.value_from_sizes(ctx)``, checked to be a number."""
     value = slot.value_from_sizes(ctx)
     if not isinstance(value, (bool, int, float)):
         raise InvalidTypeError(f"slot {slot.name!r}: value_from_sizes: expected a number, got {value!r}")
@@ -200,22 +167,16 @@ def _value_key(value: PadValue) -> Tuple[type, Any]:
     return type(value), ("nan" if value != value else value)
 
 
-# Plans kept per registry: one per set of sizes filled, bounded against a
-# caller that fills ever new raw counts.
-_MAX_PLANS = 1024
-# The largest constant (elements) a registry keeps to copy pad values from;
-# a tail larger than this is written with fill_ instead.
-_MAX_CONSTANT_NUMEL = 1 << 18
+_MAX_PLANS = 1024  # per registry, against a caller that fills ever new sizes
+_MAX_CONSTANT_NUMEL = 1 << 18  # a larger tail is written with fill_
 
 
 class CudaGraphBufferRegistry:
-    """Owns the static inputs of one runner's graphs (module docstring: fill steps).
+    """Owns the static inputs of one runner's graphs.
 
-    ``max_bs`` / ``max_num_tokens``: the largest captured sizes; every buffer
-    holds at least that many rows along its axis. ``pool``: allocate through a
-    ``graph_slot.SharedBufferPool``, so registries alias identical buffers.
-    ``poison_tails`` (debug): KEEP_PAD tails get a value no computation
-    survives (NaN, the most negative int), so a graph that reads them shows it.
+    ``pool``: a ``SharedBufferPool``, so registries alias identical buffers.
+    ``poison_tails`` (debug): KEEP_PAD tails get NaN or the most negative int,
+    so a graph that reads them shows it.
     """
 
     def __init__(
@@ -235,11 +196,9 @@ class CudaGraphBufferRegistry:
         self.stats = RegistryStats()
         self._slots: Dict[str, GraphSlot] = {}
         self._plans: Dict[Tuple[int, int, int, int], _FillPlan] = {}  # by the sizes of a FillContext
-        # Flat tensors holding one pad value each, by (device, dtype, value):
-        # tails copy from their prefixes within the fill's grouped copies.
+        # By (device, dtype, value): flat tensors of one pad value each.
         self._constants: Dict[Tuple[torch.device, torch.dtype, Tuple[type, Any]], torch.Tensor] = {}
 
-    # ---- declaration ------------------------------------------------------
     def register_slot(
         self,
         name: str,
@@ -259,8 +218,22 @@ class CudaGraphBufferRegistry:
         value_from_sizes: Optional[SizedValue] = None,
     ) -> GraphSlot:
         """Declare a slot; allocate its buffer, or adopt ``bind`` (same storage, no copy)."""
-        slot = GraphSlot(name, shape_fn, dtype, axis, device, padding_policy, pad_value, post_fill,
-                         slice_fn, source_fn, copy_from_fb, bind, when_missing, value_from_sizes)  # fmt: skip
+        slot = GraphSlot(
+            name,
+            shape_fn,
+            dtype,
+            axis,
+            device,
+            padding_policy,
+            pad_value,
+            post_fill,
+            slice_fn,
+            source_fn,
+            copy_from_fb,
+            bind,
+            when_missing,
+            value_from_sizes,
+        )
         return self.register(slot)
 
     def register(self, slot: GraphSlot) -> GraphSlot:
@@ -299,8 +272,7 @@ class CudaGraphBufferRegistry:
             buf = self.pool.share_input_buffer(slot.name, numel, slot.dtype, device).view(shape)
         else:
             buf = torch.empty(shape, dtype=slot.dtype, device=device)
-        # Never uninitialised memory: a graph captured before the first fill
-        # reads the policy's values, the same on every run.
+        # Never uninitialised: a graph captured before the first fill reads the policy's values.
         if slot.padding_policy in (PaddingPolicy.FILL_SENTINEL, PaddingPolicy.FILL_ONCE):
             buf.fill_(slot.pad_value)
         else:
@@ -327,7 +299,6 @@ class CudaGraphBufferRegistry:
             buf.fill_(slot.pad_value)
         return buf
 
-    # ---- access -----------------------------------------------------------
     def get_slot(self, name: str) -> GraphSlot:
         if name not in self._slots:
             raise InvalidInputError(f"slot: expected one of {list(self._slots)}, got {name!r}")
@@ -352,13 +323,10 @@ class CudaGraphBufferRegistry:
         bs, tokens = ctx.padded_bs, ctx.padded_num_tokens
         return {name: slot.slice_for(bs, tokens) for name, slot in self._slots.items()}
 
-    # ---- filling ----------------------------------------------------------
     def fill_from(self, batch_or_sources: Any, ctx: FillContext) -> None:
-        """Write one step into every slot: check, pad tails, grouped copy, hooks.
-
-        ``batch_or_sources``: a ``ForwardBatch`` (any object whose attributes
-        are the slot names) or a mapping name -> tensor; hooks receive it as is.
-        """
+        """Write one step into every slot (module docstring: the steps).
+        ``batch_or_sources``: an object with the slot names as attributes, or a
+        mapping name -> tensor."""
         self._check_ctx(ctx)
         plan = self._fill_plan(ctx)
         sources = _usual_sources(plan, batch_or_sources)
@@ -375,9 +343,8 @@ class CudaGraphBufferRegistry:
         self.stats.fills += 1
 
     def _fill_checked(self, batch_or_sources: Any, ctx: FillContext) -> None:
-        """Steps 1-3 for any sources: each resolved and checked, with the
-        error that names the slot, then tails reset and heads copied."""
-        # Check everything first: a rejected fill must not leave half a step behind.
+        """Steps 1-3 for any sources. Everything is checked first: a rejected
+        fill must not leave half a step behind."""
         mapping = isinstance(batch_or_sources, Mapping)
         plans = (self._plan(slot, batch_or_sources, mapping, ctx) for slot in self._slots.values())
         fills = [f for f in plans if f is not None]
@@ -394,18 +361,13 @@ class CudaGraphBufferRegistry:
             slot.buffer.fill_(value)
 
     def _fill_plan(self, ctx: FillContext) -> _FillPlan:
-        """Steps 2 and 3 for sources that copy as they are, planned once per
-        set of sizes: what :meth:`_fill_checked` would write for them. Tails
-        and sized values are copied from registry-owned constants within the
-        same grouped copies as the heads, so a fill of any sizes launches one
-        copy per (device, dtype) and nothing else."""
+        """Steps 2-3 for sources that copy as they are, planned once per set of sizes."""
         key = (ctx.raw_bs, ctx.padded_bs, ctx.raw_num_tokens, ctx.padded_num_tokens)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
         sources, fills = [], []
-        # Per (device, dtype): head views, their sources' indexes, then the
-        # constants' destinations and the constants.
+        # Per (device, dtype): heads, their sources' indexes, constants' destinations, constants.
         groups: Dict[Tuple[torch.device, torch.dtype], Tuple[list, list, list, list]] = {}
 
         def group(dst: torch.Tensor) -> Tuple[list, list, list, list]:
@@ -443,17 +405,15 @@ class CudaGraphBufferRegistry:
         return plan
 
     def _constant_like(self, view: torch.Tensor, value: PadValue) -> Optional[torch.Tensor]:
-        """A registry-owned tensor shaped like ``view`` whose every element is
-        ``value``, to copy from; None for a view that is not contiguous (a
-        bound buffer's) or larger than ``_MAX_CONSTANT_NUMEL``."""
+        """A registry-owned tensor like ``view`` full of ``value``; None for a
+        view not contiguous or larger than ``_MAX_CONSTANT_NUMEL``."""
         numel = view.numel()
         if not view.is_contiguous() or numel > _MAX_CONSTANT_NUMEL:
             return None
         key = (view.device, view.dtype, _value_key(value))
         constant = self._constants.get(key)
         if constant is None or constant.numel() < numel:
-            # Sized for every row of every slot, so it is rarely made again;
-            # plans made earlier keep the views of the one they took.
+            # Earlier plans keep views of the constant they took.
             rows = max(self.max_bs, self.max_num_tokens, numel)
             constant = torch.full((min(rows, _MAX_CONSTANT_NUMEL),), value, dtype=view.dtype, device=view.device)
             self._constants[key] = constant
@@ -501,10 +461,7 @@ class CudaGraphBufferRegistry:
             buf[f.raw : f.padded].fill_(value)
 
     def _copy_grouped(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
-        # One foreach call takes tensors of one device, and its fast path one
-        # (dst, src) dtype pair. Sources are checked to be on their slot's
-        # device, so every copy is stream-ordered and non_blocking would change
-        # nothing.
+        # One foreach call takes one device, its fast path one (dst, src) dtype pair.
         groups: Dict[Tuple[torch.device, torch.dtype, torch.dtype], Tuple[list, list]] = {}
         for dst, src in zip(dsts, srcs):
             group = groups.setdefault((dst.device, dst.dtype, src.dtype), ([], []))
@@ -514,16 +471,13 @@ class CudaGraphBufferRegistry:
             self._copy_group(group_dsts, group_srcs)
 
     def _copy_group(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
-        foreach = getattr(torch, "_foreach_copy_", None)
-        if foreach is None:
-            reason = "this torch has no torch._foreach_copy_"
-        else:
-            try:
-                foreach(dsts, srcs)
-                self.stats.foreach_copies += 1
-                return
-            except Exception as exc:  # any failure of the fast path is retried per tensor
-                reason = f"torch._foreach_copy_ raised {type(exc).__name__}: {exc}"
+        # CUDA's _foreach_copy_ has no kernel for some dtypes (uint16/32/64, float8_e8m0fnu); copy_ has.
+        try:
+            torch._foreach_copy_(dsts, srcs)
+            self.stats.foreach_copies += 1
+            return
+        except Exception as exc:
+            reason = f"torch._foreach_copy_ raised {type(exc).__name__}: {exc}"
         self.stats.per_tensor_fallbacks += 1
         self.stats.last_fallback_reason = reason
         # Warn once per registry: this runs before every replay.

@@ -1,25 +1,7 @@
-"""The capture core: what every graph runner needs to capture CUDA graphs.
-
-* one graph memory pool per device, shared by every runner of the process
-  (piecewise pieces and whole-model graphs alike), so a size captured later
-  reuses the memory an earlier, larger one reserved;
-* one capture stream per device, for every warm-up and every capture: the
-  caching allocator keeps a stream's freed blocks for that stream, and cuBLAS
-  keeps a workspace per stream, so a new stream per size reserved new memory
-  for every size;
-* a warm-up on that stream before each capture (first calls compile kernels
-  and allocate lazily, neither of which may happen while capturing);
-* cuBLAS workspaces allocated inside the pool (``cublas_workspaces_into_pool``);
-* Python's gc frozen while capturing (``frozen_gc``);
-* sizes captured largest first, with a progress bar that shows the sizes
-  done and the memory reserved.
-
-Sharing one pool is safe because a process replays one graph at a time and
-every graph rewrites its intermediates before reading them; memory that must
-outlive a replay (a whole-model graph's output) stays owned by its runner.
-
-On a machine without CUDA every recording is a pass-through: the function
-runs once, eagerly, and no graph is kept.
+"""The capture core every graph runner shares: per device one graph pool
+(safe: one graph replays at a time and rewrites its intermediates) and one
+capture stream (the allocator and cuBLAS keep memory per stream). Without
+CUDA, recording runs the function once, eagerly.
 """
 
 from __future__ import annotations
@@ -40,17 +22,8 @@ from sgl_piecewise.internals import cuda_graph_pool
 
 
 class _GcFreeze:
-    """Python's gc frozen while capturing: a collection during capture would
-    walk every live object (SGLang measured capture 2.3-3.7x faster frozen).
-
-    Nests by its own depth count, not ``gc.get_freeze_count()``: other code
-    (Inductor's compile-worker pool, or the caller) freezes objects too, and
-    that must not make a capture skip its freeze. The outermost exit thaws
-    only if nothing was frozen when the outermost entry froze: ``gc`` cannot
-    thaw some objects and not others, and thawing what the caller froze
-    would undo the caller's freeze (the objects the capture froze then stay
-    frozen with the caller's, as if the caller had frozen them).
-    """
+    """gc frozen while capturing. Nests by its own depth; the outermost exit
+    thaws only if nothing was frozen at entry (others freeze objects too)."""
 
     def __init__(self) -> None:
         self.depth = 0
@@ -63,10 +36,7 @@ class _GcFreeze:
             self.depth += 1
             if self.depth == 1:
                 self.thaw_on_exit = gc.get_freeze_count() == 0
-                # Garbage frozen now is collected after the thaw; only a
-                # freeze that outlives the capture must not take it along
-                # (a full collection costs ~0.2 s in a process with torch's
-                # compiler loaded).
+                # A freeze that outlives the capture must not keep garbage.
                 if collect_first and not self.thaw_on_exit:
                     gc.collect()
                 gc.freeze()
@@ -83,28 +53,13 @@ frozen_gc = _GcFreeze()
 
 
 def cublas_workspaces_into_pool() -> None:
-    """Call right before a capture: frees cuBLAS's workspaces, so the capture
-    allocates them again, inside its pool.
-
-    A workspace allocated outside the pool (by the warm-up run) would be
-    baked into the graph while someone else may free it: torch.compile's
-    reduce-overhead (cudagraph trees) clears every cuBLAS workspace before it
-    records. The graph's matmuls then write their scratch into memory other
-    tensors own (on an H200: an illegal address, after a reduce-overhead
-    compile in the same process). Inside the pool the memory stays reserved
-    for as long as the graphs live. On a torch without the call the
-    workspaces stay, with a warning logged once (``internals/cuda_graph_pool.py``
-    says when that is safe).
-    """
+    """Call right before a capture: frees cuBLAS's workspaces so the capture
+    allocates them inside its pool, where no one else frees them."""
     cuda_graph_pool.clear_cublas_workspaces()
 
 
 class GraphCapture:
-    """One device's pool and capture stream, and the steps of a capture.
-
-    Get the process-wide one with :func:`shared_capture`; build your own only
-    to keep a runner's graphs in a pool of their own.
-    """
+    """One device's pool and capture stream (process-wide: :func:`shared_capture`)."""
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
@@ -118,12 +73,9 @@ class GraphCapture:
         self._sync_mode = 0  # torch's sync debug mode, restored when a capture ends
 
     def _anchor_pool(self) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """A one-element graph that keeps the pool alive as long as this core.
-
-        The allocator releases a private pool once every graph captured into
-        it is gone, and refuses a later capture into the same handle (an
-        internal assert); runners come and go, the shared core stays.
-        """
+        """A one-element graph that keeps the pool alive as long as this core:
+        the allocator releases a pool once its graphs are gone and then
+        refuses captures into the same handle."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             graph.capture_begin(pool=self.pool)
@@ -145,10 +97,9 @@ class GraphCapture:
         return out
 
     def record(self, fn: Callable[[], Any], what: str = "a graph") -> Tuple[Optional[torch.cuda.CUDAGraph], Any]:
-        """Capture ``fn`` into a graph in the shared pool; return ``(graph,
-        outputs)``. Capturing executes nothing: replay the graph for real
-        outputs. Without CUDA: ``(None, fn())``. A forward that waits for the
-        device raises ``UnsupportedModeError`` naming ``what`` and the cause."""
+        """Capture ``fn`` into the pool; return ``(graph, outputs)`` (without
+        CUDA: ``(None, fn())``). A forward that waits for the device raises
+        ``UnsupportedModeError`` naming ``what``."""
         if not self.use_cuda:
             return None, fn()
         with self.on_capture_stream():
@@ -166,8 +117,7 @@ class GraphCapture:
 
     @contextlib.contextmanager
     def on_capture_stream(self) -> Iterator[None]:
-        """Run the body on the capture stream, ordered after the work issued so
-        far (a capture reads it), and order later work after the body."""
+        """Run the body on the capture stream, ordered after earlier work and before later work."""
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
@@ -175,20 +125,9 @@ class GraphCapture:
         current.wait_stream(self.stream)
 
     def begin_graph(self) -> torch.cuda.CUDAGraph:
-        """Start capturing a new graph into the pool; call on the capture
-        stream (``on_capture_stream``) and end it with ``end_graph`` (or
-        ``abort_graph`` after a failure).
-
-        A graph in several segments (the breakable runner: one per stretch
-        between attention calls) begins each segment here, so every segment
-        gets its cuBLAS workspace inside the pool, as ``record`` does.
-
-        Until the capture ends, a torch operation that would wait for the
-        device (``.item()``, ``.tolist()``, a branch on a tensor's value)
-        raises before it reaches CUDA (``set_sync_debug_mode("error")``): a
-        capture CUDA itself invalidates cannot be ended cleanly, and torch
-        then leaves its allocator and its random generator in capture state.
-        """
+        """Start capturing, on the capture stream; end with ``end_graph``. Until
+        then an op that waits for the device raises before it reaches CUDA,
+        which would invalidate the capture beyond a clean end."""
         cublas_workspaces_into_pool()
         graph = torch.cuda.CUDAGraph()
         self._sync_mode = torch.cuda.get_sync_debug_mode()
@@ -203,14 +142,9 @@ class GraphCapture:
         return graph
 
     def end_graph(self, graph: torch.cuda.CUDAGraph) -> None:
-        """End a capture ``begin_graph`` began.
-
-        When CUDA refuses to end it (the capture was invalidated by something
-        outside torch's sync check), torch raises before it tells its
-        allocator that the capture is over, and the pool would refuse every
-        later capture ("already recording to mempool_id"). Later captures
-        then go to a new pool (``_retire_pool``).
-        """
+        """End a capture ``begin_graph`` began. If CUDA refuses, torch never
+        tells its allocator, and the pool would refuse later captures: they
+        go to a new pool (``_retire_pool``)."""
         try:
             graph.capture_end()
         except BaseException:
@@ -221,17 +155,14 @@ class GraphCapture:
         track_graph(graph)  # freed before a group of several ranks is destroyed
 
     def abort_graph(self, graph: torch.cuda.CUDAGraph) -> None:
-        """End a capture after its forward failed; the forward's error is the
-        one to report, so an error of ending the capture is dropped."""
+        """End a capture after its forward failed, dropping any error of ending it."""
         try:
             self.end_graph(graph)
         except RuntimeError:
             pass
 
     def _retire_pool(self) -> None:
-        """Capture into a new pool from now on. The old one stays alive (its
-        anchor is kept) for the graphs captured into it; it is not shared
-        with later graphs, which is the only cost."""
+        """Capture into a new pool from now on; the old one lives on for its graphs."""
         with contextlib.suppress(RuntimeError):  # tell the allocator, where torch did not
             cuda_graph_pool.end_allocate_to_pool(self.device.index, self.pool)
         self._retired.append(self._anchor)
@@ -239,11 +170,8 @@ class GraphCapture:
         self._anchor = self._anchor_pool()
 
     def largest_first(self, sizes: Sequence[int], desc: str, unit: str, progress: bool = True) -> Iterator[int]:
-        """``sizes`` from the largest down, with gc frozen and a progress bar
-        of the sizes done and the memory reserved; at the end, synchronises
-        and releases the scratch the phase left cached (``release_scratch``).
-        The ranks of a tensor-parallel group go through the same sizes in
-        lockstep (``lockstep.py``); rank 0 shows the bar."""
+        """``sizes`` from the largest down, with gc frozen and a progress bar;
+        tensor-parallel ranks go in lockstep. Releases the scratch at the end."""
         order = sorted(sizes, reverse=True)
         tp = tensor_parallel()
         lockstep.check_same_sizes(tp, order, desc)
@@ -258,27 +186,22 @@ class GraphCapture:
         self.release_scratch()
 
     def release_scratch(self) -> None:
-        """Give the device back the cached blocks outside the graph pool.
-
-        The warm-ups ran on the capture stream, and the caching allocator
-        keeps a stream's freed blocks for that stream alone: no step ever
-        allocates on the capture stream, so those blocks (and the compiler's
-        first-run scratch) would stay reserved and unusable for the life of
-        the process. The pool's own segments stay: ``empty_cache`` leaves a
-        private pool alone while a graph captured into it lives.
-        """
+        """Give back cached blocks outside the pool: the warm-ups' belong to
+        the capture stream, which no step allocates on."""
         if self.use_cuda:
             with torch.cuda.device(self.device):
                 torch.cuda.empty_cache()
 
     def pool_bytes(self) -> int:
-        """Bytes of the segments the caching allocator holds for the pool
-        captures go to now (0 without CUDA): the graphs' own memory."""
+        """Bytes the allocator holds for the current pool (0 without CUDA)."""
         if not self.use_cuda:
             return 0
         pool, device = tuple(self.pool), self.device.index
-        return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-                   if s.get("device") == device and tuple(s.get("segment_pool_id", ())) == pool)  # fmt: skip
+        return sum(
+            s["total_size"]
+            for s in torch.cuda.memory_snapshot()
+            if s.get("device") == device and tuple(s.get("segment_pool_id", ())) == pool
+        )
 
     def synchronize(self) -> None:
         if self.use_cuda:
@@ -287,14 +210,7 @@ class GraphCapture:
 
 def explain_capture_failure(exc: BaseException, what: str) -> Optional[UnsupportedModeError]:
     """The error to raise instead of ``exc`` when a forward waited for the
-    device while being captured (None for any other failure).
-
-    A capture refuses torch's synchronising operations ("called a
-    synchronizing CUDA operation", see ``GraphCapture.begin_graph``), and CUDA
-    refuses any other with a bare "operation not permitted when stream is
-    capturing"; the usual cause in model code is a Python branch on a
-    tensor's value, which no CUDA graph can hold.
-    """
+    device while captured (torch's or CUDA's refusal); None otherwise."""
     text = str(exc)
     refused = ("synchronizing CUDA operation", "is capturing", "during capture")
     if not isinstance(exc, RuntimeError) or not any(r in text for r in refused):

@@ -1,20 +1,21 @@
-"""Counters of the compile backend and the graph runners: what was split,
-compiled, captured, replayed, every eager fallback with its reason, and the
-path each ``ModelRunner`` step took (``format_step_paths`` prints them).
-
-Process-wide, like ``torch._dynamo.utils.counters``: ``torch.compile`` gives
-the caller no handle on the backend it ran, so tests and tools read these.
-``reset()`` between measurements.
-"""
+"""Process-wide counters of the compile backend and the graph runners
+(``torch.compile`` gives no handle on the backend it ran); ``reset()``
+between measurements."""
 
 from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Counter, Dict, Tuple
 
 logger = logging.getLogger("sgl_piecewise.compile")
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, collections.Counter):
+        return {": ".join(key) if isinstance(key, tuple) else key: n for key, n in value.items()}
+    return value
 
 
 @dataclass
@@ -30,8 +31,7 @@ class CompileCounters:
     compiles_loaded: int = 0  # saved compiles a CompiledModel started from, without Dynamo (precompiled.py)
     compiles_saved: int = 0  # compiles saved whole for later processes
     steps_rerun: int = 0  # piecewise steps run again: a weight had moved or been replaced since the last step
-    # ModelRunner steps by (path, why): path whole_model, piecewise, breakable,
-    # eager or model_forward; why: the padding taken, or why no graph served.
+    # ModelRunner steps by (path, why the path or padding)
     step_paths: Counter[Tuple[str, str]] = field(default_factory=collections.Counter)
 
     def fallback(self, reason: str) -> None:
@@ -44,20 +44,8 @@ class CompileCounters:
         self.__init__()
 
     def as_dict(self) -> Dict[str, object]:
-        return {
-            "graphs_split": self.graphs_split,
-            "pieces_seen": self.pieces_seen,
-            "pieces_compiled": self.pieces_compiled,
-            "graphs_captured": self.graphs_captured,
-            "replays": self.replays,
-            "eager_fallbacks": dict(self.eager_fallbacks),
-            "artifacts_loaded": self.artifacts_loaded,
-            "artifacts_saved": self.artifacts_saved,
-            "compiles_loaded": self.compiles_loaded,
-            "compiles_saved": self.compiles_saved,
-            "steps_rerun": self.steps_rerun,
-            "step_paths": {f"{path}: {why}": n for (path, why), n in self.step_paths.items()},
-        }
+        """Every field, counters as plain dicts (a step path's key: ``"path: why"``)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
     def format_step_paths(self) -> str:
         """How many ``ModelRunner`` steps took each path, and why, most first."""

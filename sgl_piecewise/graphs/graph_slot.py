@@ -1,6 +1,5 @@
-"""One static graph input and one fill's sizes: ``GraphSlot``, its padding
-and missing-source policies, and ``FillContext``. The registry that owns and
-fills the slots is ``buffer_registry.py``."""
+"""``GraphSlot`` (one static graph input), its policies, and ``FillContext``
+(one fill's sizes); ``buffer_registry.py`` owns and fills the slots."""
 
 from __future__ import annotations
 
@@ -29,9 +28,7 @@ class PaddingPolicy(enum.Enum):
     KEEP_PAD = "keep_pad"  # the graph never reads the tail: left as is (poisoned in debug)
     FILL_SENTINEL = "fill_sentinel"  # tail := pad_value (seq_lens fill, dummy KV slot)
     ZERO = "zero"  # tail := 0
-    # Head only; the graph may read the tail, whose earlier contents are valid
-    # values (token ids of an earlier step), so it is never poisoned.
-    FOREACH_COPY = "foreach_copy"
+    FOREACH_COPY = "foreach_copy"  # head only; the tail holds earlier valid values, never poisoned
     FILL_ONCE = "fill_once"  # a constant: pad_value at registration, never written again
 
 
@@ -61,12 +58,8 @@ def canonical_device(device: Union[torch.device, str]) -> torch.device:
 
 @dataclass(frozen=True)
 class FillContext:
-    """Sizes of one fill: the batch's real counts and the graph's padded sizes.
-
-    Rows ``[:raw]`` come from the batch; rows ``[raw, padded)`` are padding.
-    ``pp_proxy_tensors`` (a later pipeline stage's inputs) is passed to hooks
-    untouched.
-    """
+    """Sizes of one fill: rows ``[:raw]`` come from the batch, ``[raw, padded)``
+    are padding. ``pp_proxy_tensors`` is passed to hooks untouched."""
 
     raw_bs: int
     padded_bs: int
@@ -89,8 +82,7 @@ class FillContext:
     def uniform(
         cls, raw_bs: int, padded_bs: int, tokens_per_req: int = 1, pp_proxy_tensors: Any = None
     ) -> "FillContext":
-        """Every request (padded ones too) has ``tokens_per_req`` new tokens:
-        DECODE (1), TARGET_VERIFY (draft tokens), DRAFT_EXTEND_V2."""
+        """Every request, padded ones too, has ``tokens_per_req`` new tokens."""
         n = check_positive_int("tokens_per_req", tokens_per_req)
         raw, padded = check_count("raw_bs", raw_bs), check_count("padded_bs", padded_bs)
         return cls(raw, padded, raw * n, padded * n, pp_proxy_tensors)
@@ -106,18 +98,12 @@ class FillContext:
 
 @dataclass(frozen=True, eq=False)  # eq=False: tensors have no truth value to compare by
 class GraphSlot:
-    """One static graph input: a buffer, the axis it is padded along, and how.
+    """One static graph input: a buffer, padded along dim 0 (``bs`` or ``tokens``).
 
-    ``shape_fn(max_bs, max_num_tokens)`` gives the buffer's shape; the padded
-    axis (``bs`` or ``tokens``) is dim 0. ``source_fn(batch)`` overrides the
-    default source ``getattr(batch, name)`` (or ``batch[name]`` for a
-    mapping). ``slice_fn(buffer, padded_bs, padded_num_tokens)`` overrides the
-    view a graph is captured on. ``post_fill(slot, batch, ctx)`` runs after
-    every copy of the fill. ``copy_from_fb=False``: fill_from writes the slot
-    only through its hook, or, with ``value_from_sizes(ctx)`` (an ``axis="none"``
-    slot), every element gets that value, a function of the fill's sizes
-    alone, written with the fill's grouped copies. ``buffer`` is set by the
-    registry.
+    ``source_fn(batch)`` overrides the source ``batch.<name>`` (or
+    ``batch[name]``); ``slice_fn`` the view a graph is captured on.
+    ``copy_from_fb=False``: only ``post_fill``, or ``value_from_sizes(ctx)``
+    (an ``axis="none"`` slot), writes it.
     """
 
     name: str
@@ -206,14 +192,8 @@ class GraphSlot:
 
 
 class SharedBufferPool:
-    """Flat buffers shared by every registry built with this pool.
-
-    Keyed by ``(name, numel, dtype, device)``: two requests with the same key
-    get the same memory whatever order they come in, and requests that differ
-    in any part never alias. Sharing is safe because the graphs of one device
-    run one at a time and every fill rewrites what its graph reads. Build all
-    registries before capturing: registration initialises the shared memory.
-    """
+    """Flat buffers shared by key ``(name, numel, dtype, device)``. Build all
+    registries before capturing: registration initialises the shared memory."""
 
     def __init__(self) -> None:
         self._buffers: Dict[Tuple[str, int, torch.dtype, torch.device], torch.Tensor] = {}

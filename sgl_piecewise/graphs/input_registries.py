@@ -1,21 +1,5 @@
-"""The registries of the runners, the pool they share, and the one count of real tokens.
-
-``build_decode_registry`` declares the inputs of the whole-model graphs
-(``CudaGraphRunner``), padded along the batch: every request, padded ones
-too, has ``num_tokens_per_bs`` new tokens (1 for DECODE, the draft width for
-TARGET_VERIFY and DRAFT_EXTEND_V2). ``build_prefill_registry`` declares the
-token-axis inputs of a step-level graph over ragged batches (EXTEND, MIXED);
-the Dynamo backend pads its own graph's inputs with a registry of its own.
-
-Padding invariants (docs/ARCHITECTURE.md, "Graph inputs: the registry"), in both:
-
-* padded ``seq_lens`` (device and host copy) = the backend's fill value;
-* padded ``out_cache_loc`` = ``DUMMY_SLOT``: padded tokens write K/V only there;
-* padded ``positions`` = 0, inside every rotary table;
-* ``num_token_non_padded`` is a function of the fill's sizes alone, so a
-  capture (which fills its dummies through the same registry) and a replay of
-  the same sizes write the same value (upstream SGLang PR 22404).
-"""
+"""The runners' registries, batch-padded (whole-model graphs) or token-padded
+(ragged batches); padding invariants: docs/ARCHITECTURE.md, "Padding invariants"."""
 
 from __future__ import annotations
 
@@ -53,7 +37,6 @@ DECODE_OPTIONAL_SLOTS = ("accept_lengths",)  # with_accept_lengths=True
 PREFILL_SLOTS = DECODE_SLOTS + ("extend_prefix_lens",)
 
 
-# ---- num_token_non_padded (upstream SGLang PR 22404) -----------------------------------
 def _check_attn_tp(attn_tp_size: int, attn_tp_rank: int) -> None:
     check_positive_int("attn_tp_size", attn_tp_size)
     if not isinstance(attn_tp_rank, int) or not 0 <= attn_tp_rank < attn_tp_size:
@@ -66,14 +49,7 @@ def compute_local_num_token_non_padded(
     attn_tp_size: int = 1,
     attn_tp_rank: int = 0,
 ) -> Union[int, torch.Tensor]:
-    """Real tokens among this attention-TP rank's rows of a padded token block.
-
-    The ``num_tokens_per_dp`` (padded) rows are split evenly over
-    ``attn_tp_size`` ranks; rank ``r`` holds rows ``[r * per_rank, (r+1) *
-    per_rank)``, of which ``clamp(global_num - r * per_rank, 0, per_rank)``
-    are real. With ``attn_tp_size=1`` this is ``global_num`` (which never
-    exceeds the padded count). A tensor ``global_num`` stays on its device.
-    """
+    """Real tokens among this attention-TP rank's share of ``num_tokens_per_dp`` padded rows."""
     _check_attn_tp(attn_tp_size, attn_tp_rank)
     check_count("num_tokens_per_dp", num_tokens_per_dp)
     if num_tokens_per_dp % attn_tp_size:
@@ -94,12 +70,8 @@ def num_token_non_padded_for(ctx: FillContext, attn_tp_size: int = 1, attn_tp_ra
 
 
 def num_token_non_padded_value(attn_tp_size: int = 1, attn_tp_rank: int = 0) -> SizedValue:
-    """The ``value_from_sizes`` of the ``num_token_non_padded`` slot:
-    :func:`num_token_non_padded_for` of each fill's sizes.
-
-    It reads the sizes, never the batch's own field, so the dummy batch of a
-    capture and the real batch of a replay cannot disagree.
-    """
+    """The ``num_token_non_padded`` slot's ``value_from_sizes``: it reads the
+    sizes, never the batch, so capture and replay cannot disagree."""
     _check_attn_tp(attn_tp_size, attn_tp_rank)
 
     def local_num_token_non_padded(ctx: FillContext) -> int:
@@ -108,7 +80,6 @@ def num_token_non_padded_value(attn_tp_size: int = 1, attn_tp_rank: int = 0) -> 
     return local_num_token_non_padded
 
 
-# ---- declarations -----------------------------------------------------------
 def _rows_bs(max_bs: int, max_num_tokens: int) -> Tuple[int, ...]:
     return (max_bs,)
 
@@ -125,7 +96,7 @@ _SHAPE_FNS = {"bs": _rows_bs, "tokens": _rows_tokens, "none": _scalar}
 
 
 def _accept_lengths(batch: Any) -> Optional[torch.Tensor]:
-    """``spec_info.accept_lengths``, or None without spec_info (then padded)."""
+    """``spec_info.accept_lengths``, or None (then padded)."""
     if isinstance(batch, Mapping):
         return batch.get("accept_lengths")
     spec = getattr(batch, "spec_info", None)
@@ -140,28 +111,40 @@ def _declarer(reg: CudaGraphBufferRegistry, bind: Optional[Mapping], names: Tupl
         raise InvalidInputError(f"bind: expected names among {list(names)}, got {unknown}")
 
     def declare(name, axis, dtype, policy=PaddingPolicy.KEEP_PAD, pad_value=0, **fields):
-        reg.register_slot(name, _SHAPE_FNS[axis], dtype, axis, padding_policy=policy,
-                          pad_value=pad_value, bind=bind.get(name), **fields)  # fmt: skip
+        reg.register_slot(
+            name,
+            _SHAPE_FNS[axis],
+            dtype,
+            axis,
+            padding_policy=policy,
+            pad_value=pad_value,
+            bind=bind.get(name),
+            **fields,
+        )
 
     return declare
 
 
-def _declare_common(declare, seq_len_fill_value: int, attn_tp_size: int, attn_tp_rank: int,
-                    host_seq_lens: bool = True) -> None:  # fmt: skip
-    """The slots every runner's graphs read, with the padding invariants of
-    docs/ARCHITECTURE.md; ``seq_lens_cpu`` only with ``host_seq_lens``."""
+def _declare_common(
+    declare, seq_len_fill_value: int, attn_tp_size: int, attn_tp_rank: int, host_seq_lens: bool = True
+) -> None:
+    """The slots every runner's graphs read."""
     sentinel, zero = PaddingPolicy.FILL_SENTINEL, PaddingPolicy.ZERO
-    # Padded rows still go through the embedding: their ids must be in the
-    # vocabulary, and an earlier step's ids (or the initial zeros) are.
+    # Padded rows go through the embedding: an earlier step's ids are in the vocabulary.
     declare("input_ids", "tokens", torch.int64, PaddingPolicy.FOREACH_COPY)
     declare("positions", "tokens", torch.int64, zero)
     declare("out_cache_loc", "tokens", torch.int64, sentinel, DUMMY_SLOT)
-    declare("num_token_non_padded", "none", torch.int32, copy_from_fb=False,
-            value_from_sizes=num_token_non_padded_value(attn_tp_size, attn_tp_rank))  # fmt: skip
+    declare(
+        "num_token_non_padded",
+        "none",
+        torch.int32,
+        copy_from_fb=False,
+        value_from_sizes=num_token_non_padded_value(attn_tp_size, attn_tp_rank),
+    )
     declare("seq_lens", "bs", torch.int32, sentinel, seq_len_fill_value)
-    if host_seq_lens:  # host copy for the backend's replay hook, padded alike
+    if host_seq_lens:
         declare("seq_lens_cpu", "bs", torch.int32, sentinel, seq_len_fill_value, device="cpu")
-    # A padded request reads (never writes) req_to_token row 0: harmless.
+    # A padded request reads (never writes) req_to_token row 0.
     declare("req_pool_indices", "bs", torch.int64, zero)
 
 
@@ -179,27 +162,9 @@ def build_decode_registry(
     bind: Optional[Mapping] = None,
     poison_tails: bool = False,
 ) -> CudaGraphBufferRegistry:
-    """Batch-padded inputs of the whole-model graphs; fill with ``FillContext.uniform``.
-
-    ============================  =======  ==============  ==========================
-    slot                          axis     policy          padded value
-    ============================  =======  ==============  ==========================
-    input_ids [bs*w] int64        tokens   FOREACH_COPY    an earlier step's ids
-    positions [bs*w] int64        tokens   ZERO            0
-    out_cache_loc [bs*w] int64    tokens   FILL_SENTINEL   DUMMY_SLOT
-    num_token_non_padded [] i32   none     KEEP_PAD        (from the sizes, upstream SGLang PR 22404)
-    seq_lens, seq_lens_cpu [bs]   bs       FILL_SENTINEL   seq_len_fill_value
-    req_pool_indices [bs] int64   bs       ZERO            0
-    extend_seq_lens [bs] int32    bs       FILL_SENTINEL   w
-    accept_lengths [bs] int32     bs       FILL_SENTINEL   w (opt-in; spec_info None: all w)
-    ============================  =======  ==============  ==========================
-
-    ``w = num_tokens_per_bs`` (1 for DECODE, draft tokens for TARGET_VERIFY).
-    Padded accept lengths are ``w`` so that, at capture, ``max(accept_lengths)``
-    is the uniform width (upstream SGLang PR 25002). ``host_seq_lens=False``:
-    no ``seq_lens_cpu`` slot, for a backend whose replay hook reads no host
-    lengths (``AttentionBackend.replay_reads_host_lengths``). ``bind``: name ->
-    existing buffer to adopt. ``pool``: share buffers with other registries.
+    """Batch-padded inputs of the whole-model graphs (slots and padded values:
+    docs/ARCHITECTURE.md, "The runners' registries"); fill with
+    ``FillContext.uniform``. ``bind``: name -> existing buffer to adopt.
     """
     w = check_positive_int("num_tokens_per_bs", num_tokens_per_bs)
     fill = check_count("seq_len_fill_value", seq_len_fill_value)
@@ -213,8 +178,15 @@ def build_decode_registry(
     _declare_common(declare, fill, attn_tp_size, attn_tp_rank, host_seq_lens)
     declare("extend_seq_lens", "bs", torch.int32, PaddingPolicy.FILL_SENTINEL, w)
     if with_accept_lengths:
-        declare("accept_lengths", "bs", torch.int32, PaddingPolicy.FILL_SENTINEL, w,
-                source_fn=_accept_lengths, when_missing=MissingSource.PAD)  # fmt: skip
+        declare(
+            "accept_lengths",
+            "bs",
+            torch.int32,
+            PaddingPolicy.FILL_SENTINEL,
+            w,
+            source_fn=_accept_lengths,
+            when_missing=MissingSource.PAD,
+        )
     return reg
 
 
@@ -230,14 +202,10 @@ def build_prefill_registry(
     bind: Optional[Mapping] = None,
     poison_tails: bool = False,
 ) -> CudaGraphBufferRegistry:
-    """Token-padded inputs of the piecewise and breakable graphs (EXTEND, MIXED).
-
-    ``input_ids``, ``positions``, ``out_cache_loc`` (tokens axis),
-    ``num_token_non_padded``, ``seq_lens``, ``seq_lens_cpu`` and
-    ``req_pool_indices`` are declared as in :func:`build_decode_registry`.
-    Along the batch, a padded request adds no tokens (``extend_seq_lens``:
-    ZERO) and its ``extend_prefix_lens`` is ``seq_len_fill_value``
-    (FILL_SENTINEL), so ``prefix + new == seq_lens`` holds for it too.
+    """Token-padded inputs of the piecewise and breakable graphs (EXTEND,
+    MIXED), declared as in :func:`build_decode_registry`, except that a padded
+    request adds no tokens and its prefix is ``seq_len_fill_value``, so
+    ``prefix + new == seq_lens`` holds for it too.
     """
     fill = check_count("seq_len_fill_value", seq_len_fill_value)
     _check_attn_tp(attn_tp_size, attn_tp_rank)

@@ -1,11 +1,6 @@
-"""Capture in lockstep across the ranks of a tensor-parallel group.
-
-Every rank's graphs hold the same collectives in the same order, and a
-collective captured on one rank pairs with the one the same graph replays on
-another: so every rank captures the same sizes in the same order, and each
-capture starts only when every rank has finished the work before it (a
-synchronize, then a barrier on the group's CPU side), as SGLang's runners
-do. At one rank both are free: nothing is exchanged.
+"""Capture in lockstep across a tensor-parallel group: a collective captured
+on one rank pairs with the same graph's on another, so every rank captures
+the same sizes in the same order, each after all ranks finished the work before.
 """
 
 from __future__ import annotations
@@ -19,8 +14,7 @@ from sgl_piecewise.errors import InvalidInputError
 
 
 def check_same_sizes(tp: TensorParallel, sizes: Sequence[int], what: str) -> None:
-    """Refuse, on every rank alike, a capture whose sizes differ between
-    ranks: the ranks would pair collectives of different graphs and hang."""
+    """Refuse, on every rank alike, sizes that differ between ranks (the collectives would hang)."""
     if tp.size == 1:
         return
     every = tp.all_gather_object(list(sizes))

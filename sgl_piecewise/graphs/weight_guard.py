@@ -1,31 +1,7 @@
-"""Whole-model and breakable graphs read the weights where capture found
-them: ``WeightGuard`` turns a weight moved since into an error, not stale
-output.
-
-A CUDA graph records device addresses. Piecewise graphs take the weights as
-graph inputs and capture a new set of graphs for weights at new addresses
-(``compile/backend.py``). Whole-model and breakable graphs record the model
-itself, so after a weight moved they would go on reading the memory it left.
-Weights updated in place (``load_state_dict``, ``copy_``) keep their
-addresses, and every replay reads them as updated.
-
-At capture the guard notes every parameter and buffer of the model (by weak
-reference: it keeps none alive) and its address. A weight has moved when its
-address changed (``.data =``, ``set_``, a dtype or device conversion), when
-the model dropped it, or when any of the model's modules had a parameter,
-buffer or submodule assigned since capture (a weight replaced by a new
-tensor, ``load_state_dict(assign=True)``), which torch's module registration
-hooks report. :meth:`WeightGuard.check_first` looks at the first and last
-weights and the assignments only, a few hundred nanoseconds: runners call it
-before a replay, so converting or reloading the model never lets a graph
-run. :meth:`WeightGuard.check` looks at every weight, 0.1–0.2 µs each
-(21.5–29.3 µs for the 171 of the 0.5B shape on the H200 hosts measured,
-docs/BENCHMARKS.md):
-runners call it right after launching a step's last graph, while the card
-runs it, and raise before the output is returned. A single weight moved
-behind the model's back is then caught after that step ran: its output is
-dropped, but the new tokens' K/V it wrote came from the stale weights, so
-the step must be run again once the graphs are captured again.
+"""Whole-model and breakable graphs read weights at their capture addresses:
+``WeightGuard`` makes a weight moved or assigned since then an error, not stale
+output. Runners call :meth:`WeightGuard.check_first` before a replay and
+:meth:`WeightGuard.check` after a step's last launch (that step must run again).
 """
 
 from __future__ import annotations
@@ -35,6 +11,7 @@ import weakref
 from typing import List, Optional
 
 import torch
+from torch.nn.modules import module as nn_module
 
 from sgl_piecewise.errors import StaleGraphError
 
@@ -47,8 +24,7 @@ _hooks_installed = False
 
 
 def _on_assignment(module: torch.nn.Module, name: str, value: object) -> None:
-    """torch's module registration hooks: a watched module had a parameter,
-    buffer or submodule assigned (the one it holds already is no change)."""
+    """Registration hook: note an assignment to a watched module (re-assigning the same object is none)."""
     guards = _watchers.get(module)
     if guards and not any(held.get(name) is value for held in (module._parameters, module._buffers, module._modules)):
         for guard in guards:
@@ -57,15 +33,13 @@ def _on_assignment(module: torch.nn.Module, name: str, value: object) -> None:
 
 
 def watches_assignments(hook: object) -> bool:
-    """Is ``hook`` the library's own registration hook (it changes nothing
-    a forward does)?"""
+    """Is ``hook`` the library's own registration hook (it changes nothing a forward does)?"""
     return hook is _on_assignment
 
 
 def watch_assignments(model: torch.nn.Module, watcher: object) -> None:
-    """From now on, ``watcher.note_assignment(module, name)`` whenever a
-    parameter, buffer or submodule ``name`` is assigned to one of
-    ``model``'s modules (its modules now; ``watcher`` is held weakly)."""
+    """Call ``watcher.note_assignment(module, name)`` on every assignment to
+    ``model``'s current modules; ``watcher`` is held weakly."""
     _install_hooks()
     for module in model.modules():
         _watchers.setdefault(module, weakref.WeakSet()).add(watcher)
@@ -75,8 +49,6 @@ def _install_hooks() -> None:
     global _hooks_installed
     if _hooks_installed:
         return
-    from torch.nn.modules import module as nn_module
-
     nn_module.register_module_parameter_registration_hook(_on_assignment)
     nn_module.register_module_buffer_registration_hook(_on_assignment)
     nn_module.register_module_module_registration_hook(_on_assignment)
@@ -84,8 +56,7 @@ def _install_hooks() -> None:
 
 
 class WeightGuard:
-    """The addresses of ``model``'s parameters and buffers when its graphs
-    were captured; ``graphs`` names them in errors."""
+    """``model``'s weight addresses at capture; ``graphs`` names them in errors."""
 
     def __init__(self, model: torch.nn.Module, graphs: str):
         unique = {}  # id -> (name, tensor): a tied weight once

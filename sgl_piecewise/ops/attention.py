@@ -1,27 +1,12 @@
-"""``sgl_piecewise::unified_attention`` and its out variant.
+"""``sgl_piecewise::unified_attention`` and its out variant: write the new
+tokens' K/V (``q [T, Hq, D]``, ``k, v [T, Hkv, D|Dv]``) into the paged pool
+and attend with the active forward context's backend, giving ``[T, Hq, Dv]``.
+Rows past the batch's ``num_tokens`` (graph padding) write no K/V and get
+zeros.
 
-Model code calls these where it would call attention. Shapes are token-major:
-``q [T, Hq, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, Dv]``; the output is
-``[T, Hq, Dv]``. The op writes the new tokens' K/V into the paged pool at the
-batch's ``out_cache_loc`` and attends with the backend of the active
-:func:`~sgl_piecewise.context.forward_context`.
-
-``T`` may exceed the batch's ``num_tokens`` (a graph padded the token axis):
-the padded rows write no K/V and their output rows are zero, so padding never
-reaches a real output or a real request's cache.
-
-Both ops are opaque to Dynamo (the fake implementations give shapes only),
-which is what lets the ``sgl_piecewise`` compile backend split the graph
-around them. While the breakable runner captures (``runners/breakable.py``),
-the forward context carries its hook and the ops hand every call to it: the
-call ends a graph segment and runs eagerly at replay. Elsewhere the hook is
-None and costs one check.
-
-Both check their setting-like arguments where they are entered, before any
-K/V write: ``layer_id`` an int, ``scale`` None or a finite number > 0 (a NaN
-or infinite scale would turn every output row into NaN, and a scale <= 0
-only comes from a bug). The fake implementations check the scale too, so a
-trace refuses what the real call would.
+Both ops are opaque to Dynamo, so the compile backend splits the graph around
+them. ``layer_id`` and ``scale`` (None or finite > 0) are checked before any
+K/V write, and by the fake implementations too.
 """
 
 from __future__ import annotations
@@ -38,8 +23,7 @@ from sgl_piecewise.internals.fake_tensor import is_fake
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Checks that need no pool: run in the fake implementation too, so shape
-    errors surface while tracing, not at the first real step."""
+    """Checks that need no pool (the fake implementation runs them while tracing)."""
     check_tensor("q", q, shape=(None, None, None))
     num_tokens, num_heads, head_dim = q.shape
     check_tensor("k", k, shape=(num_tokens, None, head_dim), dtype=q.dtype, device=q.device)
@@ -75,8 +59,7 @@ def _attention_into(
         if not ctx.debug_checks:
             ctx.layer_attend = backend.layer_attend()
         return
-    # Slices and the zeroing only where the rows are padded (a launch each,
-    # per layer per step, that an unpadded step does not need).
+    # Slices and zeroing only where rows are padded (a launch each, per layer per step).
     padded = q.shape[0] > n
     if n:
         o = out
@@ -97,11 +80,9 @@ def _resolved_scale(q: torch.Tensor, scale: Optional[float]) -> float:
 
 
 def _check_scale(scale: Optional[float]) -> None:
-    """A scale is a setting, not data: refuse NaN, an infinity and a scale
-    <= 0 (uniform or inverted attention, never meant) before anything runs.
-    One chained comparison for a valid one: NaN compares False. No module
-    constant is read (``math.inf``): Dynamo would guard on it, and a saved
-    compile runs only with guards it can check without Dynamo."""
+    """Refuse NaN, infinite and non-positive scales. No module constant
+    (``math.inf``): Dynamo would guard on it, and a saved compile runs only
+    with guards it can check without Dynamo."""
     if scale is None or 0.0 < scale < float("inf"):
         return
     if not math.isfinite(scale):
@@ -110,23 +91,16 @@ def _check_scale(scale: Optional[float]) -> None:
 
 
 def _check_traced_scale(scale: object) -> None:
-    """The fake implementations' scale check: a plain number, as the real
-    call gets; a symbolic float is left to the real call (a comparison on
-    it would add a guard to the trace)."""
+    """The fake implementations' scale check; a symbolic float is left to the
+    real call (comparing it would add a guard)."""
     if isinstance(scale, (int, float)):
         _check_scale(scale)
 
 
 def _check_meta_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> None:
-    """Plain ``meta`` tensors dispatch to the fake implementation (a custom
-    op registers it for the Meta key), so the real implementation's checks
-    against the pool never see them: inside a forward context they would
-    return a meta tensor over a CPU or CUDA pool, with no K/V written. Run
-    those checks here for them, so q/k/v on another device than the KV pool
-    are refused as on the real path. FakeTensors (torch.compile tracing)
-    are left alone: their real call checks at run time, and a trace must
-    not read the forward context. Outside a forward context a meta call
-    stays a shape computation."""
+    """Plain ``meta`` tensors reach only the fake implementation: inside a
+    forward context, check them against the pool as the real call would.
+    FakeTensors are left alone (a trace must not read the forward context)."""
     if q.device.type != "meta" or is_fake(q):
         return
     try:
@@ -189,16 +163,11 @@ def _unified_attention_with_output_fake(q, k, v, output, layer_id, scale=None):
 
 
 def attention_with_output_direct(q, k, v, output, layer_id: int, scale: Optional[float] = None) -> None:
-    """The out variant's implementation, called without the dispatcher.
-
-    For the attention between compiled pieces, which runs on real tensors
-    after tracing: the dispatcher's autograd and ADInplaceOrView layers do
-    nothing for inference but cost tens of microseconds per call, i.e. per
-    layer per step. The fake implementation checked the shapes while
-    tracing; here the arguments are checked at the step's first layer (every
-    layer shares those shapes) and at every layer under ``debug_checks``.
-    A later layer goes straight to the backend's per-step launch where it
-    has one (``ForwardContext.layer_attend``).
+    """The out variant without the dispatcher (whose autograd layers cost
+    host time per layer per step), for the attention between compiled
+    pieces. Arguments are checked at the step's first layer (every layer
+    under ``debug_checks``); later layers take the backend's per-step
+    launch where it has one.
     """
     ctx = get_forward_context()
     attend = ctx.layer_attend
@@ -218,13 +187,7 @@ def _check_output(q: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> Non
 def unified_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_id: int, scale: Optional[float] = None
 ) -> torch.Tensor:
-    """Write K/V for the new tokens, attend, return ``[T, Hq, Dv]``.
-
-    Example::
-
-        with sgl_piecewise.forward_context(batch, backend):
-            o = sgl_piecewise.ops.unified_attention(q, k, v, layer_id=0)
-    """
+    """Write K/V for the new tokens, attend, return ``[T, Hq, Dv]``."""
     _check_scalar_args(layer_id, scale)
     return torch.ops.sgl_piecewise.unified_attention(q, k, v, layer_id, scale)
 
@@ -244,8 +207,7 @@ def unified_attention_with_output(
 
 
 def _check_scalar_args(layer_id: object, scale: object) -> None:
-    """Before the dispatcher: it would take ``True`` as layer 1 and fail on
-    ``1.0`` with an error that names neither the argument nor the fix."""
+    """Before the dispatcher, which takes ``True`` as layer 1 and fails obscurely on ``1.0``."""
     if isinstance(layer_id, bool) or not isinstance(layer_id, int):
         raise InvalidTypeError(f"layer_id: expected an int, got {layer_id!r} ({type(layer_id).__name__})")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):

@@ -1,26 +1,12 @@
-"""A decoder layer's projections as custom ops, each fused with its
-neighbours: ``sgl_piecewise::qkv_rope`` (RMSNorm, the QKV projection, rotary
-embedding), ``sgl_piecewise::gate_up_silu`` (RMSNorm, gate/up, SiLU·mul) and
-``sgl_piecewise::linear`` (a projection with the residual add after it, or
-float32 logits).
+"""A decoder layer's projections as custom ops fused with their neighbours:
+``qkv_rope`` (RMSNorm, QKV, rotary), ``gate_up_silu`` (RMSNorm, gate/up,
+SiLU·mul) and ``linear`` (with the residual add, or float32 logits). Dynamo
+traces each as one node, so eager and every graph path run the same kernels.
 
-Like attention they are ``torch.library`` ops with fake implementations:
-Dynamo traces each as one node, Inductor leaves it alone, and eager, every
-graph path and every speculative step run the same kernels, so a replayed
-graph gives eager's bits. Each op chooses its kernels inside:
-
-* a few rows of half precision on CUDA (at most ``MAX_ROWS``: decode steps,
-  short extends): one Triton kernel (``kernels/projection.py``) that streams
-  the weight once, launched with programmatic dependent launch where the
-  card has it;
-* otherwise (long prefills, float32, the CPU): the plain ops, the product
-  on cuBLAS (its residual add in the same call, ``addmm``) and one kernel
-  each for the norm, rotary and SiLU·mul on CUDA (``kernels/elementwise.py``).
-
-The fused kernel applies the norm's scale after the product (``(x * w) @ W.T``
-times each row's ``rsqrt(mean(x**2) + eps)``), which rounds differently
-from normalising first: the two paths agree within half-precision rounding,
-not bit for bit.
+Up to ``MAX_ROWS`` half-precision rows on CUDA take one Triton kernel
+(``kernels/projection.py``); the rest take cuBLAS and the elementwise
+kernels. The fused kernel scales by the norm after the product, so the two
+paths agree within half-precision rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -41,8 +27,7 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def _fused(x: torch.Tensor, *others: Optional[torch.Tensor]) -> bool:
-    """Whether the call can take the fused kernel (module docstring): also
-    every tensor it reads with unit last stride, as the kernel indexes them."""
+    """Can the call take the fused kernel (every tensor with unit last stride)?"""
     return (
         kernels.triton is not None
         and x.is_cuda
@@ -67,16 +52,14 @@ def _check_common(x, weight, norm_weight, bias, bias_rows: int) -> None:
 
 
 def _tensors(**named: Optional[torch.Tensor]) -> None:
-    """Before the dispatcher, whose error for a non-tensor names neither the
-    argument nor the fix."""
+    """Before the dispatcher, whose error for a non-tensor names no argument."""
     for name, value in named.items():
         if value is not None:
             check_tensor(name, value)
 
 
 def _normed(x: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """``x`` through RMSNorm (float32 statistics, scaled after the cast back,
-    as Hugging Face computes it), or ``x`` where there is no norm."""
+    """``x`` through RMSNorm as Hugging Face computes it, or ``x`` without a norm."""
     if norm_weight is None:
         return x
     if elementwise.available(x):
@@ -84,9 +67,6 @@ def _normed(x: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float) ->
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return norm_weight * xf.to(x.dtype)
-
-
-# ---- qkv_rope ---------------------------------------------------------------
 
 
 def _check_qkv(x, weight, bias, positions, cos_sin_cache, num_heads, num_kv_heads, norm_weight) -> int:
@@ -106,17 +86,26 @@ def _check_qkv(x, weight, bias, positions, cos_sin_cache, num_heads, num_kv_head
 
 
 @torch.library.custom_op("sgl_piecewise::qkv_rope", mutates_args=())
-def _qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], positions: torch.Tensor,
-              cos_sin_cache: torch.Tensor, num_heads: int, num_kv_heads: int, norm_weight: Optional[torch.Tensor],
-              eps: float) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _qkv_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    norm_weight: Optional[torch.Tensor],
+    eps: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     head_dim = _check_qkv(x, weight, bias, positions, cos_sin_cache, num_heads, num_kv_heads, norm_weight)
     heads = num_heads + 2 * num_kv_heads
     tiling = _fused(x, weight, bias, positions, cos_sin_cache, norm_weight) and _tiling(
         f"rotary{head_dim}", x, heads * (head_dim // 2)
     )
     if tiling:
-        return kernels.qkv_rope(x, weight, bias, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim,
-                                norm_weight, eps, tiling)  # fmt: skip
+        return kernels.qkv_rope(
+            x, weight, bias, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, norm_weight, eps, tiling
+        )
     qkv = F.linear(_normed(x, norm_weight, eps), weight, bias)
     qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], dim=-1)
     qk = qk.view(-1, num_heads + num_kv_heads, head_dim)
@@ -152,17 +141,13 @@ def qkv_rope(
     norm_weight: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(qk [T, Hq + Hkv, D], v [T, Hkv, D])``: ``x [T, H]`` through
-    RMSNorm (``norm_weight``; none where None), the projection ``weight
-    [(Hq + 2 Hkv) D, H]`` (+ ``bias``), and q's and k's heads rotated by
-    ``positions [T]`` with ``cos_sin_cache [P, D]`` (cos in its first half,
-    sin in its second)."""
+    """``(qk [T, Hq + Hkv, D], v [T, Hkv, D])``: ``x`` through RMSNorm (none
+    where ``norm_weight`` is None) and ``weight``, q's and k's heads rotated
+    by ``positions`` with ``cos_sin_cache [P, D]`` (cos half, then sin)."""
     _tensors(x=x, weight=weight, bias=bias, positions=positions, cos_sin_cache=cos_sin_cache, norm_weight=norm_weight)
-    return torch.ops.sgl_piecewise.qkv_rope(x, weight, bias, positions, cos_sin_cache, num_heads, num_kv_heads,
-                                            norm_weight, eps)  # fmt: skip
-
-
-# ---- gate_up_silu -----------------------------------------------------------
+    return torch.ops.sgl_piecewise.qkv_rope(
+        x, weight, bias, positions, cos_sin_cache, num_heads, num_kv_heads, norm_weight, eps
+    )
 
 
 def _check_gate_up(x, weight, norm_weight) -> None:
@@ -174,8 +159,9 @@ def _check_gate_up(x, weight, norm_weight) -> None:
 
 
 @torch.library.custom_op("sgl_piecewise::gate_up_silu", mutates_args=())
-def _gate_up_silu(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor],
-                  eps: float) -> torch.Tensor:  # fmt: skip
+def _gate_up_silu(
+    x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float
+) -> torch.Tensor:
     _check_gate_up(x, weight, norm_weight)
     tiling = _fused(x, weight, norm_weight) and _tiling("silu", x, weight.shape[0] // 2)
     if tiling:
@@ -196,14 +182,9 @@ def _gate_up_silu_fake(x, weight, norm_weight, eps):
 def gate_up_silu(
     x: torch.Tensor, weight: torch.Tensor, *, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6
 ) -> torch.Tensor:
-    """``silu(gate) * up`` ``[T, F]`` with ``[gate, up] = rms_norm(x) @ weight.T``:
-    ``weight [2F, H]`` holds the gate rows, then the up rows; no norm where
-    ``norm_weight`` is None."""
+    """``silu(gate) * up`` with ``[gate, up] = rms_norm(x) @ weight.T`` (gate rows first)."""
     _tensors(x=x, weight=weight, norm_weight=norm_weight)
     return torch.ops.sgl_piecewise.gate_up_silu(x, weight, norm_weight, eps)
-
-
-# ---- linear -----------------------------------------------------------------
 
 
 def _check_linear(x, weight, bias, residual, logits) -> None:
@@ -215,8 +196,13 @@ def _check_linear(x, weight, bias, residual, logits) -> None:
 
 
 @torch.library.custom_op("sgl_piecewise::linear", mutates_args=())
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-            float32_out: bool) -> torch.Tensor:  # fmt: skip
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor],
+    float32_out: bool,
+) -> torch.Tensor:
     _check_linear(x, weight, bias, residual, float32_out)
     tiling = _fused(x, weight, bias, residual) and _tiling("linear", x, weight.shape[0])
     if tiling:
@@ -232,9 +218,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
 
 
 def _float32_logits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """One matmul that writes float32 on CUDA (``torch.mm(out_dtype=)``),
-    where ``linear(...).float()`` would round to half precision and convert
-    in a second kernel; the CPU has no such matmul."""
+    """On CUDA one matmul writes float32 (``linear(...).float()`` would round to half first)."""
     if x.is_cuda and x.dtype in _HALF and bias is None:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x, weight, bias).float()
@@ -254,8 +238,7 @@ def linear(
     residual: Optional[torch.Tensor] = None,
     float32_out: bool = False,
 ) -> torch.Tensor:
-    """``[residual +] x @ weight.T [+ bias]``: ``x [T, K]``, ``weight [N,
-    K]``, ``residual [T, N]``; in ``x``'s dtype, or float32 with
-    ``float32_out`` (logits: no residual)."""
+    """``[residual +] x @ weight.T [+ bias]``, in ``x``'s dtype or float32
+    with ``float32_out`` (logits: no residual)."""
     _tensors(x=x, weight=weight, bias=bias, residual=residual)
     return torch.ops.sgl_piecewise.linear(x, weight, bias, residual, float32_out)

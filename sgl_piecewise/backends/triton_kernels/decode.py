@@ -1,25 +1,12 @@
-"""Split-KV ("flash-decoding") attention: one query token per request over the
-paged KV pool.
+"""Split-KV ("flash-decoding") attention, one query token per request, in one
+launch: one program per (request, kv head, split) attends all query heads of
+its kv head, so K/V rows are read once per kv head; the split that finishes
+last merges the partials. Optionally the launch writes the new tokens' K/V.
 
-One launch per call. Each request's keys are split into up to
-``max_kv_splits`` contiguous ranges; one program per (request, kv head,
-split) attends all query heads of that kv head at once (grouped-query tile),
-so every K/V row is read from the pool once per kv head rather than once per
-query head. A request with one split writes its output directly; otherwise
-each split writes its normalised partial output and log-sum-exp to
-caller-owned scratch, and the split that finishes last (an arrival count per
-request and kv head) merges them. Optionally the launch also writes the new
-tokens' K/V into the pool, so a decode step's attention is one kernel per
-layer.
-
-Graph safety: the grid depends only on ``bs``, head counts and
-``max_kv_splits``; the per-request split count is read on the device, so one
-captured launch serves every replay. Nothing here synchronises with the host.
-
-A NaN or inf reaches an output row iff it is in the row's query, its
-request's keys or values, or the scale: only the request's own ``kv_indices``
-are loaded, never the dummy slot or another request's. A row whose keys all
-weigh 0 (no key, or every logit -inf) gets zeros, as SDPA gives.
+The grid depends only on ``bs``, head counts and ``max_kv_splits`` (split
+counts are read on the device), so one captured launch serves every replay.
+Only the request's own ``kv_indices`` are loaded; a row whose keys all weigh
+0 gets zeros, as SDPA gives.
 """
 
 from __future__ import annotations
@@ -49,53 +36,25 @@ from sgl_piecewise.internals import pdl
 from sgl_piecewise.internals.triton_jit import runs_compiled
 from sgl_piecewise.internals.triton_launch import FastLauncher, StepLaunch
 
+# Launch settings: measured by `benchmarks/bench_decode_kernel.py --sweep` (docs/BENCHMARKS.md).
 DECODE_BLOCK_H = 16  # query heads per program; tl.dot needs >= 16 rows
-# Groups wider than 16 (MQA-like) widen the head tile up to this, as SGLang's
-# older grouped kernel did (BLOCK_H = max(16, next_pow2(group))), so K/V are
-# still read once per kv head; 64 rows compile for sm_90 without spills.
-DECODE_MAX_BLOCK_H = 64
-# Split boundaries are multiples of this (SGLang's MIN_BLOCK_KV), so splits
-# start on whole 32-key tiles.
-SPLIT_GRANULE = 32
-# The launch settings below come from `benchmarks/bench_decode_kernel.py
-# --sweep` on an H200 (docs/BENCHMARKS.md): splits 1-128 x six launch settings
-# at batch 1/32/128, context 1k/4k/16k; the split counts from a sweep of whole
-# decode layers on an H100.
-#
-# choose_num_kv_splits: one split per this many keys. Fewer keys a split leave
-# too little loop to amortise the q load and the merge; since the merge loads
-# eight splits at once, 64 beat 128 at 1k keys and batch 1 and 8 and tied at
-# 4k (head_dim 64).
-DEFAULT_TOKENS_PER_SPLIT = 64
-# A suggested scratch size for callers; the grid rarely uses it all
-# (grid_kv_splits caps it by the batch size).
-DEFAULT_MAX_KV_SPLITS = 64
-# Partial-output values (fp32) the merge loads at once; see merge_block_s.
-MERGE_CHUNK_VALUES = 8192
+DECODE_MAX_BLOCK_H = 64  # wider groups (MQA-like) widen the head tile up to this, without spills
+SPLIT_GRANULE = 32  # split boundaries are multiples of this: whole 32-key tiles
+DEFAULT_TOKENS_PER_SPLIT = 64  # choose_num_kv_splits: one split per this many keys
+DEFAULT_MAX_KV_SPLITS = 64  # a suggested scratch size; grid_kv_splits caps it by the batch
+MERGE_CHUNK_VALUES = 8192  # fp32 partials the merge loads at once (merge_block_s)
 
 
 @dataclass(frozen=True)
 class DecodeLaunch:
-    """How the split kernel is launched: its key tile, Triton's
-    ``num_warps``/``num_stages``, and how many programs the split axis may add.
-    Results do not depend on it (tests run several); speed does."""
+    """How the split kernel is launched; speed depends on it, results do not."""
 
-    # 64-key tiles with 3 pipeline stages were fastest or within 3% of the
-    # fastest at every swept point (SGLang's 32/4/2, at its own best split
-    # count, was up to 20% slower).
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    # Batch-aware split axis (grid_kv_splits): the most splits that keep the
-    # grid within this many programs per SM. None: default_programs_per_sm of
-    # the head size.
-    programs_per_sm: Optional[int] = None
-    # False: the split axis is always max_kv_splits (sweeps that fix the
-    # split counts themselves).
-    cap_splits: bool = True
-    # Splits the merge loads at once (a power of two). None: merge_block_s
-    # of the head tile.
-    merge_splits: Optional[int] = None
+    programs_per_sm: Optional[int] = None  # grid_kv_splits' cap; None: default_programs_per_sm
+    cap_splits: bool = True  # False: the split axis is always max_kv_splits
+    merge_splits: Optional[int] = None  # a power of two; None: merge_block_s
 
     def __post_init__(self) -> None:
         pow2 = lambda n: isinstance(n, int) and n > 0 and n & (n - 1) == 0  # noqa: E731
@@ -115,8 +74,7 @@ class DecodeLaunch:
 
 
 DEFAULT_DECODE_LAUNCH = DecodeLaunch()
-# fp32 (tests, CPU parity) keeps SGLang's 32-key tile and two stages: its
-# 3xTF32 dots hold more registers, and the 64-key tile spills on sm_90.
+# fp32: 3xTF32 dots hold more registers; a 64-key tile spills on sm_90.
 FP32_DECODE_LAUNCH = DecodeLaunch(block_n=32, num_warps=4, num_stages=2)
 
 
@@ -137,16 +95,29 @@ def _split_range(kv_len, num_splits, split_id, GRANULE: tl.constexpr):
 
 
 @triton.jit
-def _merge_splits(part_ptr, lse_ptr, req, heads, mask_h, offs_dv, mask_dv, kv_len, num_splits,
-                  stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                  BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-                  GRANULE: tl.constexpr):  # fmt: skip
-    """The output rows of ``heads``: the filled splits' partial outputs
-    weighed by their log-sum-exp, ``BLOCK_S`` splits per load. Loads bypass
-    L1 (``.cg``): other programs wrote the partials during this launch.
-
-    One split per iteration would make the merge a chain of dependent L2
-    round trips, one per split; a chunk's partials are loaded at once."""
+def _merge_splits(
+    part_ptr,
+    lse_ptr,
+    req,
+    heads,
+    mask_h,
+    offs_dv,
+    mask_dv,
+    kv_len,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    GRANULE: tl.constexpr,
+):
+    """The output rows of ``heads``: the filled splits' partials weighed by
+    their log-sum-exp, ``BLOCK_S`` splits per load. Loads bypass L1
+    (``.cg``): other programs wrote the partials during this launch."""
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
@@ -154,9 +125,12 @@ def _merge_splits(part_ptr, lse_ptr, req, heads, mask_h, offs_dv, mask_dv, kv_le
     # [H, S] log-sum-exps and [H, S, DV] partials of a chunk of splits.
     lse_rows = lse_ptr + req * stride_lb + heads[:, None] * stride_lh + offs_s[None, :]
     part_rows = (
-        part_ptr + req * stride_pb + heads[:, None, None] * stride_ph
-        + offs_s[None, :, None] * stride_ps + offs_dv[None, None, :]
-    )  # fmt: skip
+        part_ptr
+        + req * stride_pb
+        + heads[:, None, None] * stride_ph
+        + offs_s[None, :, None] * stride_ps
+        + offs_dv[None, None, :]
+    )
     # Splits are contiguous and equal (_split_range): the filled ones are a prefix.
     per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), GRANULE) * GRANULE
     for s0 in range(0, num_splits, BLOCK_S):
@@ -235,11 +209,8 @@ def _decode_kernel(
     NEW_KV: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Grid: (rows, num_kv_heads * HEAD_BLOCKS, max_splits); one launch does
-    # the K/V write, every split and their merge. Under programmatic
-    # dependent launch it waits for the kernel before it (the one that made
-    # q, k and v) before it touches memory, and lets the next one be
-    # scheduled once its loop is done.
+    # Grid: (rows, num_kv_heads * HEAD_BLOCKS, max_splits). Under PDL, wait
+    # for the kernel that made q, k, v before touching memory.
     if PDL:
         pdl.gdc_wait()
     req = tl.program_id(0)
@@ -269,9 +240,8 @@ def _decode_kernel(
     kv_start = tl.load(kv_indptr_ptr + req)
     kv_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
     start, end = _split_range(kv_len, num_splits, split_id, GRANULE)
-    # The request's new token is its last key. With NEW_KV this launch writes
-    # its K/V to the pool and takes it from new_k/new_v, never from the
-    # pool, so no program reads a row another program is writing.
+    # The new token is the last key; with NEW_KV it comes from new_k/new_v,
+    # never the pool, so no program reads a row another is writing.
     new_key = kv_len - 1 if NEW_KV else -1
     if NEW_KV:
         new_k = tl.load(new_k_ptr + req * stride_nkb + kv_head * stride_nkh + offs_d, mask=mask_d, other=0.0)
@@ -311,8 +281,7 @@ def _decode_kernel(
     if PDL:
         pdl.gdc_launch_dependents()
 
-    # Keys that all weigh 0 (logits -inf) give 0, not 0/0: the merge weighs
-    # the split exp(-inf) = 0, and 0 * NaN would still be NaN.
+    # All-weightless keys give 0, not 0/0: the merge's 0 * NaN would still be NaN.
     part = tl.where(l_i[:, None] == 0, 0.0, acc / l_i[:, None])
     if num_splits == 1:  # nothing to merge: the split's output is the row's
         tl.store(out_rows, part.to(out_ptr.dtype.element_ty), mask=mask_out)
@@ -323,24 +292,37 @@ def _decode_kernel(
         # Natural-log LSE of the sm_scale-scaled logits.
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
         tl.store(lse_ptr + req * stride_lb + heads * stride_lh + split_id, lse, mask=mask_h)
-    # The split that arrives last merges (its partials stored before the
-    # count: barrier, then a release-acquire increment) and resets the count
-    # to 0 for the next launch.
+    # The last split to arrive merges (partials stored before the acq_rel
+    # increment) and resets the count for the next launch.
     tl.debug_barrier()
     count = count_ptr + req * stride_cb + head_program
     arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
     if arrived == num_splits - 1:
-        result = _merge_splits(part_ptr, lse_ptr, req, heads, mask_h, offs_dv, mask_dv, kv_len, num_splits,
-                               stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                               BLOCK_H, BLOCK_DV, BLOCK_S, GRANULE)  # fmt: skip
+        result = _merge_splits(
+            part_ptr,
+            lse_ptr,
+            req,
+            heads,
+            mask_h,
+            offs_dv,
+            mask_dv,
+            kv_len,
+            num_splits,
+            stride_pb,
+            stride_ph,
+            stride_ps,
+            stride_lb,
+            stride_lh,
+            BLOCK_H,
+            BLOCK_DV,
+            BLOCK_S,
+            GRANULE,
+        )
         tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=mask_out)
         tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
 
-# Under TRITON_INTERPRET=1, triton.jit yields an interpreter object instead of
-# a compiled kernel; its bf16 dot needs the UPCAST workaround (see mm).
-INTERPRETED = not runs_compiled(_decode_kernel)  # Triton runs kernels on the CPU (TRITON_INTERPRET=1)
-# Launched once per layer per step: skip Triton's per-call binding (internals/triton_launch.py).
+INTERPRETED = not runs_compiled(_decode_kernel)  # TRITON_INTERPRET=1: bf16 dots need UPCAST (see mm)
 _launch_decode = FastLauncher(_decode_kernel)
 
 
@@ -350,19 +332,8 @@ def choose_num_kv_splits(
     out: torch.Tensor,
     tokens_per_split: int = DEFAULT_TOKENS_PER_SPLIT,
 ) -> torch.Tensor:
-    """Per-request split counts for :func:`decode_attention`, on the device.
-
-    ``out[i] = clamp(ceil(kv_lens[i] / tokens_per_split), 1, max_kv_splits)``:
-    short contexts use one split (no merge work), long ones up to
-    ``max_kv_splits``. Pure tensor ops with a value-independent shape, so it
-    runs inside a CUDA graph without a host sync.
-
-    Args:
-        kv_lens: ``[bs]`` integer key count per request.
-        max_kv_splits: upper bound; the scratch's split axis.
-        out: ``[bs]`` int32, written and returned.
-        tokens_per_split: keys one split should cover before another is added.
-    """
+    """``out[i] = clamp(ceil(kv_lens[i] / tokens_per_split), 1, max_kv_splits)``,
+    on the device (graph-safe); returns ``out``."""
     if max_kv_splits < 1 or tokens_per_split < 1:
         raise InvalidInputError(
             f"choose_num_kv_splits: expected max_kv_splits >= 1 and tokens_per_split >= 1, "
@@ -378,18 +349,12 @@ def choose_num_kv_splits(
 
 
 def merge_block_s(block_h: int, block_dv: int) -> int:
-    """Splits the merge loads at once: as many as keep a chunk of partials
-    (``[BLOCK_H, BLOCK_S, BLOCK_DV]`` fp32) at 8192 values, 64 registers a
-    thread at 4 warps; at least 1, at most 8."""
+    """Splits the merge loads at once: a chunk of at most ``MERGE_CHUNK_VALUES``; 1 to 8."""
     return max(1, min(8, MERGE_CHUNK_VALUES // (block_h * block_dv)))
 
 
 def decode_block_h(group: int, dtype: torch.dtype) -> int:
-    """Query heads per stage-1 program for ``group`` query heads per kv head.
-
-    fp32 stays at 16 rows: its 3xTF32 dots need more registers, and a wider
-    tile spills on sm_90.
-    """
+    """Query heads per program; fp32 stays at 16 (a wider 3xTF32 tile spills on sm_90)."""
     if dtype == torch.float32:
         return DECODE_BLOCK_H
     return min(max(DECODE_BLOCK_H, triton.next_power_of_2(group)), DECODE_MAX_BLOCK_H)
@@ -402,15 +367,7 @@ def _num_sms(device: torch.device) -> int:
 
 def default_programs_per_sm(head_dim: int, v_head_dim: int) -> int:
     """Programs per SM the split axis fills by default: 4 for heads of at most
-    64 values, 2 for wider ones.
-
-    Measured, not derived: on an H100 (whole decode layers, batch 1, 8 and
-    32, 1k and 4k keys) 4 was the faster of 2 and 4 for the
-    0.5b and 1b attention (head_dim 64) and 2 for Llama-3-8B's (128). Against
-    the earlier rule, the fewest splits for two programs per SM, this was up
-    to 17% faster at batch 8 and 32 (Llama-3-8B, batch 32, 4k keys: 245 ->
-    206 us a layer) and at most 0.8 us (7%) slower elsewhere at head_dim 64,
-    1.7 us (3%) at 128."""
+    64 values, 2 for wider ones (measured, docs/BENCHMARKS.md)."""
     return 4 if max(head_dim, v_head_dim) <= 64 else 2
 
 
@@ -427,19 +384,10 @@ def grid_kv_splits(
     head_dim: int,
     v_head_dim: Optional[int] = None,
 ) -> int:
-    """Split axis of the grid (and of the scratch it writes) for a batch of
-    ``bs``: the most splits that keep the grid within
-    ``launch.programs_per_sm`` programs per SM (default
-    :func:`default_programs_per_sm`), at least 1, at most ``max_kv_splits``.
-
-    A small batch needs many splits to occupy the card (bs 1 with 8 kv heads
-    has 8 programs per split); a large one fills it without, and every
-    extra split costs a partial write and a share of the merge. ``bs`` is fixed
-    per captured graph, so this host-side choice is graph-safe; requests'
-    own counts (``num_kv_splits``) are clamped to it on the device. Off CUDA
-    (Triton's interpreter) there is no SM count to fill: ``max_kv_splits``.
-    ``launch=None``: :func:`default_decode_launch`; ``v_head_dim=None``:
-    ``head_dim``.
+    """The grid's split axis for a batch of ``bs``: the most splits that keep
+    the grid within ``programs_per_sm`` programs per SM, in
+    ``[1, max_kv_splits]`` (off CUDA: ``max_kv_splits``). ``bs`` is fixed per
+    captured graph, so this host-side choice is graph-safe.
     """
     check_positive_int("max_kv_splits", max_kv_splits)
     if bs < 0 or num_kv_heads <= 0 or num_q_heads % num_kv_heads:
@@ -470,11 +418,8 @@ def decode_kernel_meta(
     new_kv: bool = False,
     chained: bool = False,
 ) -> dict:
-    """Compile-time arguments (constexprs, num_warps, num_stages) of the
-    decode kernel; one place, shared by the launcher and the sm_90 compile
-    test. ``launch=None``: :func:`default_decode_launch`; ``new_kv``: the
-    launch writes the new tokens' K/V. Cached; the dict is shared, callers
-    only unpack it."""
+    """The decode kernel's compile-time arguments (shared by the launcher and
+    the sm_90 compile test). Cached: callers only unpack the dict."""
     launch = launch or default_decode_launch(dtype)
     group = num_q_heads // num_kv_heads
     block_h = decode_block_h(group, dtype)
@@ -530,38 +475,62 @@ def _check_scratch(bs, num_q_heads, dv, splits, max_kv_splits, attn_logits, attn
 
 
 class DecodePlan:
-    """A decode launch with everything fixed that is the same for every layer
-    of a step: the checks, the grid, the constexprs, the metadata and
-    scratch addresses, the compiled kernel. :meth:`launch` then takes one
-    layer's tensors and launches; the attention between compiled pieces runs
-    one per layer per step.
-
-    Built from the first layer's tensors (all checked); a later layer's are
-    compared with them at launch (shapes, strides and dtypes: what the checks
-    and the compiled kernel assumed; 16-byte alignment: else the launch takes
-    Triton's own path). Args as :func:`decode_attention`.
+    """A decode launch with everything fixed that every layer of a step
+    shares, checked on the first layer's tensors; :meth:`launch` takes one
+    layer's tensors, compared with the first's layout. Args as
+    :func:`decode_attention`.
     """
 
     def __init__(
-        self, q, k_cache, v_cache, out, kv_indptr, kv_indices, attn_logits, attn_lse, merge_counts,
-        num_kv_splits, max_kv_splits, sm_scale, launch=None, *, new_k=None, new_v=None,
-        out_cache_loc=None, num_rows=None,
-    ):  # fmt: skip
+        self,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        kv_indptr,
+        kv_indices,
+        attn_logits,
+        attn_lse,
+        merge_counts,
+        num_kv_splits,
+        max_kv_splits,
+        sm_scale,
+        launch=None,
+        *,
+        new_k=None,
+        new_v=None,
+        out_cache_loc=None,
+        num_rows=None,
+    ):
         rows, num_q_heads, dv = check_attention_args("decode_attention", "rows", q, k_cache, v_cache, out)
         bs = check_num_rows("decode_attention", rows, num_rows)
-        # grid_kv_splits checks max_kv_splits.
-        splits = grid_kv_splits(bs, num_q_heads, k_cache.shape[1], q.dtype, max_kv_splits, q.device, launch,
-                                head_dim=k_cache.shape[2], v_head_dim=dv)  # fmt: skip
+        splits = grid_kv_splits(
+            bs,
+            num_q_heads,
+            k_cache.shape[1],
+            q.dtype,
+            max_kv_splits,
+            q.device,
+            launch,
+            head_dim=k_cache.shape[2],
+            v_head_dim=dv,
+        )
         _check_scratch(bs, num_q_heads, dv, splits, max_kv_splits, attn_logits, attn_lse, merge_counts)
         check_new_kv("decode_attention", rows, bs, k_cache, v_cache, new_k, new_v, out_cache_loc)
         check_last_dim_contiguous(
-            "decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, out=out,
-            attn_logits=attn_logits, attn_lse=attn_lse,
+            "decode_attention",
+            q=q,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            out=out,
+            attn_logits=attn_logits,
+            attn_lse=attn_lse,
             **({} if new_k is None else dict(new_k=new_k, new_v=new_v)),
-        )  # fmt: skip
+        )
         num_kv_heads, head_dim = k_cache.shape[1], q.shape[2]
-        self.meta = decode_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, launch, new_k is not None,
-                                       pdl.enabled(q.device))  # fmt: skip
+        self.meta = decode_kernel_meta(
+            num_q_heads, num_kv_heads, head_dim, dv, q.dtype, launch, new_k is not None, pdl.enabled(q.device)
+        )
         self.grid = (rows, num_kv_heads * self.meta["HEAD_BLOCKS"], splits)
         self.new_kv = new_k is not None
         self._layout = layer_layout(q, k_cache, v_cache, out, new_k, new_v)
@@ -571,12 +540,9 @@ class DecodePlan:
         self._launch = StepLaunch(_launch_decode, self.grid, args, self.meta, layer_positions=_LAYER_ARGS)
 
     def launch(self, q, k_cache, v_cache, out, new_k=None, new_v=None, layer=None) -> bool:
-        """Attend one layer: ``q, out`` (and ``new_k, new_v``) are its
-        tensors, ``k_cache, v_cache`` its pools; the rest is the plan's.
-        Returns False, launching nothing, when the layer's tensors are laid
-        out unlike the first layer's (build a plan for them). ``layer``: its
-        index, under which the launch is kept for the layer's next step
-        (``StepLaunch.launch_again``)."""
+        """Attend one layer; False, launching nothing, when its tensors are laid
+        out unlike the first layer's. ``layer``: its index, to launch again
+        next step (``StepLaunch.launch_again``)."""
         # No new K/V to write: q stands in for them, unread.
         written = (new_k, new_v) if self.new_kv else (q, q)
         if layer is not None and self._launch.launch_again(layer, q, k_cache, v_cache, *written, out):
@@ -589,9 +555,7 @@ class DecodePlan:
         return True
 
     def rebind_slots(self, out_cache_loc: Optional[torch.Tensor]) -> bool:
-        """Take the next step's new-token slots (checked as at build), the
-        rest of the plan unchanged: a step of the same sizes over the same
-        metadata buffers. False where the plan cannot take them (build one)."""
+        """Take the next step's new-token slots, the rest unchanged; False where it cannot."""
         if not self.new_kv:  # its launches read no slots
             return out_cache_loc is self._slots
         if not rebind_slots(
@@ -607,8 +571,9 @@ _LAYER_ARGS = (0, 1, 2, 3, 4, 12)
 _SLOTS_ARG = 5  # out_cache_loc, the step's new-token slots
 
 
-def _decode_args(q, k_cache, v_cache, out, new_k, new_v, metadata, num_rows: int, scale_log2: float,
-                 splits: int) -> tuple:  # fmt: skip
+def _decode_args(
+    q, k_cache, v_cache, out, new_k, new_v, metadata, num_rows: int, scale_log2: float, splits: int
+) -> tuple:
     """The kernel's runtime arguments, in its order."""
     new_k, new_v = (new_k, new_v) if new_k is not None else (q, q)  # not read when the launch writes no K/V
     loc, kv_indptr, kv_indices, num_kv_splits, attn_logits, attn_lse, merge_counts = metadata
@@ -643,52 +608,36 @@ def decode_attention(
     out_cache_loc: Optional[torch.Tensor] = None,
     num_rows: Optional[int] = None,
 ) -> DecodePlan:
-    """Attention of one query token per request over its paged keys; writes
-    ``out``. One kernel launch: every split, and the merge of the splits by
-    the split that finishes last.
+    """Decode attention over paged keys into ``out`` (padded rows and requests
+    without keys get zeros); returns the :class:`DecodePlan` for later layers.
 
-    Args:
-        q: ``[rows, Hq, D]`` one query token per request; rows past
-            ``num_rows`` are padding.
-        k_cache: ``[num_slots, Hkv, D]`` the layer's key pool.
-        v_cache: ``[num_slots, Hkv, Dv]`` the layer's value pool.
-        out: ``[rows, Hq, Dv]`` written, q's dtype. A request with no keys
-            gets zeros, and so does every padded row.
-        kv_indptr: ``[bs + 1]`` int32; request r's keys are
-            ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``.
-        kv_indices: ``[>= kv_indptr[bs]]`` int32/int64 slot ids into the pool.
-        attn_logits: ``[>= bs, Hq, >= S, >= Dv]`` float32 scratch for the
-            splits' normalised partial outputs, ``S`` = :func:`grid_kv_splits`
-            (at most ``max_kv_splits``).
-        attn_lse: ``[>= bs, Hq, >= S]`` float32 scratch for the splits'
-            natural-log log-sum-exp of the scaled logits.
-        merge_counts: ``[>= bs, >= Hq]`` int32 arrival counts of the splits,
-            zero before the first launch; every launch leaves them zero.
-            Launches that may run at once need their own.
-        num_kv_splits: ``[bs]`` int32 splits per request, clamped on the
-            device to ``[1, grid splits]`` (see :func:`choose_num_kv_splits`).
-        max_kv_splits: the scratch's split axis; the grid's is
-            :func:`grid_kv_splits` of it (``bs`` and the card decide).
-        sm_scale: logit scale, usually ``D ** -0.5``.
-        launch: tile, warp and split-axis settings (speed only); None:
-            :func:`default_decode_launch` of q's dtype.
-        new_k, new_v, out_cache_loc: the new tokens' ``[rows, Hkv, D|Dv]``
-            K/V and their ``[>= bs]`` int64 slots. Given, the launch writes
-            them into the pool and takes each request's last key (its new
-            token) from them; not given, every key comes from the pool.
-        num_rows: ``bs``, the rows that are requests (default: all).
-
-    Returns the :class:`DecodePlan` of the call, which launches the same
-    attention for another layer of the step without the checks.
-
-    The launch grid depends only on ``rows``, ``bs``, the head counts and
-    ``max_kv_splits``, and nothing reads tensor values on the host, so the call
-    can be captured in a CUDA graph and replayed with new lengths.
+    Request r's keys are ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``.
+    Scratch: ``attn_logits [>= bs, Hq, >= S, >= Dv]`` and ``attn_lse [>= bs,
+    Hq, >= S]`` float32, ``S = grid_kv_splits(...)``; ``merge_counts [>= bs,
+    >= Hq]`` int32, zeroed once (every launch leaves it zero; concurrent
+    launches need their own). ``num_kv_splits [bs]`` is clamped on the
+    device. Given ``new_k, new_v, out_cache_loc``, the launch writes the new
+    tokens' K/V and takes each request's last key from them. ``num_rows``:
+    the rows that are requests (default: all).
     """
     plan = DecodePlan(
-        q, k_cache, v_cache, out, kv_indptr, kv_indices, attn_logits, attn_lse, merge_counts,
-        num_kv_splits, max_kv_splits, sm_scale, launch, new_k=new_k, new_v=new_v,
-        out_cache_loc=out_cache_loc, num_rows=num_rows,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        out,
+        kv_indptr,
+        kv_indices,
+        attn_logits,
+        attn_lse,
+        merge_counts,
+        num_kv_splits,
+        max_kv_splits,
+        sm_scale,
+        launch,
+        new_k=new_k,
+        new_v=new_v,
+        out_cache_loc=out_cache_loc,
+        num_rows=num_rows,
+    )
     plan.launch(q, k_cache, v_cache, out, new_k, new_v)  # its own tensors: always launches
     return plan

@@ -1,28 +1,13 @@
-"""Extend (prefill) attention: new query tokens of ragged requests over each
-request's prefix + new keys in the paged KV pool.
+"""Extend (prefill) attention: ragged requests' new tokens over their prefix +
+new keys in the paged KV pool.
 
-One program handles ``BLOCK_M`` rows of one (request, kv head). A row is a
-(query token, query head) pair: the ``GROUP`` query heads that share a kv head
-are packed into the row axis (token-major), so every K/V tile fetched through
-the index table serves all of them. That matters most for short queries over
-long prefixes (speculative verify, chunked prefill), where K/V reads dominate.
-
-Visibility: query token ``i`` of a request sits at absolute position
-``kv_len - q_len + i`` and sees keys ``j <= kv_len - q_len + i`` (causal with
-offset), or, with a custom mask, key ``j`` iff
-``mask[mask_indptr[r] + i * kv_len + j]``. Rows that see no key get zeros
-(given a finite scale: the mask is added before scaling).
-
-Non-finite values: a NaN or inf reaches an output row if it is in that row's
-query, in a key or value the row sees, or in the scale; only the request's own
-``kv_indices`` are loaded, so no slot outside its extent (the dummy slot,
-other requests' slots) can reach it. A key inside the extent but hidden from
-the row shares its tile: a NaN value there meets weight 0, and 0 * NaN is
-NaN, so whether it reaches the row is left undefined.
-
-Graph safety: the grid depends only on ``bs``, the head counts and the static
-``max_q_len``; programs past a request's rows exit, and nothing synchronises
-with the host.
+A program handles ``BLOCK_M`` rows of one (request, kv head); a row is a
+(query token, query head) pair, the ``GROUP`` heads of a kv head packed
+token-major, so each K/V tile serves all of them. Query token ``i`` sees keys
+``j <= kv_len - q_len + i``, or, with a custom mask, those where
+``mask[mask_indptr[r] + i * kv_len + j]``; rows that see no key get zeros.
+Only the request's own ``kv_indices`` are loaded. The grid depends only on
+``bs``, the head counts and the static ``max_q_len`` (graph-safe).
 """
 
 from __future__ import annotations
@@ -50,24 +35,14 @@ from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.internals.triton_jit import runs_compiled
 from sgl_piecewise.internals.triton_launch import FastLauncher, StepLaunch
 
-# Launch settings for Hopper, after SGLang's extend kernel
-# (triton_ops/extend_attention.py): on sm_90 it uses BLOCK_M=128, BLOCK_N=64,
-# num_warps = 4 if head_dim <= 64 else 8, num_stages=1. The other tiles come
-# from compiling this kernel for sm_90 offline (triton.compile with
-# GPUTarget("cuda", 90, 32), as test_kernels_compile_for_sm90_... does) and
-# keeping the largest tile that neither spills registers nor overflows shared
-# memory. At head_dim 256 with a custom mask, 128 x 64 and 64 x 64 spill; 128 x 64
-# without a mask uses 249 of 255 registers, too close to trust across Triton
-# versions, so head_dim > 128 always takes 64 x 32.
+# Tiles for sm_90: SGLang's extend kernel's, and elsewhere the largest that
+# compiles for sm_90 without spilling registers or overflowing shared memory.
 EXTEND_BLOCK_M, EXTEND_BLOCK_N = 128, 64  # 16-bit inputs, head_dim <= 128
 LARGE_HEAD_BLOCK_M, LARGE_HEAD_BLOCK_N = 64, 32  # 16-bit inputs, head_dim > 128
-# fp32 inputs run their dots as 3xTF32 (near-fp32 accuracy on tensor cores);
-# larger tiles spill or overflow shared memory (64 x 64 at head_dim 256
-# needs 256 KiB).
+# fp32 inputs run their dots as 3xTF32; larger tiles spill or overflow shared memory.
 FP32_BLOCK_M, FP32_BLOCK_N = 16, 32
 EXTEND_NUM_STAGES = 1
-# Smallest row tile: tl.dot needs >= 16 rows.
-MIN_BLOCK_M = 16
+MIN_BLOCK_M = 16  # tl.dot needs >= 16 rows
 
 _LOG2E = 1.4426950408889634
 
@@ -84,8 +59,9 @@ def _mm_acc(a, b, acc, F32X3: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _key_rows(pool_base, slots, pool_stride, new_base, new_rows, new_stride, is_new, offs, mask_n, mask_cols,
-              NEW_KV: tl.constexpr):  # fmt: skip
+def _key_rows(
+    pool_base, slots, pool_stride, new_base, new_rows, new_stride, is_new, offs, mask_n, mask_cols, NEW_KV: tl.constexpr
+):
     """A tile of keys (or values): pool rows ``slots``; with ``NEW_KV`` the
     new ones (``is_new``) from the op's rows ``new_rows`` instead."""
     if NEW_KV:
@@ -139,10 +115,9 @@ def _extend_kernel(
     NEW_KV: tl.constexpr,
 ):
     # Grid: (bs, num_kv_heads, cdiv(max_q_len * GROUP, BLOCK_M)).
-    # NEW_KV: the request's new keys and values come from ``new_k``/``new_v``
-    # (rows ``q_start + i``), not the pool, and this program writes them into
-    # the pool at ``loc``: the rows whose token starts in this block, so each
-    # token's K/V is written once, and no program reads a pool row written here.
+    # NEW_KV: new keys and values come from new_k/new_v (rows q_start + i), and
+    # each program writes to the pool those whose token starts in its block:
+    # each written once, none read from the pool.
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     row0 = tl.program_id(2) * BLOCK_M
@@ -185,11 +160,17 @@ def _extend_kernel(
         new_rows = (q_start + tok).to(tl.int64)
         slot = tl.load(loc_ptr + new_rows, mask=first, other=0).to(tl.int64)
         new_k = load_rows(new_k_ptr + kv_head * stride_nkh, new_rows, stride_nkt, offs_d, first, mask_d)
-        tl.store(k_ptr + kv_head * stride_kh + slot[:, None] * stride_kt + offs_d[None, :], new_k,
-                 mask=first[:, None] & mask_d[None, :])  # fmt: skip
+        tl.store(
+            k_ptr + kv_head * stride_kh + slot[:, None] * stride_kt + offs_d[None, :],
+            new_k,
+            mask=first[:, None] & mask_d[None, :],
+        )
         new_v = load_rows(new_v_ptr + kv_head * stride_nvh, new_rows, stride_nvt, offs_dv, first, mask_dv)
-        tl.store(v_ptr + kv_head * stride_vh + slot[:, None] * stride_vt + offs_dv[None, :], new_v,
-                 mask=first[:, None] & mask_dv[None, :])  # fmt: skip
+        tl.store(
+            v_ptr + kv_head * stride_vh + slot[:, None] * stride_vt + offs_dv[None, :],
+            new_v,
+            mask=first[:, None] & mask_dv[None, :],
+        )
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -205,8 +186,9 @@ def _extend_kernel(
         slots = tl.load(kv_indices_ptr + kv_start + keys, mask=mask_n, other=0).to(tl.int64)
         is_new = keys >= prefix  # with NEW_KV: rows q_start + key - prefix of new_k/new_v
         new_keys = (q_start + keys - prefix).to(tl.int64)
-        k = _key_rows(k_base, slots, stride_kt, new_k_base, new_keys, stride_nkt, is_new, offs_d, mask_n, mask_d,
-                      NEW_KV)  # fmt: skip
+        k = _key_rows(
+            k_base, slots, stride_kt, new_k_base, new_keys, stride_nkt, is_new, offs_d, mask_n, mask_d, NEW_KV
+        )
         # Logits in the exp2 domain (qk_scale = sm_scale * log2(e)).
         if USE_MASK:
             visible = (
@@ -218,8 +200,7 @@ def _extend_kernel(
                 != 0
             )
             # The mask enters as the dot's -inf/0 accumulator: masking after
-            # the dot made Triton keep the softmax in two register layouts
-            # and spill on sm_90 (seen in the compiled kernel).
+            # the dot spills on sm_90 (two register layouts).
             bias = tl.where(visible, 0.0, float("-inf"))
             s = _mm_acc(q, tl.trans(k), bias, F32X3, UPCAST) * qk_scale
         else:
@@ -227,8 +208,9 @@ def _extend_kernel(
             visible = keys[None, :] <= (prefix + tok)[:, None]
             s = tl.where(visible & mask_n[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-        v = _key_rows(v_base, slots, stride_vt, new_v_base, new_keys, stride_nvt, is_new, offs_dv, mask_n, mask_dv,
-                      NEW_KV)  # fmt: skip
+        v = _key_rows(
+            v_base, slots, stride_vt, new_v_base, new_keys, stride_nvt, is_new, offs_dv, mask_n, mask_dv, NEW_KV
+        )
         acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, F32X3, UPCAST)
 
     # l_i == 0: no key carried weight, so zeros, not 0/0. Not `l_i > 0`: a NaN
@@ -241,8 +223,7 @@ def _extend_kernel(
     )
 
 
-# Under TRITON_INTERPRET=1, triton.jit yields an interpreter object instead of
-# a compiled kernel; its bf16 dot needs the UPCAST workaround (see tiles.mm).
+# TRITON_INTERPRET=1: bf16 dots need UPCAST (see tiles.mm).
 _INTERPRETED = not runs_compiled(_extend_kernel)
 
 
@@ -257,14 +238,9 @@ def extend_kernel_meta(
     use_mask: bool,
     new_kv: bool = False,
 ) -> dict:
-    """Compile-time arguments (constexprs, num_warps, num_stages) of the
-    kernel; one place, shared by the launcher and the sm_90 compile test.
-
-    Rows per request are ``max_q_len * GROUP``: short queries (verify-like
-    steps) get a smaller row tile rather than a mostly masked 128-row one.
-    Cached (it runs once per layer per step otherwise); callers only unpack
-    the shared dict.
-    """
+    """The kernel's compile-time arguments (shared by the launcher and the
+    sm_90 compile test); short queries get a smaller row tile. Cached:
+    callers only unpack the dict."""
     group = num_q_heads // num_kv_heads
     padded = triton.next_power_of_2(max(head_dim, dv))
     block_m, block_n = _tiles(dtype == torch.float32, padded)
@@ -300,10 +276,8 @@ def _num_warps(padded_head: int, block_m: int) -> int:
 
 
 def row_tile_variants(meta: dict) -> list:
-    """The launch settings of ``meta`` with each other row tile a query
-    length can take (``extend_kernel_meta``: the tile shrinks to fit short
-    queries), for the launcher to compile ahead: a start-up that captures
-    graphs of 512 down to 1 token otherwise compiles them one by one."""
+    """``meta`` with each other row tile a query length can take, for the
+    launcher to compile ahead rather than one by one during capture."""
     padded = max(meta["BLOCK_D"], meta["BLOCK_DV"])
     largest = _tiles(meta["F32X3"], padded)[0]  # F32X3: fp32 inputs
     variants, block_m = [], MIN_BLOCK_M
@@ -314,7 +288,6 @@ def row_tile_variants(meta: dict) -> list:
     return variants
 
 
-# Once per layer per step (internals/triton_launch.py); compiles the other row tiles ahead.
 _launch_extend = FastLauncher(_extend_kernel, variants=row_tile_variants)
 
 
@@ -346,61 +319,80 @@ def extend_attention(
     custom_mask: Optional[torch.Tensor] = None,
     mask_indptr: Optional[torch.Tensor] = None,
 ) -> None:
-    """Attention of each request's new tokens over its prefix + new keys; writes ``out``.
-
-    Args:
-        q: ``[T, Hq, D]`` new tokens of all requests, concatenated.
-        k_cache: ``[num_slots, Hkv, D]`` key pool; the new tokens' keys are
-            already written.
-        v_cache: ``[num_slots, Hkv, Dv]`` value pool, likewise.
-        out: ``[T, Hq, Dv]`` written, q's dtype; rows that see no key get zeros.
-        qo_indptr: ``[bs + 1]`` int32; request r's queries are rows
-            ``qo_indptr[r]:qo_indptr[r + 1]``.
-        kv_indptr: ``[bs + 1]`` int32; request r's keys (prefix, then new) are
-            ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``.
-        kv_indices: ``[>= kv_indptr[bs]]`` int32/int64 slot ids.
-        max_q_len: static bound on any request's query count; sets the grid.
-            Rows of a request beyond it are not computed.
-        sm_scale: logit scale, usually ``D ** -0.5``.
-        custom_mask: optional flat bool/uint8; request r's row-major
-            ``[q_len, kv_len]`` block starts at ``mask_indptr[r]``, prefix
-            columns included. Replaces the causal rule.
-        mask_indptr: ``[bs + 1]`` int32/int64, with ``custom_mask``.
+    """Attention of each request's new tokens (rows ``qo_indptr[r]:qo_indptr[r
+    + 1]`` of ``q``) over its keys (prefix, then new; already in the pool);
+    writes ``out``. ``max_q_len``: a static bound that sets the grid; rows
+    beyond it are not computed. ``custom_mask``: flat, request r's row-major
+    ``[q_len, kv_len]`` block at ``mask_indptr[r]``; replaces the causal rule.
     """
     _check_extend_args(q, k_cache, v_cache, out, custom_mask, mask_indptr)
-    launch = _extend_launch(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len, sm_scale,
-                            custom_mask, mask_indptr)  # fmt: skip
+    launch = _extend_launch(
+        q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len, sm_scale, custom_mask, mask_indptr
+    )
     if launch is not None:
         launch.launch(q, k_cache, v_cache, out)
 
 
-def _extend_launch(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len, sm_scale,
-                   custom_mask, mask_indptr, new_kv: Optional[tuple] = None) -> Optional[StepLaunch]:  # fmt: skip
-    """The kernel's launch for these (checked) tensors; None when there is
-    nothing to compute. ``new_kv``: (new_k, new_v, out_cache_loc) for the
-    kernel to write the new tokens' K/V itself (``NEW_KV``); they are then
-    layer tensors too."""
+def _extend_launch(
+    q,
+    k_cache,
+    v_cache,
+    out,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    max_q_len,
+    sm_scale,
+    custom_mask,
+    mask_indptr,
+    new_kv: Optional[tuple] = None,
+) -> Optional[StepLaunch]:
+    """The kernel's launch for these checked tensors (None: nothing to do).
+    ``new_kv``: (new_k, new_v, out_cache_loc), written by the kernel itself."""
     bs = qo_indptr.shape[0] - 1
     if bs <= 0 or max_q_len <= 0 or q.shape[0] == 0:
         return None
-    grid, args, meta = _extend_args(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len, sm_scale,
-                                    custom_mask, mask_indptr, new_kv)  # fmt: skip
+    grid, args, meta = _extend_args(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        max_q_len,
+        sm_scale,
+        custom_mask,
+        mask_indptr,
+        new_kv,
+    )
     layer_positions = (0, 1, 2, 3, 9, 10) if new_kv is not None else (0, 1, 2, 3)
     return StepLaunch(_launch_extend, grid, args, meta, layer_positions=layer_positions)
 
 
-def _extend_args(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len, sm_scale,
-                 custom_mask, mask_indptr, new_kv: Optional[tuple]) -> Tuple[tuple, tuple, dict]:  # fmt: skip
-    """The kernel's grid, runtime arguments (signature order) and constexprs;
-    reads only shapes, strides and dtypes (meta tensors will do)."""
+def _extend_args(
+    q,
+    k_cache,
+    v_cache,
+    out,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    max_q_len,
+    sm_scale,
+    custom_mask,
+    mask_indptr,
+    new_kv: Optional[tuple],
+) -> Tuple[tuple, tuple, dict]:
+    """The kernel's grid, runtime arguments and constexprs, from shapes, strides and dtypes alone."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, dv = k_cache.shape[1], v_cache.shape[2]
     bs = qo_indptr.shape[0] - 1
-    meta = extend_kernel_meta(num_q_heads, num_kv_heads, head_dim, dv, q.dtype, max_q_len, custom_mask is not None,
-                              new_kv is not None)  # fmt: skip
+    meta = extend_kernel_meta(
+        num_q_heads, num_kv_heads, head_dim, dv, q.dtype, max_q_len, custom_mask is not None, new_kv is not None
+    )
     grid = (bs, num_kv_heads, triton.cdiv(max_q_len * meta["GROUP"], meta["BLOCK_M"]))
-    # Unused pointers (no mask, no new K/V) get a tensor of the step, never a
-    # layer's (a plan outlives its first layer): any will do.
+    # Unused pointers get a step's tensor, never a layer's (a plan outlives its first layer).
     new_k, new_v, loc = new_kv if new_kv is not None else (kv_indptr, kv_indptr, kv_indptr)
     new_strides = (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1)) if new_kv else (0, 0, 0, 0)
     args = (
@@ -416,26 +408,34 @@ def _extend_args(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max
 
 
 class ExtendPlan:
-    """An extend step's launches for every layer: the new tokens' K/V written
-    into the pool (and the padded output rows zeroed) by one kernel, then
-    the attention, with the checks, grids, constexprs and metadata fixed at
-    the first layer. :meth:`launch` takes one layer's tensors, compares
-    their shapes, strides and dtypes with the first layer's, and launches
-    both kernels (``StepLaunch``). With ``fuse_kv_write`` and no padded rows,
-    one launch: the attention kernel writes the K/V itself and reads the new
-    keys from ``new_k``/``new_v`` (``NEW_KV``), which needs each request's
-    new tokens to be its last ``q_len`` keys, in order (plain extend steps:
-    the caller says so).
-
-    Args as :func:`extend_attention`, plus ``new_k, new_v [rows, Hkv, D|Dv]``,
-    the new tokens' K/V, ``out_cache_loc [>= num_rows]`` int64, their slots,
-    and ``num_rows``, the rows of ``q`` that are tokens (the rest, padding,
-    get zeros in ``out``).
+    """An extend step's launches for every layer, fixed at the first: a K/V
+    store (zeroing padded output rows), then the attention. With
+    ``fuse_kv_write`` and no padded rows, one launch: the attention writes the
+    K/V itself, which needs each request's new tokens to be its last ``q_len``
+    keys, in order. Args as :func:`extend_attention`, plus the new tokens'
+    ``new_k, new_v``, their slots ``out_cache_loc``, and ``num_rows``.
     """
 
-    def __init__(self, q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len, sm_scale,
-                 custom_mask=None, mask_indptr=None, *, new_k, new_v, out_cache_loc, num_rows,
-                 fuse_kv_write: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        max_q_len,
+        sm_scale,
+        custom_mask=None,
+        mask_indptr=None,
+        *,
+        new_k,
+        new_v,
+        out_cache_loc,
+        num_rows,
+        fuse_kv_write: bool = False,
+    ):
         _check_extend_args(q, k_cache, v_cache, out, custom_mask, mask_indptr)
         rows = q.shape[0]
         num_rows = check_num_rows("extend_attention", rows, num_rows)
@@ -452,15 +452,28 @@ class ExtendPlan:
             args = store_kv_args(new_k, new_v, k_cache, v_cache, out_cache_loc, out, num_rows)
             self._store = StepLaunch(launch_store_kv, (rows,), args, meta, layer_positions=(0, 1, 2, 3, 5))
         new_kv = (new_k, new_v, out_cache_loc) if self._fused else None
-        self._attend = _extend_launch(q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, max_q_len,
-                                      sm_scale, custom_mask, mask_indptr, new_kv) if num_rows else None  # fmt: skip
+        self._attend = (
+            _extend_launch(
+                q,
+                k_cache,
+                v_cache,
+                out,
+                qo_indptr,
+                kv_indptr,
+                kv_indices,
+                max_q_len,
+                sm_scale,
+                custom_mask,
+                mask_indptr,
+                new_kv,
+            )
+            if num_rows
+            else None
+        )
 
     def launch(self, q, k_cache, v_cache, out, new_k, new_v, layer=None) -> bool:
-        """One layer: its K/V written, then its attention. Returns False,
-        launching nothing, when its tensors are laid out unlike the first
-        layer's (build a plan for them). ``layer``: its index, under which
-        the launches are kept for the layer's next step
-        (``StepLaunch.kept_launch``)."""
+        """One layer's K/V write and attention; False, launching nothing, when
+        its tensors are laid out unlike the first layer's."""
         if layer is not None and self._launch_again(layer, q, k_cache, v_cache, out, new_k, new_v):
             return True
         if layer_layout(q, k_cache, v_cache, out, new_k, new_v) != self._layout:
@@ -472,9 +485,7 @@ class ExtendPlan:
         return True
 
     def rebind_slots(self, out_cache_loc: torch.Tensor) -> bool:
-        """Take the next step's new-token slots (checked as at build), the
-        rest of the plan unchanged: a step of the same sizes over the same
-        metadata buffers. False where the plan cannot take them (build one)."""
+        """Take the next step's new-token slots, the rest unchanged; False where it cannot."""
         launches = [(self._store, _STORE_SLOTS_ARG)] if self._store is not None else []
         if self._fused and self._attend is not None:
             launches.append((self._attend, _EXTEND_SLOTS_ARG))
@@ -507,6 +518,6 @@ class ExtendPlan:
         return True
 
 
-# Where the new tokens' slots are among the store kernel's and the fused extend kernel's arguments.
+# The new tokens' slots among the store kernel's and the fused kernel's arguments.
 _STORE_SLOTS_ARG = 4
 _EXTEND_SLOTS_ARG = 11

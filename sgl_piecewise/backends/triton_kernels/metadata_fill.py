@@ -1,25 +1,11 @@
-"""A step's paged attention metadata in one launch: query and key lengths,
-both indptrs, the flattened page table and the decode split counts.
-
-The torch helpers (``metadata.fill_lengths``, ``metadata.fill_kv_indices``,
-``decode.choose_num_kv_splits``) compute the same values in some 25 small
-kernels: on an H200 host, for a 0.5B decode step, 0.40-0.46 ms and
-379-413 µs of host time launched one by one, 0.04-0.05 ms replayed as a
-recorded graph; this kernel, 0.09 ms and 74-77 µs of host time, its
-argument checks included (measured on an H200 with a profile of a
-whole-model step). Recorded in a graph, as whole-model
-graphs and the triton backend's bound fills are, it is one kernel instead
-of 25, and its checks run once. It writes every value they write,
-bit for bit (the tests compare the two on ragged batches), and keeps their
-properties: no host synchronisation, and a grid that depends only on
-``bs`` and the page table's size, so it can be recorded in a CUDA graph.
+"""A step's paged attention metadata in one launch: the values of
+``metadata.fill_lengths``, ``metadata.fill_kv_indices`` and
+``decode.choose_num_kv_splits``, bit for bit, without a host sync.
 
 Grid: one program per request, then one per ``_TAIL_BLOCK`` entries of
-``kv_indices`` (at least one). Program ``b`` loads every request's lengths
-(``bs`` is at most a few thousand) to sum its own offsets, writes its
-lengths, indptr entries and split count, and copies its row of the page
-table. The tail programs write the dummy slot past the step's last key, so
-the whole buffer depends on this step only, as the torch fill leaves it.
+``kv_indices``. Program ``b`` sums every request's lengths before its own
+for its offsets and copies its page-table row; the tail programs write the
+dummy slot past the step's last key, as the torch fill does.
 """
 
 from __future__ import annotations
@@ -123,15 +109,9 @@ def fill_paged_metadata(
     max_kv_splits: int = 1,
     tokens_per_split: int = DEFAULT_TOKENS_PER_SPLIT,
 ) -> None:
-    """Write ``meta``'s ``q_lens``, ``kv_lens``, ``qo_indptr``, ``kv_indptr``
-    (a ``LengthMetadata`` of ``bs`` requests), ``kv_indices`` and, if given,
-    ``num_kv_splits``, in one launch.
-
-    ``seq_lens [bs]`` as in ``ForwardBatch``; ``extend_lens [bs]``: new tokens
-    per request, or None when every request has ``meta.max_q_len`` (the
-    uniform modes). The values equal ``fill_lengths``, ``fill_kv_indices`` and
-    ``choose_num_kv_splits`` of the same inputs.
-    """
+    """Write ``meta``'s lengths and indptrs, ``kv_indices`` and, if given,
+    ``num_kv_splits``, in one launch. ``extend_lens`` None: every request has
+    ``meta.max_q_len`` new tokens."""
     bs = meta.q_lens.shape[0]
     _check_args(bs, meta, kv_indices, req_to_token, req_pool_indices, seq_lens, extend_lens, num_kv_splits)
     check_positive_int("fill_paged_metadata: max_kv_splits", max_kv_splits)
@@ -141,21 +121,37 @@ def fill_paged_metadata(
     grid = (bs + max(1, triton.cdiv(kv_indices.shape[0], _TAIL_BLOCK)),)
     _launcher(
         grid,
-        req_pool_indices, seq_lens, seq_lens if uniform else extend_lens, req_to_token,
-        meta.q_lens, meta.kv_lens, meta.qo_indptr, meta.kv_indptr, kv_indices,
+        req_pool_indices,
+        seq_lens,
+        seq_lens if uniform else extend_lens,
+        req_to_token,
+        meta.q_lens,
+        meta.kv_lens,
+        meta.qo_indptr,
+        meta.kv_indptr,
+        kv_indices,
         num_kv_splits if num_kv_splits is not None else meta.q_lens,
-        bs, meta.max_q_len if uniform else 0, req_to_token.stride(0), req_to_token.shape[1],
-        kv_indices.shape[0], max_kv_splits, tokens_per_split,
-        UNIFORM=uniform, ADD_NEW=mode.seq_lens_exclude_new_tokens(), SPLITS=num_kv_splits is not None,
-        BLOCK_BS=triton.next_power_of_2(max(bs, 1)), ROW_BLOCK=_ROW_BLOCK, TAIL_BLOCK=_TAIL_BLOCK,
-        DUMMY=DUMMY_SLOT, num_warps=4,
-    )  # fmt: skip
+        bs,
+        meta.max_q_len if uniform else 0,
+        req_to_token.stride(0),
+        req_to_token.shape[1],
+        kv_indices.shape[0],
+        max_kv_splits,
+        tokens_per_split,
+        UNIFORM=uniform,
+        ADD_NEW=mode.seq_lens_exclude_new_tokens(),
+        SPLITS=num_kv_splits is not None,
+        BLOCK_BS=triton.next_power_of_2(max(bs, 1)),
+        ROW_BLOCK=_ROW_BLOCK,
+        TAIL_BLOCK=_TAIL_BLOCK,
+        DUMMY=DUMMY_SLOT,
+        num_warps=4,
+    )
 
 
 def _check_args(bs, meta, kv_indices, req_to_token, req_pool_indices, seq_lens, extend_lens, num_kv_splits) -> None:
-    """Every tensor the kernel reads or writes: on the page table's device,
-    contiguous, of its dtype, and as long as the kernel indexes it (it
-    checks no bound but the index buffer's size)."""
+    """Every tensor the kernel touches: on the page table's device,
+    contiguous, and as long as the kernel indexes it."""
     index = (torch.int32, torch.int64)
     wanted = [
         ("req_pool_indices", req_pool_indices, bs, index), ("seq_lens", seq_lens, bs, index),

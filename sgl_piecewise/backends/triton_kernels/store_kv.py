@@ -1,12 +1,7 @@
-"""The new tokens' K/V written into the paged pool, and the output rows of
-padding zeroed, in one launch: the triton backend's extend steps launch it
-before their attention kernel (the decode kernel writes its K/V itself), and
-the flashinfer backend's step plans before FlashInfer's ``run()``.
-
-One program per query row: a real row (``t < num_rows``) copies its K and V
-rows to slot ``out_cache_loc[t]``; a padded row writes zeros into its output
-row, which no attention program covers. A copy through registers, so the
-pool gets the bits of ``k`` and ``v`` exactly, as ``index_copy_`` writes them.
+"""The new tokens' K/V written into the paged pool, and padded output rows
+zeroed, in one launch (before extend attention). One program per row: a
+real row copies its K and V bit for bit to ``out_cache_loc[t]``; a padded
+row zeroes its output row, which no attention program covers.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""What the decode and extend kernels share: device helpers for one tile
-(matmul in float32, a gather of pool rows, an online-softmax step) and the
-host-side checks of their arguments."""
+"""What the decode and extend kernels share: tile helpers and argument checks."""
 
 from __future__ import annotations
 
@@ -13,13 +11,9 @@ from sgl_piecewise.errors import InvalidInputError
 
 @triton.jit
 def mm(a, b, F32X3: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` accumulated in float32.
-
-    F32X3 (fp32 inputs): three TF32 tensor-core products, about fp32 accurate,
-    where a plain fp32 dot would round inputs to TF32 (~1e-3 relative).
-    UPCAST (Triton's CPU interpreter only): its dot multiplies bf16 bit
-    patterns as integers, so operands go to fp32 first; values are unchanged.
-    """
+    """``a @ b`` accumulated in float32. F32X3: three TF32 products, about fp32
+    accurate. UPCAST (Triton's interpreter): its bf16 dot multiplies bit
+    patterns as integers, so operands go to fp32 first."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     elif F32X3:
@@ -30,11 +24,7 @@ def mm(a, b, F32X3: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def load_rows(base, slots, row_stride, offs, mask_rows, mask_cols):
-    """``[len(slots), len(offs)]`` tile of pool rows ``slots`` (int64); 0 where masked.
-
-    Each row is one token's contiguous head vector, so a row is one
-    coalesced read however the slots are scattered.
-    """
+    """``[len(slots), len(offs)]`` tile of pool rows ``slots`` (int64); 0 where masked."""
     return tl.load(
         base + slots[:, None] * row_stride + offs[None, :],
         mask=mask_rows[:, None] & mask_cols[None, :],
@@ -45,16 +35,9 @@ def load_rows(base, slots, row_stride, offs, mask_rows, mask_cols):
 @triton.jit
 def softmax_step(s, m_i, l_i):
     """One online-softmax step over logits ``s [M, N]`` (exp2 domain, -inf =
-    hidden) with running max ``m_i [M]`` and sum ``l_i [M]``.
-
-    Returns ``(p, alpha, m_new, l_new)``: the tile's weights, the factor that
-    rescales earlier accumulators, and the updated max and sum. A row that
-    has seen no visible key keeps m = -inf and is shifted by 0, so it gets
-    weights 0 rather than exp2(-inf - -inf) = NaN.
-
-    The sum is exactly 0 until a key carries weight, then >= 1 (the max key
-    adds exp2(0)), and NaN once a logit is NaN: ``tl.maximum`` may drop a NaN
-    (default ``propagate_nan``), but its weight is NaN and the sum keeps it.
+    hidden); returns ``(p, alpha, m_new, l_new)``. A row with no visible key
+    yet is shifted by 0, so its weights are 0, not NaN. The sum stays exactly
+    0 until a key carries weight, and a NaN logit reaches it through its weight.
     """
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -64,9 +47,7 @@ def softmax_step(s, m_i, l_i):
 
 
 def check_attention_args(kernel: str, rows: str, q, k_cache, v_cache, out) -> tuple:
-    """Checks both kernels share, reading no tensor values (no sync): q
-    ``[rows, Hq, D]``, caches ``[slots, Hkv, D|Dv]``, out ``[rows, Hq, Dv]``, one
-    dtype. Returns ``(rows, Hq, Dv)``."""
+    """Checks both kernels share, without a sync; returns ``(rows, Hq, Dv)``."""
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
         raise InvalidInputError(
             f"{kernel}: expected q [{rows}, Hq, D] and caches [slots, Hkv, D], "
@@ -98,8 +79,7 @@ def check_last_dim_contiguous(kernel: str, **tensors) -> None:
 
 
 def check_num_rows(kernel: str, rows: int, num_rows) -> int:
-    """``num_rows``, the rows of a launch that are tokens (the rest padding):
-    an int in ``[0, rows]``; None means all of them."""
+    """The rows of a launch that are tokens, in ``[0, rows]``; None: all."""
     n = rows if num_rows is None else num_rows
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= rows:
         raise InvalidInputError(f"{kernel}: expected num_rows an int in [0, {rows}], got {num_rows!r}")
@@ -107,9 +87,7 @@ def check_num_rows(kernel: str, rows: int, num_rows) -> int:
 
 
 def check_new_kv(kernel: str, rows: int, num_rows: int, k_cache, v_cache, new_k, new_v, out_cache_loc) -> None:
-    """The new tokens' K/V a launch writes into the pool: ``[rows, Hkv, D|Dv]``
-    in the pool's dtype, and their slots, contiguous int64 ``[>= num_rows]``
-    on the pool's device. All three or none."""
+    """The new tokens' K/V and their slots: all three or none."""
     if (new_k is None) != (new_v is None) or (new_k is None) != (out_cache_loc is None):
         raise InvalidInputError(f"{kernel}: expected new_k, new_v and out_cache_loc together, got some of them")
     if new_k is None:
@@ -138,12 +116,8 @@ def check_slots(kernel: str, out_cache_loc, num_rows: int, device: torch.device)
 
 
 def rebind_slots(kernel: str, slots, new_slots, num_rows: int, launches) -> bool:
-    """Whether a plan built over ``slots`` can take the next step's
-    ``new_slots`` (its ``rebind_slots``): the same tensor, or one checked
-    as at build that every launch reading it, ``(StepLaunch, argument
-    position)``, took. False where the plan cannot take them (build one);
-    a launch that took them before another refused leaves the plan to be
-    dropped."""
+    """Can a plan over ``slots`` take ``new_slots``: the same tensor, or one
+    every ``(StepLaunch, argument position)`` took? After False, drop the plan."""
     if new_slots is slots:
         return True
     if new_slots is None:
@@ -153,9 +127,7 @@ def rebind_slots(kernel: str, slots, new_slots, num_rows: int, launches) -> bool
 
 
 def layer_layout(q, k_cache, v_cache, out, new_k, new_v) -> tuple:
-    """What a plan's checks and compiled kernels assumed of one layer's
-    tensors: each one's shape, strides and dtype. Spelled out, not a loop:
-    it runs once per layer per step."""
+    """Each of one layer's tensors' shape, strides and dtype (spelled out: it runs per layer per step)."""
     layout = (
         q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), k_cache.dtype,
         v_cache.shape, v_cache.stride(), v_cache.dtype, out.shape, out.stride(), out.dtype,

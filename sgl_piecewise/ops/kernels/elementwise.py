@@ -1,22 +1,11 @@
-"""One-kernel versions of small elementwise ops, for CUDA tensors: RMSNorm
-(with the residual add before it), rotary embedding and SiLU·mul.
+"""One-kernel RMSNorm (with the residual add before it), rotary embedding
+and SiLU·mul for eager CUDA tensors, where plain torch ops take several
+kernels each.
 
-Run as plain torch ops, an RMSNorm is eight kernels (cast, square, mean,
-add, rsqrt, multiply, cast back, weight), rotary embedding eight and
-SiLU·mul two. The projection ops take these where they do not take their
-fused kernel (``ops/projections.py``), and the models' norms call them
-eagerly on CUDA (a compiled model's plain formulas are fused by Inductor).
-
-Each kernel computes what the plain formula computes, rounding where the
-eager ops round (to the tensor's dtype after every op), with floating-point
-contraction off (no fused multiply-add the eager ops would not do) and IEEE
-division and exponent: rotary embedding and SiLU·mul give the eager ops' bits.
-RMSNorm's sum of squares adds in another order than PyTorch's reduction, so
-its results may differ from the plain formula's in the last bit of float32
-(then, rarely, in the last bit of the rounded output).
-
-``available(x)``: the tensor is on CUDA and Triton is installed. On a CPU the
-kernels run under ``TRITON_INTERPRET=1`` (the tests call them so).
+Each rounds where the eager ops round, without contraction and with IEEE
+division and exponent, so rotary and SiLU·mul give the eager ops' bits;
+RMSNorm's sum of squares adds in another order, so it may differ in the last
+bit of float32.
 """
 
 from __future__ import annotations
@@ -45,17 +34,29 @@ def available(x: torch.Tensor) -> bool:
 
 
 def eager(x: torch.Tensor) -> bool:
-    """Should a model run one of these kernels instead of the plain formula?
-    Eagerly on CUDA: under ``torch.compile`` the formula is traced instead,
-    and Inductor fuses it with its neighbours."""
+    """Run these kernels? Eagerly on CUDA only: compiled, Inductor fuses the plain formula."""
     return not torch.compiler.is_compiling() and available(x)
 
 
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, d_ptr, sum_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_sum, stride_out, H, eps,
-                         BLOCK: tl.constexpr, ADD: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
+    def _rms_norm_kernel(
+        x_ptr,
+        d_ptr,
+        sum_ptr,
+        w_ptr,
+        out_ptr,
+        stride_x,
+        stride_d,
+        stride_sum,
+        stride_out,
+        H,
+        eps,
+        BLOCK: tl.constexpr,
+        ADD: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
@@ -76,8 +77,19 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
     @triton.jit
-    def _rotary_kernel(x_ptr, pos_ptr, cache_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
-                       stride_c, HALF: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    def _rotary_kernel(
+        x_ptr,
+        pos_ptr,
+        cache_ptr,
+        out_ptr,
+        stride_xt,
+        stride_xh,
+        stride_ot,
+        stride_oh,
+        stride_c,
+        HALF: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         i = tl.arange(0, BLOCK)
@@ -113,8 +125,7 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 
-# Under TRITON_INTERPRET=1 kernels run as numpy, which has no libdevice (and
-# rounds float32 to bfloat16 by truncation: only float32 results are exact there).
+# TRITON_INTERPRET=1: no libdevice, and bf16 rounding truncates (only float32 is exact there).
 _LIBDEVICE = triton is not None and runs_compiled(_rms_norm_kernel)
 
 
@@ -133,11 +144,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(y, rms_norm(y))`` with ``y = x + delta``, in one kernel: the
-    residual add before a norm, as the two ops give it (``y`` rounded to the
-    dtype once, then normalised by :func:`rms_norm`'s arithmetic)."""
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rms_norm(y))`` with ``y = x + delta``, in one kernel, as the two ops give it."""
     check_tensor("delta", delta, shape=tuple(x.shape), dtype=x.dtype, device=x.device)
     check_tensor("weight", weight, shape=(x.shape[-1],), dtype=x.dtype, device=x.device)
     rows, deltas = _rows(x), _rows(delta)
@@ -147,24 +157,43 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return y.view(x.shape), out.view(x.shape)
 
 
-def _launch_rms_norm(rows: torch.Tensor, deltas: Optional[torch.Tensor], sums: Optional[torch.Tensor],
-                     weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:  # fmt: skip
-    """One program per row of ``rows [N, H]``; with ``deltas``, the rows
-    ``rows + deltas`` (written to ``sums``) are normalised."""
+def _launch_rms_norm(
+    rows: torch.Tensor,
+    deltas: Optional[torch.Tensor],
+    sums: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+) -> None:
+    """One program per row; with ``deltas``, ``rows + deltas`` (written to ``sums``) is normalised."""
     if not rows.shape[0]:
         return
     h = rows.shape[1]
     block = triton.next_power_of_2(h)
     add = deltas is not None
     d, s = (deltas, sums) if add else (rows, out)  # unread where ADD is off
-    _rms_norm_kernel[(rows.shape[0],)](rows, d, s, weight, out, rows.stride(0), d.stride(0), s.stride(0),
-                                       out.stride(0), h, eps, BLOCK=block, ADD=add, LIBDEVICE=_LIBDEVICE,
-                                       num_warps=min(16, max(1, block // 256)), **_EXACT)  # fmt: skip
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows,
+        d,
+        s,
+        weight,
+        out,
+        rows.stride(0),
+        d.stride(0),
+        s.stride(0),
+        out.stride(0),
+        h,
+        eps,
+        BLOCK=block,
+        ADD=add,
+        LIBDEVICE=_LIBDEVICE,
+        num_warps=min(16, max(1, block // 256)),
+        **_EXACT,
+    )
 
 
 def rotary(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """``x [T, heads, D]`` rotated by ``positions [T]``: ``cat(x1*cos - x2*sin,
-    x2*cos + x1*sin)`` with ``cos, sin`` the halves of ``cos_sin_cache[p]``."""
+    """``x [T, heads, D]`` rotated by ``positions`` ("rotate half")."""
     check_tensor("x", x, shape=(None, None, None))
     tokens, heads, dim = x.shape
     check_tensor("positions", positions, shape=(tokens,), dtype=(torch.int32, torch.int64), device=x.device)
@@ -182,9 +211,20 @@ def rotary(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor
             positions = positions.contiguous()
         half = dim // 2
         _rotary_kernel[(tokens, heads)](
-            x, positions, cos_sin_cache, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            cos_sin_cache.stride(0), HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1, **_EXACT,
-        )  # fmt: skip
+            x,
+            positions,
+            cos_sin_cache,
+            out,
+            x.stride(0),
+            x.stride(1),
+            out.stride(0),
+            out.stride(1),
+            cos_sin_cache.stride(0),
+            HALF=half,
+            BLOCK=triton.next_power_of_2(half),
+            num_warps=1,
+            **_EXACT,
+        )
     return out
 
 
@@ -198,6 +238,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] and f:
         block = min(1024, triton.next_power_of_2(f))
         grid = (rows.shape[0], triton.cdiv(f, block))
-        _silu_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), f, BLOCK=block,
-                                 LIBDEVICE=_LIBDEVICE, num_warps=4, **_EXACT)  # fmt: skip
+        _silu_mul_kernel[grid](
+            rows, out, rows.stride(0), out.stride(0), f, BLOCK=block, LIBDEVICE=_LIBDEVICE, num_warps=4, **_EXACT
+        )
     return out.view(*gate_up.shape[:-1], f)

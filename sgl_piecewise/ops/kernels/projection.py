@@ -1,26 +1,12 @@
-"""Projections of a few rows with their neighbours fused in: the Triton
-kernels behind ``ops/projections.py``.
+"""The Triton kernels behind ``ops/projections.py``: ``y = x @ W.T`` for at
+most :data:`MAX_ROWS` rows, where streaming ``W`` once is the whole cost, with
+the RMSNorm of ``x`` fused before (``NORM``: the product of ``x *
+norm_weight`` scaled by each row's ``rsqrt(mean(x**2) + eps)``) and one
+epilogue after (bias and residual, rotary, or SiLU·mul).
 
-``y = x @ W.T`` for ``x [M, K]`` with ``M`` at most :data:`MAX_ROWS` (a
-decode step's or a short extend's tokens): reading ``W`` is the whole cost,
-so one kernel streams its rows once and does, around the product, what
-would otherwise be a kernel of its own:
-
-* before it, the RMSNorm of ``x`` (``NORM``): the product is taken with
-  ``x * norm_weight`` and scaled by each row's ``rsqrt(mean(x**2) + eps)``
-  afterwards, the sum of squares gathered in the same pass over ``x``;
-* after it, one epilogue: the bias, then a residual add (:func:`linear`),
-  rotary embedding of the q and k heads (:func:`qkv_rope`), or SiLU of the
-  gate half times the up half (:func:`gate_up_silu`).
-
-Each program computes ``BLOCK_N`` output columns for every row, over its
-share of ``K``; with ``SPLIT_K > 1`` the ``K`` axis is split between that
-many programs, which store float32 partial sums, and the one that arrives
-last adds them in split order (deterministic) and runs the epilogue, as the
-decode attention merges its splits. With programmatic dependent launch
-(``internals/pdl.py``) every kernel waits for its predecessor only before
-it reads anything, so a decode step's projections and attention run as one
-chain without launch gaps.
+Each program computes ``BLOCK_N`` columns for every row; with ``SPLIT_K > 1``
+programs store float32 partials and the last to arrive adds them in split
+order (deterministic) and runs the epilogue.
 """
 
 from __future__ import annotations
@@ -40,17 +26,14 @@ try:
 except ImportError:  # pragma: no cover - the ops take their plain formulas without Triton
     triton = None
 
-# Rows one launch serves (the dot's tile of rows is the next power of two,
-# at least 16); more rows go to cuBLAS (ops/projections.py).
-MAX_ROWS = 64
+MAX_ROWS = 64  # rows one launch serves; more go to cuBLAS
 
 
 if triton is not None:
 
     @triton.jit
     def _x_chunk(x_ptr, nw_ptr, offs_m, mask_m, offs_k, mask_k, stride_xm, NORM: tl.constexpr, EVEN_K: tl.constexpr):
-        """One ``[BLOCK_M, BLOCK_K]`` chunk of ``x`` as the product's operand
-        (times the norm weight under ``NORM``) and its rows' sum of squares."""
+        """A ``[BLOCK_M, BLOCK_K]`` chunk of ``x`` (times the norm weight) and its rows' sum of squares."""
         rows = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         if EVEN_K:
             x = tl.load(rows, mask=mask_m[:, None], other=0.0)
@@ -85,9 +68,7 @@ if triton is not None:
 
     @triton.jit
     def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """An accumulator: ``[BLOCK_M, BLOCK_N]`` for the dot; for one row
-        (``BLOCK_M == 1``) ``[BLOCK_N, BLOCK_K]`` products, summed over K
-        after the loop (:func:`_acc_done`)."""
+        """``[BLOCK_M, BLOCK_N]`` for the dot; for one row ``[BLOCK_N, BLOCK_K]``, summed after the loop."""
         if BLOCK_M == 1:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         else:
@@ -96,11 +77,8 @@ if triton is not None:
 
     @triton.jit
     def _mac(x, w, acc, F32X3: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
-        """``acc`` plus ``x [BLOCK_M, BLOCK_K] @ w[BLOCK_N, BLOCK_K].T`` in
-        float32: one row on the CUDA cores, more on the tensor cores (tl.dot
-        takes 16 rows or more). F32X3 (fp32 inputs): three TF32 products,
-        about fp32 accurate. UPCAST (Triton's CPU interpreter): its bf16 dot
-        multiplies bit patterns as integers, so operands go to fp32 first."""
+        """``acc + x @ w.T`` in float32: one row on the CUDA cores, more on the
+        tensor cores (F32X3, UPCAST: as ``tiles.mm``)."""
         if BLOCK_M == 1:
             acc = acc + w.to(tl.float32) * x.to(tl.float32)
         elif UPCAST:
@@ -120,16 +98,14 @@ if triton is not None:
 
     @triton.jit
     def _chain_wait(PDL: tl.constexpr):
-        """Wait for the previous kernel to finish (its writes visible), before
-        this one touches memory anything else uses."""
+        """Wait for the previous kernel's writes before touching shared memory."""
         if PDL:
             pdl.gdc_wait()
 
     @triton.jit
     def _chain_release(PDL: tl.constexpr):
-        """Let the next kernel be scheduled: once this one's main loop is done,
-        not earlier, so that waiting kernels do not hold the card's slots
-        while this one still streams its weight."""
+        """Let the next kernel be scheduled, only after the main loop, so it
+        holds no slots while this one streams its weight."""
         if PDL:
             pdl.gdc_launch_dependents()
 
@@ -151,23 +127,41 @@ if triton is not None:
         return scale
 
     @triton.jit
-    def _arrive_last(part_ptr, count_ptr, tile, acc, squares, offs_m, offs_n, split,
-                     NUM_ACC: tl.constexpr, ACC_ID: tl.constexpr, SPLIT_K: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-        """Store this split's partial sums of accumulator ``ACC_ID``; the
-        partials live at ``[split, tile, acc, BLOCK_M, BLOCK_N + 1]`` (the
-        last column: the rows' sums of squares)."""
+    def _arrive_last(
+        part_ptr,
+        count_ptr,
+        tile,
+        acc,
+        squares,
+        offs_m,
+        offs_n,
+        split,
+        NUM_ACC: tl.constexpr,
+        ACC_ID: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """Store this split's partials of accumulator ``ACC_ID`` at ``[split,
+        tile, acc, BLOCK_M, BLOCK_N + 1]`` (last column: the rows' sums of squares)."""
         row = BLOCK_N + 1
         base = part_ptr + ((split * tl.num_programs(0) + tile) * NUM_ACC + ACC_ID) * (BLOCK_M * row)
         tl.store(base + offs_m[:, None] * row + offs_n[None, :], acc)
         tl.store(base + offs_m * row + BLOCK_N, squares)
 
     @triton.jit
-    def _merged(part_ptr, tile, offs_m, offs_n, NUM_ACC: tl.constexpr, ACC_ID: tl.constexpr,
-                SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-        """Every split's partials of accumulator ``ACC_ID`` added in split
-        order, and the rows' sums of squares. Loads bypass L1: other
-        programs wrote them during this launch."""
+    def _merged(
+        part_ptr,
+        tile,
+        offs_m,
+        offs_n,
+        NUM_ACC: tl.constexpr,
+        ACC_ID: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """Every split's partials added in split order; loads bypass L1 (written during this launch)."""
         row = BLOCK_N + 1
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -179,9 +173,8 @@ if triton is not None:
 
     @triton.jit
     def _count_arrival(count_ptr, tile, SPLIT_K: tl.constexpr):
-        """Whether this program is the tile's last split to arrive; the last
-        resets the count for the next launch. Partials are stored before the
-        count (barrier, then a release-acquire increment)."""
+        """Is this the tile's last split to arrive (partials stored before the
+        acq_rel increment)? The last resets the count."""
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         last = arrived == SPLIT_K - 1
@@ -190,12 +183,36 @@ if triton is not None:
         return last
 
     @triton.jit
-    def _linear_kernel(x_ptr, nw_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, count_ptr,
-                       M, N, K, eps, stride_xm, stride_wn, stride_rm, stride_om,
-                       NORM: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
-                       F32X3: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr):  # fmt: skip
+    def _linear_kernel(
+        x_ptr,
+        nw_ptr,
+        w_ptr,
+        bias_ptr,
+        res_ptr,
+        out_ptr,
+        part_ptr,
+        count_ptr,
+        M,
+        N,
+        K,
+        eps,
+        stride_xm,
+        stride_wn,
+        stride_rm,
+        stride_om,
+        NORM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        F32X3: tl.constexpr,
+        UPCAST: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+        PDL: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+    ):
         # Grid: (cdiv(N, BLOCK_N), SPLIT_K). W's rows are int64-addressed (a
         # vocabulary times the hidden size can pass 2**31 elements).
         tile = tl.program_id(0)
@@ -218,13 +235,27 @@ if triton is not None:
         _chain_release(PDL)
         last = True
         if SPLIT_K > 1:
-            _arrive_last(part_ptr, count_ptr, tile, acc, squares, tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N),
-                         split, 1, 0, SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
+            _arrive_last(
+                part_ptr,
+                count_ptr,
+                tile,
+                acc,
+                squares,
+                tl.arange(0, BLOCK_M),
+                tl.arange(0, BLOCK_N),
+                split,
+                1,
+                0,
+                SPLIT_K,
+                BLOCK_M,
+                BLOCK_N,
+            )
             last = _count_arrival(count_ptr, tile, SPLIT_K)
         if last:
             if SPLIT_K > 1:
-                acc, squares = _merged(part_ptr, tile, tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), 1, 0,
-                                       SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
+                acc, squares = _merged(
+                    part_ptr, tile, tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), 1, 0, SPLIT_K, BLOCK_M, BLOCK_N
+                )
             y = acc * _row_scale(squares, K, eps, NORM, LIBDEVICE)[:, None]
             if HAS_BIAS:
                 y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -236,13 +267,43 @@ if triton is not None:
             tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
 
     @triton.jit
-    def _paired_kernel(x_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, out2_ptr, pos_ptr, cs_ptr, part_ptr, count_ptr,
-                       M, K, HALF_ROWS, eps, stride_xm, stride_wn, stride_om, stride_oh, stride_o2m, stride_o2h,
-                       stride_cs, HEAD_DIM: tl.constexpr, ROTATED_HEADS: tl.constexpr,
-                       ROTARY: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                       F32X3: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr):  # fmt: skip
+    def _paired_kernel(
+        x_ptr,
+        nw_ptr,
+        w_ptr,
+        bias_ptr,
+        out_ptr,
+        out2_ptr,
+        pos_ptr,
+        cs_ptr,
+        part_ptr,
+        count_ptr,
+        M,
+        K,
+        HALF_ROWS,
+        eps,
+        stride_xm,
+        stride_wn,
+        stride_om,
+        stride_oh,
+        stride_o2m,
+        stride_o2h,
+        stride_cs,
+        HEAD_DIM: tl.constexpr,
+        ROTATED_HEADS: tl.constexpr,
+        ROTARY: tl.constexpr,
+        NORM: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        F32X3: tl.constexpr,
+        UPCAST: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+        PDL: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+    ):
         # Each program takes two row blocks of W, a and b, and combines the
         # two products column by column. Not ROTARY: a = gate rows
         # [c, c + BLOCK_N), b = the up rows HALF_ROWS further (HALF_ROWS = F).
@@ -283,10 +344,12 @@ if triton is not None:
         _chain_release(PDL)
         last = True
         if SPLIT_K > 1:
-            _arrive_last(part_ptr, count_ptr, tile, acc_a, squares, offs_m, cols, split, 2, 0, SPLIT_K,
-                         BLOCK_M, BLOCK_N)  # fmt: skip
-            _arrive_last(part_ptr, count_ptr, tile, acc_b, squares, offs_m, cols, split, 2, 1, SPLIT_K,
-                         BLOCK_M, BLOCK_N)  # fmt: skip
+            _arrive_last(
+                part_ptr, count_ptr, tile, acc_a, squares, offs_m, cols, split, 2, 0, SPLIT_K, BLOCK_M, BLOCK_N
+            )
+            _arrive_last(
+                part_ptr, count_ptr, tile, acc_b, squares, offs_m, cols, split, 2, 1, SPLIT_K, BLOCK_M, BLOCK_N
+            )
             last = _count_arrival(count_ptr, tile, SPLIT_K)
         if last:
             if SPLIT_K > 1:
@@ -337,17 +400,14 @@ if triton is not None:
         second = ((x2f * cf).to(dt).to(tl.float32) + (x1f * sf).to(dt).to(tl.float32)).to(dt)
         return first, second
 
-    # Under TRITON_INTERPRET=1 kernels run as numpy: no libdevice, and the
-    # bfloat16 dot needs its operands upcast (tiles.py ``mm``).
+    # Under TRITON_INTERPRET=1: no libdevice.
     _LIBDEVICE = runs_compiled(_linear_kernel)
 else:  # pragma: no cover
     _LIBDEVICE = False
 
 
-# Arrival counts of split programs, per device: zeroed once, and every
-# launch leaves them zero. Allocated outside any graph capture, never freed
-# (a captured launch keeps their address), so a capture that finds none
-# launches unsplit.
+# Split arrival counts per device, left zero by every launch; never freed (captured
+# launches keep their address), and a capture that finds none launches unsplit.
 MAX_SPLIT_TILES = 4096
 _counters: dict = {}
 
@@ -365,15 +425,20 @@ def _split(tiling: Tiling, tiles: int, rows_blk: int, num_acc: int, device: torc
     counts = _split_counters(device) if tiling.split_k > 1 and tiles <= MAX_SPLIT_TILES else None
     if counts is None:
         return 1, None, None
-    part = torch.empty(tiling.split_k * tiles * num_acc * rows_blk * (tiling.block_n + 1),
-                       dtype=torch.float32, device=device)  # fmt: skip
+    part = torch.empty(
+        tiling.split_k * tiles * num_acc * rows_blk * (tiling.block_n + 1), dtype=torch.float32, device=device
+    )
     return tiling.split_k, part, counts
 
 
 def _flags(x: torch.Tensor) -> dict:
     interpreted = not _LIBDEVICE
-    return dict(F32X3=x.dtype == torch.float32, UPCAST=interpreted and x.dtype == torch.bfloat16,
-                LIBDEVICE=_LIBDEVICE, PDL=pdl.enabled(x.device))  # fmt: skip
+    return dict(
+        F32X3=x.dtype == torch.float32,
+        UPCAST=interpreted and x.dtype == torch.bfloat16,
+        LIBDEVICE=_LIBDEVICE,
+        PDL=pdl.enabled(x.device),
+    )
 
 
 def _launch(kernel, grid, args, meta) -> None:
@@ -382,9 +447,16 @@ def _launch(kernel, grid, args, meta) -> None:
     kernel[grid](*args, **meta)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
-           out_dtype: Optional[torch.dtype] = None, tiling: Optional[Tiling] = None) -> torch.Tensor:  # fmt: skip
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    residual: Optional[torch.Tensor] = None,
+    norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 0.0,
+    out_dtype: Optional[torch.dtype] = None,
+    tiling: Optional[Tiling] = None,
+) -> torch.Tensor:
     """``[residual +] (rms_norm(x) | x) @ weight.T [+ bias]`` for ``x [M <= MAX_ROWS, K]``;
     arguments checked by the caller (unit last strides, one dtype and device)."""
     rows, k = x.shape
@@ -396,56 +468,120 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     block_m, tiles = tiling.block_m(rows), triton.cdiv(n, tiling.block_n)
     split_k, part, counts = _split(tiling, tiles, block_m, 1, x.device)
     res = residual if residual is not None else out
-    args = (x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, res, out,
-            part if part is not None else out, counts if counts is not None else out,
-            rows, n, k, eps, x.stride(0), weight.stride(0), res.stride(0), out.stride(0))  # fmt: skip
-    meta = dict(NORM=norm_weight is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
-                EVEN_K=k % (tiling.block_k * split_k) == 0, **_flags(x), BLOCK_M=block_m, BLOCK_N=tiling.block_n,
-                BLOCK_K=tiling.block_k, SPLIT_K=split_k, num_warps=tiling.num_warps,
-                num_stages=tiling.num_stages)  # fmt: skip
+    args = (
+        x,
+        norm_weight if norm_weight is not None else x,
+        weight,
+        bias if bias is not None else x,
+        res,
+        out,
+        part if part is not None else out,
+        counts if counts is not None else out,
+        rows,
+        n,
+        k,
+        eps,
+        x.stride(0),
+        weight.stride(0),
+        res.stride(0),
+        out.stride(0),
+    )
+    meta = dict(
+        NORM=norm_weight is not None,
+        HAS_BIAS=bias is not None,
+        RESIDUAL=residual is not None,
+        EVEN_K=k % (tiling.block_k * split_k) == 0,
+        **_flags(x),
+        BLOCK_M=block_m,
+        BLOCK_N=tiling.block_n,
+        BLOCK_K=tiling.block_k,
+        SPLIT_K=split_k,
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
+    )
     _launch(_linear_kernel, (tiles, split_k), args, meta)
     return out
 
 
-def _paired(x, weight, bias, norm_weight, eps, tiling, half_rows, tiles_of, out, out2, positions, cos_sin,
-            rotary: dict) -> None:  # fmt: skip
+def _paired(
+    x, weight, bias, norm_weight, eps, tiling, half_rows, tiles_of, out, out2, positions, cos_sin, rotary: dict
+) -> None:
     rows, k = x.shape
     tiles = tiles_of(tiling.block_n)
     block_m = tiling.block_m(rows)
     split_k, part, counts = _split(tiling, tiles, block_m, 2, x.device)
-    args = (x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, out,
-            out2 if out2 is not None else out, positions if positions is not None else x,
-            cos_sin if cos_sin is not None else x, part if part is not None else out,
-            counts if counts is not None else out, rows, k, half_rows, eps, x.stride(0), weight.stride(0),
-            out.stride(0), out.stride(1) if out.dim() == 3 else 0, out2.stride(0) if out2 is not None else 0,
-            out2.stride(1) if out2 is not None else 0, cos_sin.stride(0) if cos_sin is not None else 0)  # fmt: skip
-    meta = dict(HEAD_DIM=rotary.get("head_dim", 0), ROTATED_HEADS=rotary.get("rotated", 0), ROTARY=bool(rotary),
-                NORM=norm_weight is not None, HAS_BIAS=bias is not None, EVEN_K=k % (tiling.block_k * split_k) == 0,
-                **_flags(x),
-                BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT_K=split_k,
-                num_warps=tiling.num_warps, num_stages=tiling.num_stages)  # fmt: skip
+    args = (
+        x,
+        norm_weight if norm_weight is not None else x,
+        weight,
+        bias if bias is not None else x,
+        out,
+        out2 if out2 is not None else out,
+        positions if positions is not None else x,
+        cos_sin if cos_sin is not None else x,
+        part if part is not None else out,
+        counts if counts is not None else out,
+        rows,
+        k,
+        half_rows,
+        eps,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        out.stride(1) if out.dim() == 3 else 0,
+        out2.stride(0) if out2 is not None else 0,
+        out2.stride(1) if out2 is not None else 0,
+        cos_sin.stride(0) if cos_sin is not None else 0,
+    )
+    meta = dict(
+        HEAD_DIM=rotary.get("head_dim", 0),
+        ROTATED_HEADS=rotary.get("rotated", 0),
+        ROTARY=bool(rotary),
+        NORM=norm_weight is not None,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % (tiling.block_k * split_k) == 0,
+        **_flags(x),
+        BLOCK_M=block_m,
+        BLOCK_N=tiling.block_n,
+        BLOCK_K=tiling.block_k,
+        SPLIT_K=split_k,
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
+    )
     _launch(_paired_kernel, (tiles, split_k), args, meta)
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
-                 eps: float = 0.0, tiling: Optional[Tiling] = None) -> torch.Tensor:  # fmt: skip
+def gate_up_silu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 0.0,
+    tiling: Optional[Tiling] = None,
+) -> torch.Tensor:
     """``silu(g) * u`` with ``[g, u] = (rms_norm(x) | x) @ weight.T``, weight ``[2F, K]`` gate rows then up rows."""
     rows, k = x.shape
     f = weight.shape[0] // 2
     out = torch.empty((rows, f), dtype=x.dtype, device=x.device)
     if rows and f:
         tiling = tiling or tiling_for("silu", rows, f, k, x.device)
-        _paired(x, weight, None, norm_weight, eps, tiling, f, lambda bn: triton.cdiv(f, bn), out, None, None,
-                None, {})  # fmt: skip
+        _paired(x, weight, None, norm_weight, eps, tiling, f, lambda bn: triton.cdiv(f, bn), out, None, None, None, {})
     return out
 
 
-def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], positions: torch.Tensor,
-             cos_sin_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-             norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
-             tiling: Optional[Tiling] = None) -> tuple:  # fmt: skip
-    """``(qk [M, Hq + Hkv, D] rotated by positions, v [M, Hkv, D])`` of
-    ``(rms_norm(x) | x) @ weight.T + bias``, weight ``[(Hq + 2 Hkv) D, K]``."""
+def qkv_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 0.0,
+    tiling: Optional[Tiling] = None,
+) -> tuple:
+    """``(qk rotated by positions, v)`` of ``(rms_norm(x) | x) @ weight.T + bias``."""
     rows, k = x.shape
     rotated = num_heads + num_kv_heads
     qk = torch.empty((rows, rotated, head_dim), dtype=x.dtype, device=x.device)
@@ -455,6 +591,19 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         heads = rotated + num_kv_heads
         tiling = tiling or tiling_for(f"rotary{head_dim}", rows, heads * half, k, x.device)
         tiles_of = lambda bn: heads * triton.cdiv(half, bn)  # noqa: E731
-        _paired(x, weight, bias, norm_weight, eps, tiling, half, tiles_of, qk, v, positions, cos_sin_cache,
-                dict(head_dim=head_dim, rotated=rotated))  # fmt: skip
+        _paired(
+            x,
+            weight,
+            bias,
+            norm_weight,
+            eps,
+            tiling,
+            half,
+            tiles_of,
+            qk,
+            v,
+            positions,
+            cos_sin_cache,
+            dict(head_dim=head_dim, rotated=rotated),
+        )
     return qk, v

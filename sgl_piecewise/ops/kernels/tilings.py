@@ -1,13 +1,7 @@
-"""How the projection kernels (``projection.py``) are cut into programs:
-measured tilings per card, and a rule where none was measured.
-
-A table is a JSON file ``tilings/<card>.json`` (the card's name as torch
-reports it, lower case, runs of other characters as ``_``), written by
-``benchmarks/bench_projections.py --sweep``: for each projection
-``"<kind>:<n>:<k>"`` (``kind``: ``linear``, ``silu``, ``rotary<head size>``;
-``n`` output columns, or pairs of them; ``k`` inputs) the fastest tiling
-measured at one row (``"1"``) and at 32 (``"many"``, used for 2 to
-``MAX_ROWS`` rows), or null where cuBLAS and the unfused ops were faster.
+"""How the projection kernels are cut into programs: per-card tables
+``tilings/<card>.json`` written by ``benchmarks/bench_projections.py
+--sweep`` (per ``"<kind>:<n>:<k>"``, the fastest tiling at one row, ``"1"``,
+and at many, ``"many"``; null where the unfused ops won), else a rule.
 ``SGL_PIECEWISE_TILINGS=<file>`` reads another table.
 """
 
@@ -31,9 +25,7 @@ ENV_TABLE = "SGL_PIECEWISE_TILINGS"
 
 @dataclass(frozen=True)
 class Tiling:
-    """How a projection is cut into programs; results do not depend on it
-    beyond the order of float32 additions, speed does. ``fma``: a single row
-    is multiplied on the CUDA cores (else on the tensor cores, as 16 rows)."""
+    """How a projection is cut into programs (speed only). ``fma``: one row on the CUDA cores."""
 
     block_n: int
     block_k: int
@@ -57,18 +49,15 @@ class Tiling:
             )
 
     def block_m(self, rows: int) -> int:
-        """The program's tile of rows: 1 for one row on the CUDA cores, else
-        a power of two >= 16 (tl.dot's minimum)."""
+        """The program's tile of rows: 1 under ``fma``, else a power of two >= 16."""
         if rows == 1 and self.fma:
             return 1
         return max(16, 1 << max(rows - 1, 0).bit_length())
 
 
 def default_tiling(rows: int, n: int, k: int, device: torch.device, paired: bool = False) -> Tiling:
-    """A tiling of a projection of ``rows`` tokens onto ``n`` output columns
-    (for a paired kernel, ``n`` pairs) over ``k`` inputs where no measured one
-    is known (``tilings.py``): 16-column tiles, K split until the card holds
-    a program per SM."""
+    """The rule where no tiling was measured: 16-column tiles, K split until
+    the card holds a program per SM."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     block_k = 256 if rows <= 16 else 128
     tiles, split = -(-n // 16), 1
@@ -93,8 +82,7 @@ def _table(card: str, override: str) -> dict:
 
 
 def tiling_for(kind: str, rows: int, n: int, k: int, device: torch.device) -> Optional[Tiling]:
-    """The measured tiling of this projection on ``device``'s card (None:
-    the unfused ops measured faster), else :func:`default_tiling`."""
+    """The measured tiling on ``device``'s card (None: unfused ops are faster), else the rule."""
     if device.type == "cuda":
         table = _table(torch.cuda.get_device_name(device), os.environ.get(ENV_TABLE, ""))
         entries = table.get(f"{kind}:{n}:{k}", {})
