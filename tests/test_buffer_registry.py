@@ -23,6 +23,7 @@ from sgl_piecewise.graphs.buffer_registry import (
     PaddingPolicy,
 )
 from sgl_piecewise.graphs.input_registries import build_decode_registry
+from sgl_piecewise.internals import foreach_copy
 from sgl_piecewise.memory import DUMMY_SLOT
 
 P = PaddingPolicy
@@ -473,7 +474,7 @@ def test_foreach_failure_falls_back_to_per_tensor_copies(monkeypatch, caplog):
     def broken(dsts, srcs, *args, **kw):
         raise RuntimeError("mixed-device group")
 
-    monkeypatch.setattr(torch, "_foreach_copy_", broken)
+    monkeypatch.setattr(torch, "_foreach_copy_", broken)  # what internals/foreach_copy.py calls
     reg = decode_()
     sources = _decode_sources(3)
     with caplog.at_level(logging.DEBUG, logger="sgl_piecewise.graphs.buffer_registry"):
@@ -485,6 +486,17 @@ def test_foreach_failure_falls_back_to_per_tensor_copies(monkeypatch, caplog):
     assert reg.stats.per_tensor_fallbacks == 4 and reg.stats.foreach_copies == 0
     assert "RuntimeError: mixed-device group" in reg.stats.last_fallback_reason
     assert [r.levelno for r in caplog.records] == [logging.WARNING] + [logging.DEBUG] * 3
+
+
+def test_a_torch_without_foreach_copy_is_copied_per_tensor(monkeypatch):
+    monkeypatch.setattr(foreach_copy, "AVAILABLE", False)
+    reg = decode_()
+    sources = _decode_sources(3)
+    reg.fill_from(sources, FillContext.uniform(3, 4))
+    for name in ("input_ids", "seq_lens", "out_cache_loc"):
+        assert torch.equal(reg.get_slot(name).buffer[:3].long(), sources[name].long())
+    assert reg.stats.per_tensor_fallbacks == 2 and reg.stats.foreach_copies == 0
+    assert "NotImplementedError" in reg.stats.last_fallback_reason
 
 
 @pytest.mark.gpu

@@ -28,6 +28,7 @@ from sgl_piecewise.models import build_random_model
 
 TORCH_MODULES = [
     "storage_alias", "cuda_graph_pool", "size_oblivious", "dynamo_trace", "dynamo_backend", "inductor", "fake_tensor",
+    "foreach_copy",
 ]  # fmt: skip
 
 

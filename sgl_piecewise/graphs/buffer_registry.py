@@ -6,7 +6,7 @@ One ``fill_from(batch, ctx)``:
 1. checks ``ctx`` and every source (tensor, device, shape
    ``[raw, *buffer.shape[1:]]``, a widening dtype) before writing anything;
 2. resets each copied slot's padded tail ``[raw, padded)`` by its policy;
-3. copies the heads ``[:raw]`` with one ``torch._foreach_copy_`` per
+3. copies the heads ``[:raw]`` with one foreach copy (``internals/foreach_copy.py``) per
    (device, dtype) group and writes the ``value_from_sizes`` slots;
 4. runs the ``post_fill`` hooks in registration order.
 
@@ -45,6 +45,7 @@ from sgl_piecewise.graphs.graph_slot import (  # noqa: F401 (AXES, check_count: 
     canonical_device,
     check_count,
 )
+from sgl_piecewise.internals import foreach_copy
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class RegistryStats:
     """Counters of one registry (checked exactly by tests and ``verify``)."""
 
     fills: int = 0
-    foreach_copies: int = 0  # grouped copies done by one torch._foreach_copy_
+    foreach_copies: int = 0  # grouped copies done in one foreach launch
     per_tensor_fallbacks: int = 0  # groups copied tensor by tensor instead
     last_fallback_reason: Optional[str] = None
 
@@ -473,11 +474,11 @@ class CudaGraphBufferRegistry:
     def _copy_group(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
         # CUDA's _foreach_copy_ has no kernel for some dtypes (uint16/32/64, float8_e8m0fnu); copy_ has.
         try:
-            torch._foreach_copy_(dsts, srcs)
+            foreach_copy.foreach_copy_(dsts, srcs)
             self.stats.foreach_copies += 1
             return
         except Exception as exc:
-            reason = f"torch._foreach_copy_ raised {type(exc).__name__}: {exc}"
+            reason = f"foreach copy raised {type(exc).__name__}: {exc}"
         self.stats.per_tensor_fallbacks += 1
         self.stats.last_fallback_reason = reason
         # Warn once per registry: this runs before every replay.
