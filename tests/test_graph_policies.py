@@ -249,6 +249,24 @@ def test_a_runner_installed_by_hand_still_serves_without_a_policy():
                                    ("whole_model", "DECODE bs 3 -> 4"): 2}  # fmt: skip
 
 
+def test_whole_model_batch_sizes_default_alike_under_a_policy_and_by_hand():
+    """Both include a full request table (10, off the schedule) as a size of its own."""
+    model = _model()
+    runner = _runner(model, "full", max_reqs=10)
+    runner.capture_graphs(progress=False, capture_sizes=CAPTURE["capture_sizes"])
+    by_hand = CudaGraphRunner(_runner(model, max_reqs=10))
+    assert list(runner.step_graphs.capture_bs) == list(by_hand.capture_bs) == [1, 2, 4, 8, 10]
+
+
+def test_auto_compiles_at_capture_so_the_first_generate_compiles_nothing():
+    """The whole-model graphs run their forward once per size before capture,
+    on a CPU too: their compiled forward compiles there, not at the first decode."""
+    runner = _captured(_model(), "auto")
+    compiled = (counters.graphs_split, counters.pieces_seen, counters.pieces_compiled)
+    runner.generate(PROMPTS, 4)
+    assert (counters.graphs_split, counters.pieces_seen, counters.pieces_compiled) == compiled
+
+
 def test_piecewise_steps_of_any_token_count_never_recompile():
     runner = _captured(_model(), "piecewise")
     torch.compiler.set_stance("fail_on_recompile")

@@ -121,9 +121,11 @@ def test_a_compiled_forward_replays_like_eager():
     torch._dynamo.reset()  # other tests' cache entries for the same code must not count here
     eager, graphs, _ = _runners("torch")
     compiled = CompiledModel(graphs.model, CompileOptions())
+    counters.reset()
     CudaGraphRunner(graphs, CAPTURE_BS, forward=compiled).capture(progress=False)
+    assert counters.graphs_split == 1  # compiled at capture, on a CPU too: one trace for sizes 4, 2 and 1
     _check_fresh_batches(eager, graphs, random.Random("compiled-forward"), (2, 1, 4), 1e-4)
-    assert counters.graphs_split == 1  # one trace served sizes 2, 1 and 4: no recompile
+    assert counters.graphs_split == 0  # no step compiles or recompiles
 
 
 def test_a_forward_compiled_whole_replays_like_eager():
@@ -132,10 +134,12 @@ def test_a_forward_compiled_whole_replays_like_eager():
     torch._dynamo.reset()
     eager, graphs, _ = _runners("torch")
     compiled = CompiledModel(graphs.model, CompileOptions(split_graph=False))
+    counters.reset()
     CudaGraphRunner(graphs, CAPTURE_BS, forward=compiled).capture(progress=False)
-    _check_fresh_batches(eager, graphs, random.Random("compiled-whole"), (2, 1, 4), 1e-4)
-    # One graph, compiled as one piece: no split, nothing shared.
+    # One graph, compiled at capture as one piece: no split, nothing shared.
     assert (counters.graphs_split, counters.pieces_compiled) == (0, 1)
+    _check_fresh_batches(eager, graphs, random.Random("compiled-whole"), (2, 1, 4), 1e-4)
+    assert counters.pieces_compiled == 0
 
 
 def test_whole_graph_compilation_refuses_the_backends_own_graphs():

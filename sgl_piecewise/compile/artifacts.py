@@ -1,15 +1,7 @@
-"""Compile artifacts a later process can reuse, in a cache directory the user sets.
-
-``CompileOptions(cache_dir=...)``: before the backend compiles a Dynamo graph's
-pieces it loads the artifacts saved for that graph (Inductor's compiled
-graphs and the rest of ``torch.compiler.save_cache_artifacts``), so the piece
-compiles hit the cache even in a fresh Inductor cache; after compiling it
-saves them. A file is keyed by everything a compiled artifact depends on —
-the graph (its ops and wiring, and the shapes and dtypes of its inputs:
-the model's configuration and dtype), the backend options, this library's,
-torch's and Triton's versions, and the device (name and compute capability)
-— so a changed model, dtype, torch or GPU never loads a stale file: it finds
-none under its key and compiles afresh.
+"""Inductor's compile artifacts saved in ``CompileOptions.cache_dir`` for later
+processes. The key covers the graph, the options, the library's, torch's and
+Triton's versions, the device and the tensor-parallel rank: a changed model
+or setup finds no file and compiles afresh.
 """
 
 from __future__ import annotations
@@ -23,6 +15,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
+from sgl_piecewise.compile import piece_compiler
 from sgl_piecewise.distributed import tensor_parallel
 from sgl_piecewise.graphs.counters import counters
 from sgl_piecewise.version import __version__
@@ -31,10 +24,15 @@ logger = logging.getLogger("sgl_piecewise.compile")
 
 
 def artifact_key(structural_key: str, options: Any, device: torch.device) -> str:
-    """The file name of a graph's artifacts (hex digest)."""
-
-    parts = [structural_key, repr(options), __version__, torch.__version__, triton_version(),
-             device_id(device), tensor_parallel_id()]  # fmt: skip
+    parts = [
+        structural_key,
+        repr(options),
+        __version__,
+        torch.__version__,
+        triton_version(),
+        device_id(device),
+        tensor_parallel_id(),
+    ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
@@ -47,8 +45,7 @@ def triton_version() -> str:
 
 
 def tensor_parallel_id() -> str:
-    """Each rank of a tensor-parallel group saves and loads its own compile:
-    its graphs name its group and hold its share of every shape."""
+    """Each rank saves and loads its own compile: its graphs hold its share of every shape."""
     tp = tensor_parallel()
     return f"tensor parallel rank {tp.rank} of {tp.size}"
 
@@ -81,8 +78,7 @@ def load_artifacts(cache_dir: str, key: str) -> bool:
 
 
 def save_artifacts(cache_dir: str, key: str) -> bool:
-    """Save this process's compile artifacts under ``key`` (atomically: a
-    concurrent reader sees the old file or the new one, never half of one)."""
+    """Save this process's compile artifacts under ``key``."""
     saved = torch.compiler.save_cache_artifacts()
     if not saved:
         return False
@@ -103,7 +99,4 @@ def write_atomically(path: str, data: bytes) -> None:
 
 
 def graph_key(gm: torch.fx.GraphModule, fake_inputs: Sequence[Any]) -> str:
-    """The structural key of a whole Dynamo graph (see ``piece_compiler``)."""
-    from sgl_piecewise.compile.piece_compiler import structural_key
-
-    return structural_key(gm, fake_inputs)
+    return piece_compiler.structural_key(gm, fake_inputs)

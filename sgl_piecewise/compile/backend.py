@@ -1,20 +1,7 @@
-"""The ``sgl_piecewise`` Dynamo backend.
-
-``torch.compile(model, backend="sgl_piecewise", mode=..., options=...)``:
-
-1. rewrites attention to its out variant and splits the graph around every
-   splitting op (``split.py``);
-2. compiles each piece for the symbolic token count, sharing one artifact
-   between identical pieces (``piece_compiler.py``);
-3. with CUDA graphs on, pads each call's token count to the next capture size
-   through a buffer registry (the graphs read only those static buffers),
-   captures each piece per size on first use (``piece_graphs.py``), replays
-   afterwards, and returns the real rows, copied out of the graph pool.
-
-Attention runs eagerly between pieces on the real tokens and zeroes its
-padded rows. Above the largest capture size the compiled pieces run without
-graphs (counted in ``counters.eager_fallbacks``).
-"""
+"""The ``sgl_piecewise`` Dynamo backend: splits the graph around attention
+(``split.py``), compiles each piece (``piece_compiler.py``) and, with CUDA
+graphs on, pads each call to a capture size and replays per-piece graphs
+(``piece_graphs.py``); docs/ARCHITECTURE.md, "Compile"."""
 
 from __future__ import annotations
 
@@ -60,20 +47,15 @@ def sgl_piecewise_backend(
 
 
 class SglPiecewiseBackend:
-    """A configured backend; ``torch.compile(m, backend=SglPiecewiseBackend(opts))``
-    sets graph and compile options together (``torch.compile`` refuses
-    ``mode`` and ``options`` at once)."""
+    """A configured backend: ``torch.compile`` refuses ``mode`` and ``options`` at once."""
 
     def __init__(self, options: Optional[CompileOptions] = None, **kwargs: Any):
         if options is not None and kwargs:
             raise InvalidInputError(f"expected CompileOptions or keyword options, got both ({sorted(kwargs)})")
         self.options = options or CompileOptions.from_compile_args(None, kwargs)
         self.modules: list = []  # every PiecewiseModule built, for inspection
-        # Set by CompiledModel: told each compile's shape environment, so it
-        # can drop the shape guards that only bound the token count.
-        self.token_guards: Optional[TokenShapeGuards] = None
-        # Set by CompiledModel around a call that may compile: (model, args),
-        # so the compile can be saved for a start without Dynamo (precompiled.py).
+        self.token_guards: Optional[TokenShapeGuards] = None  # set by CompiledModel
+        # Set by CompiledModel around a call that may compile: (model, args).
         self.call: Optional[Tuple[torch.nn.Module, tuple]] = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
@@ -87,12 +69,8 @@ class SglPiecewiseBackend:
 
 
 def compile_whole(gm: torch.fx.GraphModule, example_inputs: list, options: CompileOptions) -> Any:
-    """The graph compiled in one piece, attention an opaque op inside it, so
-    the piece compiler's fusions cross the attention boundary (a norm, the
-    next layer's projections). For recording whole steps in a graph runner
-    (``CudaGraphRunner(runner, forward=CompiledModel(model,
-    CompileOptions(split_graph=False)))``); the backend captures no graphs of
-    its own then (``CompileOptions`` refuses ``cudagraphs`` with it)."""
+    """The graph compiled in one piece, attention an opaque op inside it, for
+    a graph runner to record whole (``CompileOptions(split_graph=False)``)."""
     fake_mode, fake = _fake_inputs(example_inputs)
     with reused_artifacts(gm, fake, options, _device(example_inputs)), fake_mode:
         return PieceCompiler(options.piece_compiler, share_identical=False)(gm, fake)
@@ -100,8 +78,7 @@ def compile_whole(gm: torch.fx.GraphModule, example_inputs: list, options: Compi
 
 @contextlib.contextmanager
 def reused_artifacts(gm: torch.fx.GraphModule, fake: list, options: CompileOptions, device: torch.device):
-    """With ``options.cache_dir``: load the artifacts saved for this graph
-    before compiling, save them after a compile that found none."""
+    """With ``options.cache_dir``: load this graph's artifacts, or save them after compiling."""
     if options.cache_dir is None:
         yield
         return
@@ -120,12 +97,8 @@ def _device(example_inputs: Sequence[Any]) -> torch.device:
 
 
 def _fake_inputs(example_inputs: list):
-    """The backend's fake mode and the inputs in it, with their symbolic shapes.
-
-    Dynamo hands the backend a fake mode of its own (not the one of the
-    placeholders' ``example_value``); converting the real example inputs in it
-    returns the fakes Dynamo memoised, symbolic dims included.
-    """
+    """Dynamo's fake mode and the inputs in it: converting the real inputs
+    returns the fakes Dynamo memoised, symbolic dims included."""
     mode = dynamo_backend.detect_fake_mode()
     return mode, [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
 
@@ -136,8 +109,7 @@ def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
 
 
 def _single_output(loaded: Any) -> Any:
-    """A loaded artifact returns a list of outputs even where its piece
-    returns one value (compiling wraps it so; loading does not)."""
+    """A loaded artifact returns a list even where its piece returns one value."""
 
     def single(*args):
         out = loaded(*args)
@@ -157,25 +129,19 @@ def _piece_static_args(split_gm: torch.fx.GraphModule, name: str) -> list:
 
 
 def _install_piece(split_gm: torch.fx.GraphModule, piece: Any, compiled: Any, state: StepState) -> None:
-    """Make the split module's code call ``compiled`` for a compiled piece,
-    or the attention piece's generated code for a splitting one."""
+    """Make the split module call ``compiled``, or a splitting piece's own code."""
+    # Into __dict__: the split module's self.<name>(...) then skips nn.Module's call machinery.
     if piece.is_splitting_op:
-        # From now on it runs on real tensors only, called as its generated
-        # code: nn.Module's call machinery (hooks, forward lookup) costs
-        # microseconds per layer per step and does nothing here.
         bypass_dispatcher(piece.graph)
         split_gm.__dict__[piece.name] = piece.graph.forward
     else:
-        # Bypass nn.Module.__setattr__: the split module's code calls
-        # self.<name>(...), which must now reach the wrapper.
         split_gm.__dict__[piece.name] = PieceGraphs(
             piece.name, compiled, state, _piece_static_args(split_gm, piece.name)
         )
 
 
 def _one_producer_each(split_gm: torch.fx.GraphModule) -> bool:
-    """Does every piece read the outputs of at most one other piece (besides
-    the graph's inputs)?"""
+    """Does every piece read the outputs of at most one other piece?"""
     for node in split_gm.graph.nodes:
         if node.op != "call_module":
             continue
@@ -190,19 +156,10 @@ def _one_producer_each(split_gm: torch.fx.GraphModule) -> bool:
 
 
 class _CompilePieces(torch.fx.Interpreter):
-    """Runs the split module on fake inputs; compiles each piece with the
-    (symbolic) arguments it is actually called with, and swaps it in.
-
-    A piece identical to an earlier one (same structural key: the same ops
-    on inputs of the same shapes, strides and dtypes) has outputs of the
-    same shapes, strides and dtypes: it is not run again, and the earlier
-    piece's fake outputs stand for its own. Only fake tensors are shared
-    so, never data; a model's middle layers then cost one fake run. Shared
-    outputs are the same objects, so two pieces' outputs would look like one
-    tensor to a piece that read both (a compile could then fold two inputs
-    into one): sharing is on only where every piece reads the outputs of
-    at most one other piece (``_one_producer_each``), as a stack of layers does.
-    """
+    """Runs the split module on fake inputs, compiling each piece with the
+    arguments it gets. A piece identical to an earlier one reuses its fake
+    outputs, where no piece reads two pieces' outputs (shared fakes would
+    look like one tensor to it)."""
 
     def __init__(self, split_gm, pieces, compiler, state):
         super().__init__(split_gm)
@@ -230,14 +187,17 @@ class _CompilePieces(torch.fx.Interpreter):
 
 
 class PiecewiseModule:
-    """What the backend returns to Dynamo: the split, compiled, graphed model.
+    """What the backend returns to Dynamo: the split, compiled, graphed model."""
 
-    ``compile`` builds it from a Dynamo graph; ``from_saved`` from a compile
-    a former process saved (``precompiled.py``), without Dynamo.
-    """
-
-    def __init__(self, split_gm, pieces, token_axis: TokenAxis, example_inputs: list, options: CompileOptions,
-                 static_specs: Optional[tuple] = None):  # fmt: skip
+    def __init__(
+        self,
+        split_gm,
+        pieces,
+        token_axis: TokenAxis,
+        example_inputs: list,
+        options: CompileOptions,
+        static_specs: Optional[tuple] = None,
+    ):
         self.options = options
         self.token_axis = token_axis
         self.split_gm, self.pieces = split_gm, pieces
@@ -247,11 +207,7 @@ class PiecewiseModule:
         self.graphs_reason = self._graphs_unavailable_reason() if options.cudagraphs else None
         graphs = options.cudagraphs and self.graphs_reason is None
         self.registry = self._build_registry(example_inputs, device) if graphs else None
-        # Graphs bake in the addresses of every static input (weights,
-        # buffers). Dynamo hands one compiled graph the weights of any model
-        # of the same architecture, so graphs are kept per set of static-input
-        # addresses: a call with another model's weights captures its own set
-        # instead of replaying graphs that read the first model's weights.
+        # Graphs per set of weight addresses: docs/ARCHITECTURE.md, "Graph sets per weight addresses".
         tokens = set(self.token_axis.tensor_inputs)
         self.static_inputs = tuple(
             i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and i not in tokens
@@ -261,8 +217,7 @@ class PiecewiseModule:
         self._static_pointers = pointer_getter(self.static_inputs)
         self.graph_sets: Dict[Tuple[int, ...], int] = {}
         self._last_graph_set: Optional[int] = None  # the graph set the last step ran on
-        # Per token input: (argument index, its registry buffer); per padded
-        # size, the views the graphs read (sliced once, not per call).
+        # Per token input: (argument index, its registry buffer).
         self._token_buffers = (
             [(i, self.registry.get_slot(f"input{i}").buffer) for i in self.token_axis.tensor_inputs]
             if self.registry is not None
@@ -276,23 +231,18 @@ class PiecewiseModule:
         self.warmed_up = False
         if graphs and self.state.use_cuda:
             self.state.capture = shared_capture(device)
-        # Set by ``compile`` when the call it traced is known: where each graph
-        # input comes from, so the module can be called without Dynamo
-        # (``direct_call.py``), or None; while ``keep_outputs``, the last
-        # call's outputs are kept, so the caller can tell whether the traced
-        # call returned just them. ``to_save``: (SavedCompile, artifacts)
-        # when the compile can be saved for a later process.
+        # Set by ``compile``: how to call it without Dynamo (``direct_call.py``);
+        # to_save: (SavedCompile, artifacts) for a later process.
         self.direct_inputs: Optional[GraphInputs] = None
         self.keep_outputs = False
         self.last_outputs: Optional[Sequence[Any]] = None
         self.to_save: Optional[tuple] = None
 
     @classmethod
-    def compile(cls, gm: torch.fx.GraphModule, example_inputs: list, options: CompileOptions,
-                call: Optional[tuple] = None) -> "PiecewiseModule":  # fmt: skip
-        """Split and compile Dynamo's graph; with ``call`` (the model and the
-        call's arguments), find where each graph input comes from, and with
-        ``options.cache_dir`` keep what a later process needs to start from it."""
+    def compile(
+        cls, gm: torch.fx.GraphModule, example_inputs: list, options: CompileOptions, call: Optional[tuple] = None
+    ) -> "PiecewiseModule":
+        """Split and compile Dynamo's graph; ``call``: the traced ``(model, args)``, if known."""
         counters.graphs_split += 1
         to_out_variant(gm)
         token_axis = find_token_axis(gm, example_inputs)
@@ -321,10 +271,10 @@ class PiecewiseModule:
         return module
 
     @classmethod
-    def from_saved(cls, saved: "precompiled.SavedCompile", artifacts: list, inputs: list,
-                   options: CompileOptions) -> "PiecewiseModule":  # fmt: skip
-        """The module a former process compiled, from its saved graph and
-        piece artifacts; ``inputs``: this call's graph inputs (real tensors)."""
+    def from_saved(
+        cls, saved: "precompiled.SavedCompile", artifacts: list, inputs: list, options: CompileOptions
+    ) -> "PiecewiseModule":
+        """The module a former process saved; ``inputs``: this call's graph inputs."""
         split_gm = pickle.loads(saved.graph)
         pieces = split_items(split_gm, set(saved.splitting))
         module = cls(split_gm, pieces, saved.token_axis, inputs, options, saved.static_specs)
@@ -340,8 +290,7 @@ class PiecewiseModule:
         return module
 
     def _direct_inputs(self, example_inputs: list, call: Optional[tuple]) -> Union[GraphInputs, str]:
-        """Where each graph input comes from in ``call`` (the model and the
-        call's arguments), or why the graph cannot be called without Dynamo."""
+        """Where each graph input comes from in ``call``, or why Dynamo must stay."""
         if call is None:
             return "the call that traced it is unknown"
         model, args = call
@@ -354,9 +303,7 @@ class PiecewiseModule:
         return next((r for r in reasons if r), inputs)
 
     def _saved_compile(self, direct: Union[GraphInputs, str]):
-        """With ``options.cache_dir``, a SavedCompile to fill in as the pieces
-        compile, or None (logged with the reason). ``direct``: the graph's
-        inputs, or why it cannot be called without Dynamo."""
+        """With ``options.cache_dir``, a SavedCompile to fill in as the pieces compile, or None."""
         if self.options.cache_dir is None:
             return None
         sources = precompiled.traced_sources()  # or why not
@@ -376,9 +323,13 @@ class PiecewiseModule:
             graph=precompiled.pickled_split(self.split_gm, drop=artifacts),
             splitting=tuple(p.name for p in self.pieces if p.is_splitting_op),
             returns_tuple={p.name: _returns_tuple(p.graph) for p in compiled},
-            inputs=direct, token_axis=self.token_axis, static_specs=self.static_specs,
-            pieces={}, num_artifacts=0, sources=sources,
-        )  # fmt: skip
+            inputs=direct,
+            token_axis=self.token_axis,
+            static_specs=self.static_specs,
+            pieces={},
+            num_artifacts=0,
+            sources=sources,
+        )
 
     # ---- set-up -----------------------------------------------------------
     def _graphs_unavailable_reason(self) -> Optional[str]:
@@ -395,12 +346,14 @@ class PiecewiseModule:
         for i in self.token_axis.tensor_inputs:
             x = example_inputs[i]
             rest = tuple(x.shape[1:])
-            # Padded token rows compute on zeros (token id 0, position 0): finite,
-            # in range for every embedding and rope table, and never read back.
+            # Padded rows compute on zeros: in range for every embedding and rope table.
             registry.register_slot(
-                f"input{i}", lambda bs, nt, rest=rest: (nt, *rest), x.dtype, "tokens",
+                f"input{i}",
+                lambda bs, nt, rest=rest: (nt, *rest),
+                x.dtype,
+                "tokens",
                 padding_policy=PaddingPolicy.ZERO,
-            )  # fmt: skip
+            )
         return registry
 
     # ---- run --------------------------------------------------------------
@@ -416,8 +369,6 @@ class PiecewiseModule:
         if self.graphs_reason is not None:
             counters.fallback(self.graphs_reason)
             return self._run(Phase.RUN, args)
-        # Graphs run only where the token axis is dynamic (graphs_reason), so
-        # every call can be padded to a capture size.
         n = self._num_tokens(args)
         padded = self.options.padded_size(n)
         if padded is None:
@@ -425,18 +376,14 @@ class PiecewiseModule:
             return self._run(Phase.RUN, args)
         padded_args = self._pad(args, n, padded)
         self.state.num_tokens, self.state.padded_tokens = n, padded
-        # Guess the last step's graph set: looking up every weight's address
-        # takes 20-35 µs of host time before the first launch, and each piece
-        # checks its own weights just before its replay instead.
+        # Guess the last step's graph set; each piece checks its own weights before its replay.
         guess = self._last_graph_set
         if guess is not None and (guess, padded) in self.captured:
             self._select(guess, padded)
             try:
                 return self._unpad(self._run(Phase.REPLAY, padded_args), n)
             except StaticInputsMoved:
-                # A weight moved since the last step: the pieces before it ran
-                # on the right weights, and the step runs again on the graph
-                # set of these addresses (rewriting the new tokens' K/V).
+                # A weight moved: run the step again on the graph set of these addresses.
                 counters.steps_rerun += 1
         graph_set = self._last_graph_set = self._graph_set(args)
         self._select(graph_set, padded)
@@ -450,8 +397,7 @@ class PiecewiseModule:
         self.state.graph_set, self.state.replay_key = graph_set, (graph_set, padded)
 
     def _graph_set(self, args) -> int:
-        """The set of graphs made for these static-input addresses (a
-        pointer per weight, compared: no copy)."""
+        """The graph set of these static-input (weight) addresses."""
         key = self._static_pointers(args)
         graph_set = self.graph_sets.get(key)
         if graph_set is None:
@@ -464,9 +410,7 @@ class PiecewiseModule:
         return graph_set
 
     def _check_static_inputs(self, args) -> None:
-        """Weights at new addresses must still be what the graph was traced
-        for (Dynamo's guards make sure of it; a call without Dynamo relies on
-        this check)."""
+        """Weights at new addresses must match the trace (a call without Dynamo relies on this)."""
         for i, spec in zip(self.static_inputs, self.static_specs):
             if _tensor_spec(args[i]) != spec:
                 raise StaleGraphError(
@@ -477,21 +421,15 @@ class PiecewiseModule:
     def _run(self, phase: Phase, args) -> Any:
         self.state.phase = phase
         try:
-            # Its generated code, called as such: nn.Module's and fx's call
-            # wrappers (hooks, error context) do nothing here, before the
-            # first launch of every step.
             return self.split_gm.forward(*args)
         finally:
             self.state.phase = Phase.RUN
 
     def _warmup_and_capture(self, padded_args) -> Any:
-        # One warm-up per module: the first run loads the pieces' kernels and
-        # settles Inductor's autotuning, which must not happen while
-        # capturing; the kernels are the same for every token count, and
-        # nothing later needs a run of its own before its capture.
+        # One warm-up per module: the kernels are the same for every token count.
         if not self.warmed_up:
             capture = self.state.capture
-            if capture is not None:  # on the capture stream, like every warm-up (graphs/capture.py)
+            if capture is not None:
                 capture.warmup(lambda: self._run(Phase.WARMUP, padded_args))
             else:
                 self._run(Phase.WARMUP, padded_args)
@@ -509,11 +447,8 @@ class PiecewiseModule:
         return counts.pop()
 
     def _pad(self, args, n: int, padded: int) -> list:
-        """The call's arguments with each token input copied into its static
-        buffer, padded with zeros to ``padded`` rows, by the registry's fill:
-        inputs laid out as traced take its planned fill (one grouped copy per
-        dtype, the zero tails included; this runs every step), any other its
-        checked fill, which casts or names the mismatch."""
+        """The call's arguments, each token input copied into its static buffer
+        and padded with zeros to ``padded`` rows by the registry's fill."""
         padded_args = list(args)
         ctx = self._fill_contexts.get((n, padded))
         if ctx is None:  # at most one per token count up to the largest capture size
@@ -529,8 +464,7 @@ class PiecewiseModule:
         return padded_args
 
     def _unpad(self, out: Any, n: int) -> Any:
-        """Real rows only, copied: graph outputs live in the pool and the next
-        replay overwrites them."""
+        """Real rows only, copied out of the pool the next replay overwrites."""
         token_outputs = self._token_outputs
         values = out if isinstance(out, (tuple, list)) else (out,)
         result = [

@@ -1,7 +1,6 @@
-"""``CompiledModel``: ``torch.compile(model, backend=sgl_piecewise)`` with the
-token axis marked dynamic, so no token count recompiles (``token_guards.py``
-says how), and, with ``CompileOptions(cache_dir=...)``, a start from a
-former process's compile without Dynamo (``precompiled.py``)."""
+"""``CompiledModel``: ``torch.compile(model, backend=sgl_piecewise)`` with no
+recompile per token count (``token_guards.py``) and calls without Dynamo once
+compiled (``direct_call.py``, ``precompiled.py``)."""
 
 from __future__ import annotations
 
@@ -32,39 +31,22 @@ logger = logging.getLogger("sgl_piecewise.compile")
 
 
 def mark_token_axis(*tensors: torch.Tensor) -> None:
-    """Make dim 0 dynamic for Dynamo without 0/1 specialisation (no recompile
-    at 1 token), for a model you ``torch.compile`` yourself: unbacked, so no
-    guard names the token count. ``CompiledModel`` marks it its own way,
-    which fuses more (``token_guards.py``)."""
+    """Make dim 0 dynamic (unbacked: no recompile at 1 token) for a model you
+    ``torch.compile`` yourself; ``CompiledModel`` marks it backed, which fuses more."""
     for t in tensors:
         torch._dynamo.decorators.mark_unbacked(t, 0)
 
 
 class CompiledModel:
     """``forward(input_ids, positions)`` of ``model`` compiled by the
-    ``sgl_piecewise`` backend with ``options``; the first call marks the token
-    axis of its inputs backed (Dynamo keeps that for every later call), every
-    call traces size-obliviously, and the shape guards that only bound the
-    token count are dropped (``token_guards.py``): one graph for every token
-    count, 1 included, with Inductor's fusions of a backed size. A call of
-    more than ``MAX_TRACED_TOKENS`` (65536) tokens runs the model uncompiled,
-    counted in ``counters.eager_fallbacks``.
+    ``sgl_piecewise`` backend: one graph for every token count up to
+    ``MAX_TRACED_TOKENS`` (larger calls run uncompiled, counted in
+    ``counters.eager_fallbacks``).
 
-    Once a call has compiled piecewise graphs, later calls run them without
-    Dynamo (``direct_call.py``) unless ``options.dynamo_guards``: the call's
-    tensors and the grad mode are checked per call, every new set of weights
-    against the trace, and the model's other Python state is read when it
-    compiles: set a module attribute that ``forward`` reads, or register a
-    hook, after the first call and build a new ``CompiledModel``. A compile
-    that is more than its graph (side effects, a global tensor, a branch on
-    the token count, a module-level constant) keeps Dynamo on every call.
-
-    With ``options.cache_dir`` as well, the first call looks for a compile a
-    former process saved for this model (``precompiled.py``): found, every
-    call runs it without Dynamo; else the first compile is saved there.
-
-    The model must trace as one graph (``fullgraph=True``): a graph break
-    raises ``UnsupportedModeError`` naming its cause and place.
+    Unless ``options.dynamo_guards``, calls after the compile skip Dynamo:
+    the model's Python state (a module attribute ``forward`` reads, a hook)
+    is read once, at the compile; change it and build a new ``CompiledModel``.
+    A graph break raises ``UnsupportedModeError`` naming its cause and place.
     """
 
     def __init__(self, model: torch.nn.Module, options: Optional[CompileOptions] = None):
@@ -76,15 +58,14 @@ class CompiledModel:
             model, backend=self.backend, fullgraph=True, options={"guard_filter_fn": self.token_guards}
         )
         self._marked = False
-        # Piecewise modules called without Dynamo: a saved one (looked up at
-        # the first call) and those compiled here.
+        # Piecewise modules called without Dynamo: a saved one and those compiled here.
         self._looked_up = not (self.options.cache_dir and _direct_calls_on(self.options))
         self._direct: List[_DirectCall] = []
         self._save_key: Optional[str] = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         args = (input_ids, positions)
-        if input_ids.shape[0] > MAX_TRACED_TOKENS:  # the trace's bound (token_guards.py)
+        if input_ids.shape[0] > MAX_TRACED_TOKENS:
             counters.fallback(f"{input_ids.shape[0]} tokens: above the compiled graph's {MAX_TRACED_TOKENS}")
             return self.model(*args)
         if not self._looked_up:
@@ -107,8 +88,7 @@ class CompiledModel:
 
     @property
     def piecewise_modules(self) -> list:
-        """Every ``PiecewiseModule`` this model runs: those the backend
-        compiled, and the one loaded from a saved compile."""
+        """Every ``PiecewiseModule`` this model runs, compiled or loaded."""
         loaded = [d.module for d in self._direct if d.module not in self.backend.modules]
         return [*self.backend.modules, *loaded]
 
@@ -153,9 +133,7 @@ class CompiledModel:
         return direct, None
 
     def _after_compile(self, module: PiecewiseModule, args, result: Any) -> None:
-        """The call that compiled ``module`` returned ``result``: from now on
-        call the module directly, and save it with ``cache_dir``, if it
-        replays without Dynamo (else say why)."""
+        """From now on call ``module`` directly (and save it), if it replays without Dynamo."""
         outputs, module.last_outputs, module.keep_outputs = module.last_outputs or (), None, False
         if module.direct_inputs is None:  # the backend said why
             return
@@ -171,8 +149,7 @@ class CompiledModel:
         self._save_key = None
 
     def _direct_output(self, args, result: Any, outputs: Sequence[Any]) -> Tuple[Optional[str], Optional[str]]:
-        """(how the call returns the graph's outputs: "first" or "tuple", or
-        None; why the compile cannot be replayed without Dynamo, or None)."""
+        """(how the call returns the graph's outputs, "first" or "tuple"; or why Dynamo must stay)."""
         if self.token_guards.kept_reason is not None:  # Dynamo would retrace other token counts
             return None, f"the graph holds only for some token counts ({self.token_guards.kept_reason})"
         if self.token_guards.constants is None:
@@ -202,17 +179,13 @@ class CompiledModel:
 
 
 def _direct_calls_on(options: CompileOptions) -> bool:
-    """Can a call of a model compiled with ``options`` skip Dynamo? Only
-    piecewise graphs check each new set of weights against the trace."""
+    """Only piecewise graphs check each new set of weights against the trace."""
     return options.split_graph and options.cudagraphs and not options.dynamo_guards
 
 
 def _regions(direct_calls: bool):
-    """A layer's code traced once, not once per layer (``regions.py``),
-    where later calls skip Dynamo (``direct_calls``): Dynamo guards a
-    stamped-out region's constants only at the trace, not per call, so a
-    call through Dynamo would miss a later layer's changed attribute;
-    without Dynamo, the model's attributes are read at the compile anyway."""
+    """A layer's code traced once (``regions.py``), only where later calls skip
+    Dynamo: its guards would miss a stamped-out region's changed attribute."""
     return tracing_regions() if direct_calls else contextlib.nullcontext()
 
 
@@ -232,10 +205,9 @@ class _DirectCall:
     def __call__(self, model: torch.nn.Module, args) -> Any:
         inputs, reused = self.last_inputs.fetch(model, args)
         out = self.module(*inputs)
-        # Checked once the graphs are launched, while the card runs them.
+        # Checked once the graphs are launched: a weight assigned since the
+        # last call runs the call again on the model's own weights.
         if reused and not self.last_inputs.current(model, inputs):
-            # A weight was assigned a new tensor since the last call, and this
-            # call read the old one: run it again on the model's own weights.
             counters.steps_rerun += 1
             inputs, _ = self.last_inputs.fetch(model, args)
             out = self.module(*inputs)

@@ -1,24 +1,7 @@
-"""Call a compiled Dynamo graph without Dynamo.
-
-Dynamo turns ``model(*args)`` into a call of its graph on a flat list of
-inputs: the call's tensors, the token count, and the model's parameters and
-buffers. When every input is one of these, and the trace had no side
-effects and returns the graph's outputs as they are, that call can be made
-directly: ``GraphInputs`` records where each input comes from, and
-``gather`` is generated Python that fetches them (one dict lookup per module
-level, no string parsing per call).
-
-This is what lets a warm start skip Dynamo's trace (``precompiled.py``).
-What Dynamo's guards would check per call is then checked here: the call's
-tensors (dtype, rank, device) and the grad mode. The model's parameters
-are the last call's (``LastInputs``), dropped when one is assigned and
-compared with the model's own after the call has launched its graphs;
-``PiecewiseModule`` checks the shape, stride, dtype and device of every
-new set of them against the trace (``errors.StaleGraphError``). The rest
-of the model's Python state is checked once, when the saved compile is
-looked up: its modules' plain attributes are part of the key, and
-Dynamo's guards on constants are evaluated again
-(``precompiled.changed_constant``).
+"""Call a compiled Dynamo graph without Dynamo: where every graph input is an
+argument of the call, the token count, or a parameter or buffer of the model,
+``GraphInputs`` records its source and ``make_gather`` generates the Python
+that fetches them. docs/ARCHITECTURE.md, "Calls without Dynamo after the compile".
 """
 
 from __future__ import annotations
@@ -29,12 +12,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from sgl_piecewise.graphs.weight_guard import watch_assignments
+
 
 @dataclass(frozen=True)
 class GraphInput:
-    """Where one graph input comes from: ``("arg", i)``: the call's argument
-    ``i``; ``("tokens", i)``: dim 0 of argument ``i``; ``("param" | "buffer",
-    name)``: the model's parameter or buffer ``name``."""
+    """``("arg", i)``, ``("tokens", i)`` (dim 0 of argument ``i``), or ``("param" | "buffer", name)``."""
 
     kind: str
     where: Union[int, str]
@@ -65,8 +48,7 @@ class GraphInputs:
     grad_enabled: bool
 
     def accepts(self, args: Sequence[Any]) -> bool:
-        """Would Dynamo's guards let this call run the traced graph (as far
-        as the call, not the model, decides)?"""
+        """Would Dynamo's guards on the call's arguments and grad mode pass?"""
         return (
             len(args) == len(self.args)
             and torch.is_grad_enabled() == self.grad_enabled
@@ -77,10 +59,7 @@ class GraphInputs:
 def describe_inputs(
     example_inputs: Sequence[Any], model: torch.nn.Module, args: Sequence[Any], token_axis: Any
 ) -> Union[GraphInputs, str]:
-    """Where each of Dynamo's example inputs comes from, or why one cannot be
-    found (a tensor that is no argument, parameter or buffer, such as a
-    global; a SymInt other than the token count). ``token_axis``: the graph's
-    ``TokenAxis``."""
+    """Where each of Dynamo's example inputs comes from, or why one has no source."""
     if not all(isinstance(a, torch.Tensor) for a in args):
         return "the call has arguments other than tensors"
     owners: Dict[int, GraphInput] = {}
@@ -90,8 +69,11 @@ def describe_inputs(
         owners.setdefault(id(b), GraphInput("buffer", name))
     for i, a in enumerate(args):
         owners[id(a)] = GraphInput("arg", i)
-    token_args = [owners[id(example_inputs[i])].where for i in token_axis.tensor_inputs
-                  if owners.get(id(example_inputs[i]), GraphInput("", 0)).kind == "arg"]  # fmt: skip
+    token_args = [
+        owners[id(example_inputs[i])].where
+        for i in token_axis.tensor_inputs
+        if owners.get(id(example_inputs[i]), GraphInput("", 0)).kind == "arg"
+    ]
     inputs = []
     for i, x in enumerate(example_inputs):
         if i in token_axis.symint_inputs and token_args:
@@ -133,28 +115,15 @@ def make_gather(inputs: Sequence[GraphInput]) -> Callable[[torch.nn.Module, Sequ
 
 class LastInputs:
     """A graph's inputs for ``model(*args)``, the model's tensors reused from
-    the last call: fetching the 0.5B shape's 171 weights from the model
-    takes 16 µs of host time on a CPU and more on a GPU's host, all of it
-    before the first graph launches; reused, a call's inputs take 1 µs.
-
-    A parameter, buffer or submodule assigned to one of the model's modules
-    (``load_state_dict(assign=True)``, ``module.weight = ...``) drops them at
-    once (torch's module registration hooks, ``graphs/weight_guard.py``), so
-    replaced weights are not kept alive. A change no hook reports (a write
-    into ``module._parameters``) is caught by :meth:`current`, which the
-    caller runs after its graphs are launched, and which compares them with
-    the model's: on False the caller runs the call again on :meth:`fetch`'s
-    fresh inputs. A weight whose tensor got new storage (``.data =``, a
-    device or dtype conversion) is the same tensor; its new address is the
-    graphs' concern (``piece_graphs.StaticInputsMoved``)."""
+    the last call (fetching every weight costs host time before the first
+    launch). An assignment the module hooks report drops them; one they miss
+    is caught by :meth:`current`, which the caller runs after the launches."""
 
     def __init__(self, inputs: Sequence[GraphInput], model: torch.nn.Module):
-        from sgl_piecewise.graphs.weight_guard import watch_assignments  # runners/ builds on compile/
-
         self._gather = make_gather(inputs)
         self._weights = [i for i, source in enumerate(inputs) if source.kind in ("param", "buffer")]
         self._gather_weights = make_gather([inputs[i] for i in self._weights])
-        # (input index, is the token count, argument index) of the call's own inputs
+        # (input index, is the token count, argument index)
         own = [(i, source) for i, source in enumerate(inputs) if source.kind in ("arg", "tokens")]
         self._from_call = [(i, source.kind == "tokens", source.where) for i, source in own]
         self._last: Optional[List[Any]] = None  # the last inputs, the call's own left out
@@ -181,5 +150,5 @@ class LastInputs:
         return same
 
     def note_assignment(self, module: torch.nn.Module, name: str) -> None:
-        """A parameter, buffer or submodule ``name`` was assigned to one of the model's modules."""
+        """Called by the module hooks on an assignment."""
         self._last = None

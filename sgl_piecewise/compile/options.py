@@ -1,11 +1,5 @@
-"""Options of the ``sgl_piecewise`` Dynamo backend.
-
-``torch.compile`` hands a named backend its ``mode`` and ``options`` (and
-refuses both at once), so both spellings are accepted:
-
-* ``mode="reduce-overhead"``: CUDA graphs with the default capture sizes;
-* ``options={"cudagraphs": True, "capture_sizes": [...], ...}`` for the rest.
-"""
+"""Options of the ``sgl_piecewise`` Dynamo backend, from ``torch.compile``'s
+``mode`` (``"reduce-overhead"``: CUDA graphs) or its ``options`` dict."""
 
 from __future__ import annotations
 
@@ -23,9 +17,7 @@ DEFAULT_MAX_CAPTURE_SIZE = 512
 
 
 def default_capture_sizes(max_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> Tuple[int, ...]:
-    """SGLang's schedule: 1, 2, 4, 8, 12, 16, then every 8 to 256, every 16 to
-    512, every 64 beyond — dense where small batches are common, coarse where
-    padding costs little relative to the work."""
+    """SGLang's schedule up to ``max_size``: dense where small batches are common."""
     sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 513, 16), *range(576, 8193, 64)]
     return tuple(s for s in sizes if s <= max_size)
 
@@ -34,27 +26,14 @@ def default_capture_sizes(max_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> Tuple[int
 class CompileOptions:
     """Validated backend options.
 
-    cudagraphs: capture each piece as a CUDA graph per token count.
-    capture_sizes: token counts to capture (sorted ascending, unique).
-    max_capture_size: largest default size when ``capture_sizes`` is not given.
-    piece_compiler: "inductor" (default), "eager" or "tensorrt".
-    debug_checks: assert graph input addresses at every replay; poison padded
-        tails with NaN so a leak into real rows shows.
-    share_identical_pieces: compile structurally identical pieces once.
-    split_graph: split around attention (default). False compiles the graph
-        whole, attention an opaque op inside it, for a graph runner to
-        record (no graphs of the backend's own).
-    cache_dir: where compile artifacts are saved for, and loaded by, later
-        processes (``artifacts.py``); None: Inductor's own cache only.
-    dynamo_guards: every call of a ``CompiledModel`` goes through Dynamo and
-        its guards, so a change to the model's Python state after the first
-        call (an attribute ``forward`` reads, a hook) recompiles. False
-        (default): once a call has compiled piecewise graphs, later calls run
-        them directly, as a start from a saved compile does
-        (``compile/direct_call.py``): the call's tensors, the grad mode and
-        every new set of weights are checked, the rest of the model is read
-        when it compiles. Dynamo's guards cost 0.1-0.3 ms of host time per
-        step (``docs/BENCHMARKS.md``).
+    debug_checks: check graph input addresses at every replay and poison
+        padded rows with NaN, so a leak into real rows shows.
+    split_graph: False compiles the graph whole, attention inside, for a
+        graph runner to record (no graphs of the backend's own).
+    cache_dir: where compiles are saved for, and loaded by, later processes.
+    dynamo_guards: every ``CompiledModel`` call goes through Dynamo's guards
+        (a change to the model's Python state recompiles); False: calls after
+        the compile skip Dynamo (``direct_call.py``).
     """
 
     cudagraphs: bool = False

@@ -1,11 +1,6 @@
 """Compile one piece of a split graph: Inductor (default), eager or Torch-TensorRT.
-
-A model's middle layers split into pieces that differ only in which weights
-they receive as inputs. ``PieceCompiler`` keys every piece by its structure
-(ops and wiring, placeholders numbered, input shapes/dtypes/strides) and
-compiles each distinct structure once; identical pieces share the artifact.
-Inductor compiles here keep a residual add an add (``residual_add.py``).
-"""
+``PieceCompiler`` keys every piece by its structure, so identical layers
+compile once and share the artifact."""
 
 from __future__ import annotations
 
@@ -68,8 +63,7 @@ class PieceCompiler:
         self.compiler = compiler
         self.share_identical = share_identical
         self._cache: Dict[str, CompiledPiece] = {}
-        # keep_artifacts: Inductor pieces compile as saveable artifacts
-        # (precompiled.py), each distinct one listed once, in compile order.
+        # Inductor pieces as saveable artifacts (precompiled.py), in compile order.
         self.keep_artifacts = keep_artifacts and compiler == "inductor"
         self.artifacts: List[Any] = []
 
@@ -78,7 +72,6 @@ class PieceCompiler:
         return structural_key(gm, fake_args) if self.share_identical else None
 
     def __call__(self, gm: torch.fx.GraphModule, fake_args: Sequence[Any], key: Optional[str] = None) -> CompiledPiece:
-        """``key``: the piece's ``self.key(gm, fake_args)``, when the caller has it."""
         counters.pieces_seen += 1
         key = key if key is not None else self.key(gm, fake_args)
         if key is not None and key in self._cache:
@@ -99,8 +92,6 @@ def _compile_eager(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:
 
 
 def _compile_inductor(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:
-    # compile_fx is the entry ``backend="inductor"`` itself uses, on 2.11 and 2.13
-    # alike; it reads the symbolic shapes from the fake inputs.
     from sgl_piecewise.compile.residual_add import residual_adds_unfused  # imports Inductor
     from sgl_piecewise.internals import inductor
 
@@ -109,10 +100,7 @@ def _compile_inductor(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiec
 
 
 def _compile_inductor_artifact(gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:
-    """Inductor's compile as an artifact a later process loads without
-    compiling (``aot=True``: the whole AOTAutograd and Inductor output in one
-    file). Called inside the backend: the token count's symbol comes from the
-    ambient tracing context."""
+    """Inductor's compile as an artifact a later process loads without compiling."""
     from sgl_piecewise.compile.residual_add import residual_adds_unfused  # imports Inductor
     from sgl_piecewise.internals import inductor
 

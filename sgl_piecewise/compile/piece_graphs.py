@@ -1,32 +1,6 @@
-"""Per-piece CUDA graphs, one per padded token count.
-
-Who owns what:
-
-* graph inputs are owned by others and must not move: weights (the model),
-  the top-level token inputs (the buffer registry of ``backend.py``), and the
-  outputs of earlier pieces (the graph memory pool, at addresses that every
-  replay reproduces because pieces replay in capture order);
-* each captured graph owns nothing: its outputs are kept as *non-owning*
-  aliases (``internals/storage_alias.py``), so once a forward is over the
-  pool may reuse that memory for the next size's capture. That is safe
-  because replays of two sizes never interleave inside one forward, and the
-  top-level wrapper copies the final outputs out before the next forward.
-
-Steps for one size (driven by ``StepState.phase``, set by the top level):
-WARMUP (before a module's first capture only) runs the compiled piece (first
-runs load kernels and create handles, which must not happen while
-capturing); CAPTURE records the graph through the capture core
-(``graphs/capture.py``: its stream, its pool) and replays it at once, so
-this call's outputs are real (capture alone executes nothing, and eager
-attention reads them next) unless they are thrown away (``outputs_unused``);
-REPLAY replays. On a machine without CUDA, capture is a pass-through: the
-entry is recorded and "replay" runs the compiled piece.
-
-A replay first compares the addresses of the piece's static tensor inputs
-(its weights and registry views) with those it was captured on, and raises
-``StaticInputsMoved`` before launching anything if one moved: the top level
-guesses each step's graph set (the last step's), and each piece checks the
-guess for its own weights just before its launch (``backend.py``).
+"""Per-piece CUDA graphs, one per padded token count, driven by
+``StepState.phase`` (RUN, WARMUP, CAPTURE, REPLAY); graph outputs are kept as
+non-owning aliases into the pool. docs/ARCHITECTURE.md, "Per-piece graphs".
 """
 
 from __future__ import annotations
@@ -45,17 +19,13 @@ from sgl_piecewise.graphs.capture import GraphCapture
 from sgl_piecewise.graphs.counters import counters
 from sgl_piecewise.internals.storage_alias import non_owning_alias
 
-# True while a step's outputs are thrown away (the up-front captures' dummy
-# steps): a capture then skips the replay that would make them real.
 _outputs_unused = contextvars.ContextVar("sgl_piecewise_outputs_unused", default=False)
 
 
 @contextlib.contextmanager
 def outputs_unused():
-    """Steps run inside are captured for their graphs only: their outputs
-    stay unwritten (each piece's capture executes nothing), so the eager
-    attention between pieces reads whatever the pool held. Only for dummy
-    inputs whose attention writes the dummy KV slot."""
+    """Steps run inside are captured for their graphs only, their outputs left
+    unwritten: only for dummy inputs whose attention writes the dummy KV slot."""
     token = _outputs_unused.set(True)
     try:
         yield
@@ -77,9 +47,7 @@ class StepState:
     phase: Phase = Phase.RUN
     num_tokens: int = 0  # real tokens of this call
     padded_tokens: int = 0  # the capture size they were padded to
-    # Which set of graphs this call replays: one set per distinct set of
-    # static-input addresses (weights), see PiecewiseModule.
-    graph_set: int = 0
+    graph_set: int = 0  # one per set of static-input (weight) addresses
     replay_key: Tuple[int, int] = (0, 0)  # (graph_set, padded_tokens): the graphs this call replays
     use_cuda: bool = False
     debug_checks: bool = False
@@ -95,15 +63,11 @@ def _map_tensors(fn, value):
 
 
 class StaticInputsMoved(SglPiecewiseError):
-    """A piece's static input (a weight) is not at the address its graph was
-    captured on; raised before the piece launches anything. The top level
-    (``backend.PiecewiseModule``) catches it and runs the step again on the
-    graph set of the current addresses."""
+    """A piece's weight is not where its graph was captured; raised before any launch."""
 
 
 def pointer_getter(indices: Sequence[int]) -> Callable[[Sequence[Any]], Tuple[int, ...]]:
-    """``get(args)``: the data pointers of ``args[i]`` for ``i`` in ``indices``,
-    as a tuple; mapped in C (this runs every step, over every weight)."""
+    """``get(args)``: the data pointers of ``args[i]`` for ``i`` in ``indices``."""
     data_ptr = torch.Tensor.data_ptr
     if len(indices) == 1:
         (only,) = indices
@@ -127,17 +91,15 @@ class PieceGraphs:
     name: str
     compiled: Any
     state: StepState
-    # Per argument: True if its address is fixed even without a graph pool
-    # (weights, registry views); only those are checked on CPU.
+    # Per argument: is its address fixed without a graph pool (weights, registry views)?
     static_args: Sequence[bool] = ()
     entries: Dict[Tuple[int, int], _Entry] = field(default_factory=dict)  # (graph_set, size) -> graph
-    # The addresses of the static tensor arguments (set at the first capture).
     static_pointers: Callable[[Sequence[Any]], Tuple[int, ...]] = pointer_getter(())
 
     def __call__(self, *args):
         state = self.state
-        if state.phase is Phase.REPLAY:  # every step's path: tested first
-            if not state.debug_checks:  # the common case, once per piece per step: the weights, the replay
+        if state.phase is Phase.REPLAY:
+            if not state.debug_checks:  # the fast path of every step
                 entry = self.entries.get(state.replay_key)
                 if entry is not None and entry.graph is not None and self.static_pointers(args) == entry.static_ptrs:
                     counters.replays += 1
@@ -161,8 +123,11 @@ class PieceGraphs:
 
     def _capture(self, args: Tuple[Any, ...]) -> Any:
         if not self.entries:  # every call passes the same kinds of arguments
-            static = [i for i, a in enumerate(args) if i < len(self.static_args) and self.static_args[i]
-                      and isinstance(a, torch.Tensor)]  # fmt: skip
+            static = [
+                i
+                for i, a in enumerate(args)
+                if i < len(self.static_args) and self.static_args[i] and isinstance(a, torch.Tensor)
+            ]
             self.static_pointers = pointer_getter(static)
         entry = _Entry(input_ptrs=self._pointers(args), static_ptrs=self.static_pointers(args))
         if self.state.use_cuda:

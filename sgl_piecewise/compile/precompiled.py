@@ -1,42 +1,11 @@
 """A compile saved whole, so a later process starts without Dynamo or Inductor.
 
-With ``CompileOptions(cache_dir=...)``, the first process that compiles a
-model with piecewise graphs saves, under a key of the model:
-
-* the Dynamo graph, split (attention in its out variant), pickled;
-* where each graph input comes from (``direct_call.py``), the token axis and
-  the trace's shape, stride, dtype and device of every weight;
-* each distinct compiled piece as an Inductor artifact
-  (``torch._inductor.standalone_compile``, through ``internals/inductor.py``);
-* a hash of every source file Dynamo traced.
-
-A later process looks the key up before Dynamo runs. On a hit it splits the
-saved graph, loads the pieces and calls the graph directly: no trace, no
-AOTAutograd, no Inductor compile. The key covers what the graph and its
-kernels depend on: this library's, torch's, Triton's and Python's versions,
-the device (name and compute capability), the options, the grad mode, and
-the model: every module's class, plain attributes (a config, an ``eps``)
-and hooks, torch's global module hooks (not the library's own watch of
-weight assignments),
-every parameter's and buffer's name, shape, stride, dtype and device, and the
-call's tensors. A traced source file that changed since the save, or a
-constant Dynamo guarded on (a module attribute the trace read, checked by
-its source) that differs now, makes the entry stale: the model traces
-afresh and the entry is replaced. So a changed model, dtype, torch or GPU
-never loads a stale compile. The directory is trusted like Inductor's
-cache: its entries are pickles.
-
-Nothing is saved for a compile that cannot be replayed this way, with the
-reason logged: a constant guard of the trace that cannot be read without
-Dynamo (a module-level value), a graph input that is no argument,
-parameter or buffer, a trace with side effects (an attribute set in
-``forward``), a result other than the graph's outputs, a graph that holds
-only for some token counts (a Python branch on the count: Dynamo's shape
-guards were kept), graphs off, or the ``tensorrt`` piece compiler. Such a
-model traces in every process (Inductor's own cache still helps). So does
-every model on a torch whose trace state cannot be read
-(``internals/dynamo_trace.py``): the traced files and the side effects
-are then unknown.
+With ``CompileOptions(cache_dir=...)`` the first process saves the split
+graph, the graph inputs' sources and each distinct Inductor piece under a
+key of the model (``model_key``); a later process with that key calls the
+graph directly. A traced file or guarded constant that changed since makes
+the entry stale. Entries are pickles: the directory is trusted like
+Inductor's cache. docs/ARCHITECTURE.md, "Saved compiles".
 """
 
 from __future__ import annotations
@@ -57,6 +26,7 @@ import torch.fx
 from sgl_piecewise.compile.artifacts import device_id, tensor_parallel_id, triton_version, write_atomically
 from sgl_piecewise.compile.direct_call import GraphInputs
 from sgl_piecewise.compile.token_axis import TokenAxis
+from sgl_piecewise.graphs.weight_guard import watches_assignments
 from sgl_piecewise.internals import dynamo_trace
 from sgl_piecewise.version import __version__
 
@@ -68,10 +38,9 @@ _SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 @dataclass
 class SavedCompile:
-    """What a later process needs to rebuild a compiled graph (the pieces'
-    artifacts are files beside it, ``piece_<i>.bin``)."""
+    """What a later process needs to rebuild a compiled graph (pieces: ``piece_<i>.bin``)."""
 
-    graph: bytes  # the split Dynamo graph (attention in its out variant), pickled without node metadata
+    graph: bytes  # the split Dynamo graph, pickled
     splitting: Tuple[str, ...]  # names of its splitting (attention) pieces
     inputs: GraphInputs
     token_axis: TokenAxis
@@ -81,21 +50,25 @@ class SavedCompile:
     num_artifacts: int
     sources: Dict[str, str]  # traced file -> sha256 of its contents
     output: str = "first"  # "first": the call returns the graph's only output; "tuple": all of them
-    # Dynamo's guards on constants of the trace, (source, value): checked at
-    # the look-up, where Dynamo no longer runs.
+    # Dynamo's guards on constants, (source, value): checked at the look-up.
     constants: Tuple[Tuple[str, Any], ...] = ()
 
 
-# ---- the key -------------------------------------------------------------
 def model_key(model: torch.nn.Module, args: Sequence[Any], options: Any) -> str:
-    """Hex digest of everything a saved compile depends on (module docstring)."""
-
+    """Hex digest of what a saved compile depends on: versions, device, options, the model's
+    modules (class, plain attributes, hooks) and weights, and the call's tensors."""
     parts: List[str] = [
-        f"format {FORMAT}", __version__, torch.__version__, triton_version(), sys.version,
-        repr(dataclasses.replace(options, cache_dir=None)), f"grad {torch.is_grad_enabled()}",
-        f"default dtype {torch.get_default_dtype()}", f"deterministic {torch.are_deterministic_algorithms_enabled()}",
+        f"format {FORMAT}",
+        __version__,
+        torch.__version__,
+        triton_version(),
+        sys.version,
+        repr(dataclasses.replace(options, cache_dir=None)),
+        f"grad {torch.is_grad_enabled()}",
+        f"default dtype {torch.get_default_dtype()}",
+        f"deterministic {torch.are_deterministic_algorithms_enabled()}",
         tensor_parallel_id(),
-    ]  # fmt: skip
+    ]
     for a in args:
         parts.append(f"arg {a.dtype} {tuple(a.shape[1:])} {a.dim()} {device_id(a.device)}")
     parts.append(f"global hooks {_hook_counts(torch.nn.modules.module)}")
@@ -110,22 +83,15 @@ def model_key(model: torch.nn.Module, args: Sequence[Any], options: Any) -> str:
 
 
 def _hook_counts(owner: Any) -> str:
-    """How many hooks of each kind ``owner`` (a module, or torch's module of
-    global hooks) holds: a trace runs the hooks there were, and a hook
-    added since needs a trace of its own. The library's own watch of weight
-    assignments is not counted: it runs in no forward, and it is installed
-    at the first graph capture or compiled call of a process, so the same
-    model's key would differ before and after it."""
-    from sgl_piecewise.graphs.weight_guard import watches_assignments  # runners/ builds on compile/
-
+    """How many hooks of each kind ``owner`` holds; the library's own watch of
+    weight assignments is left out (installed mid-process, it runs in no forward)."""
     tables = sorted(name for name, value in vars(owner).items() if "hooks" in name and isinstance(value, dict))
     counts = {name: sum(not watches_assignments(hook) for hook in getattr(owner, name).values()) for name in tables}
     return ",".join(f"{name}={n}" for name, n in counts.items())
 
 
 def _plain_attributes(module: torch.nn.Module) -> str:
-    """The module's attributes that a trace may bake in as constants: plain
-    values and dataclasses of them (a config)."""
+    """The attributes a trace may bake in as constants: plain values, dataclasses of them."""
     items = []
     for name, value in sorted(vars(module).items()):
         if name.startswith("_") and name != "training":
@@ -137,10 +103,8 @@ def _plain_attributes(module: torch.nn.Module) -> str:
     return ";".join(items)
 
 
-# ---- what the trace tells ---------------------------------------------------
 def traced_sources() -> Dict[str, str] | str:
-    """sha256 of every file Dynamo traced for the graph being compiled, or
-    why they cannot be known."""
+    """sha256 of every file Dynamo traced for the graph being compiled, or why unknown."""
     try:
         codes = dynamo_trace.traced_code()
     except dynamo_trace.TraceUnreadable as exc:
@@ -167,8 +131,7 @@ def _file_digest(path: str) -> Optional[str]:
 
 
 def side_effects() -> Optional[str]:
-    """Why the graph being compiled is not the whole of the traced call (the
-    trace sets attributes, globals or cells), or None when it is."""
+    """Why the graph being compiled is not the whole traced call, or None."""
     try:
         modified = dynamo_trace.mutated_existing_objects()
     except Exception as exc:  # internals of Dynamo: unknown means "do not save"
@@ -177,11 +140,8 @@ def side_effects() -> Optional[str]:
 
 
 def pickled_split(split_gm: torch.fx.GraphModule, drop: Sequence[str] = ()) -> bytes:
-    """The split module pickled without node metadata (Dynamo's holds
-    unpicklable tracing state; nothing after the split reads it), and
-    without the pieces named in ``drop`` (saved as artifacts of their own:
-    unpickling a ``GraphModule`` traces its code anew, which a warm start
-    need not pay for a piece it never runs)."""
+    """The split module pickled without node metadata (unpicklable, unread) and
+    without the pieces in ``drop`` (saved as artifacts of their own)."""
     graphs = [m for m in split_gm.modules() if isinstance(m, torch.fx.GraphModule)]
     metas = [[node.meta for node in m.graph.nodes] for m in graphs]
     dropped = {name: split_gm._modules[name] for name in drop}
@@ -201,9 +161,8 @@ def pickled_split(split_gm: torch.fx.GraphModule, drop: Sequence[str] = ()) -> b
 def changed_constant(
     constants: Sequence[Tuple[str, Any]], model: torch.nn.Module, args: Sequence[Any]
 ) -> Optional[str]:
-    """The first of Dynamo's constant guards, ``(source, value)``, that
-    ``model(*args)`` no longer meets, or cannot be read without Dynamo
-    (a module-level global), described; None when all hold."""
+    """The first constant guard ``(source, value)`` that ``model(*args)`` no longer
+    meets or that cannot be read without Dynamo, described; None when all hold."""
     names = list(inspect.signature(model.forward).parameters)
     local = {"self": model, **dict(zip(names, args))}
     scope = {"L": local, **local}
@@ -217,14 +176,12 @@ def changed_constant(
     return None
 
 
-# ---- files ---------------------------------------------------------------
 def entry_dir(cache_dir: str, key: str) -> str:
     return os.path.join(cache_dir, f"graph-{key}")
 
 
 def save(cache_dir: str, key: str, saved: SavedCompile, artifacts: Sequence[Any]) -> None:
-    """Write the artifacts, then the entry: the entry file is written last and
-    atomically, so a reader finds a whole entry or none."""
+    """Write the artifacts, then the entry, atomically: a reader finds a whole entry or none."""
     directory = entry_dir(cache_dir, key)
     os.makedirs(directory, exist_ok=True)
     for i, artifact in enumerate(artifacts):
@@ -237,9 +194,7 @@ def _piece_path(directory: str, index: int) -> str:
 
 
 def load_entry(cache_dir: str, key: str) -> Optional[SavedCompile]:
-    """The entry saved under ``key``, or None (none saved, a traced file
-    changed, or a damaged file: logged, never raised). Its pieces load
-    apart (``load_pieces``), once the entry is known to hold."""
+    """The entry saved under ``key``, or None (none, stale or damaged: logged, never raised)."""
     directory = entry_dir(cache_dir, key)
     path = os.path.join(directory, "entry.pkl")
     if not os.path.isfile(path):
@@ -260,8 +215,7 @@ def load_entry(cache_dir: str, key: str) -> Optional[SavedCompile]:
 
 
 def load_pieces(cache_dir: str, key: str, saved: SavedCompile) -> Optional[List[Any]]:
-    """The Inductor pieces of the entry ``saved`` under ``key``, or None
-    (a file missing or damaged: logged, never raised)."""
+    """The Inductor pieces of ``saved``, or None (missing or damaged: logged, never raised)."""
     if not saved.num_artifacts:  # eager pieces: saved in the graph
         return []
     directory = entry_dir(cache_dir, key)

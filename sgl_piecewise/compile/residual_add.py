@@ -1,22 +1,10 @@
 """An Inductor graph pass for the compiled pieces: a residual add stays an add.
 
-Inductor folds ``mm(x, w) + r`` into ``addmm(r, x, w)``, one cuBLAS call with
-``beta=1``, unless every user of the sum is pointwise: then it keeps the add
-to fuse it into them (``should_prefer_unfused_addmm`` in Inductor's
-post-grad passes). In a piece the residual stream's sum is also a graph
-output (the next piece reads it), so the fold happens, and cuBLAS copies the
-residual into the output before each such GEMM: on an H100 two extra
-``memcpy32_post`` kernels per layer of a piecewise decode step, 49 µs of
-a 0.5B model's step at batch 1 (docs/BENCHMARKS.md), which the model compiled
-whole does not launch: there the add fuses into the next RMSNorm's kernel.
-
-:class:`UnfuseResidualAddmm` runs after Inductor's own passes
-(``post_grad_custom_post_pass``) and turns every such ``addmm`` back into
-``mm`` then ``add``, on the devices it is given, so a piece launches what
-the whole graph launches. The sum then also rounds as the eager model's
-does (the product rounded to its dtype, then the add); ``addmm`` rounds
-once. An ``addmm`` of a bias (a row broadcast over the rows) stays: cuBLAS
-adds it in its epilogue, with no copy.
+In a piece the residual sum is also a graph output, so Inductor folds
+``mm(x, w) + r`` into ``addmm(r, x, w)``, and cuBLAS copies the residual
+before each such GEMM, kernels the model compiled whole does not launch.
+:class:`UnfuseResidualAddmm` turns each back into ``mm`` then ``add``, which
+also rounds as eager does; a bias ``addmm`` stays (no copy).
 """
 
 from __future__ import annotations
@@ -99,8 +87,7 @@ def _fake_mode_of(t: torch.Tensor) -> Iterator[None]:
 
 @contextlib.contextmanager
 def residual_adds_unfused(devices: Tuple[str, ...] = ("cuda",)) -> Iterator[None]:
-    """Inductor compiles inside run :class:`UnfuseResidualAddmm` after its own
-    post-grad passes; a pass the user set there is left in place, alone."""
+    """Inductor compiles inside run :class:`UnfuseResidualAddmm`, unless the user set a post-grad pass."""
     if not inductor.AVAILABLE:  # nothing compiles with Inductor here: the compile raises, saying why
         yield
         return

@@ -1,14 +1,6 @@
-"""Split a Dynamo graph around the splitting ops (attention, by default).
-
-Two passes:
-
-1. ``to_out_variant``: each functional ``unified_attention`` becomes
-   ``out = aten.empty(...)`` + ``unified_attention_with_output(..., out)``. The
-   buffer is then created inside the piece *before* attention, so
-   under CUDA graphs it lives at a static address in the graph pool and the
-   piece after attention reads it without any copy.
-2. ``split_graph``: ``split_module`` into alternating pieces.
-"""
+"""Split a Dynamo graph around the splitting ops (attention, by default):
+``to_out_variant`` makes attention write a buffer the piece before it
+allocates (a static address in the pool), then ``split_graph``."""
 
 from __future__ import annotations
 
@@ -26,7 +18,7 @@ _FUNCTIONAL_ATTENTION = (
     torch.ops.sgl_piecewise.unified_attention.default,
 )
 _OUT_ATTENTION = torch.ops.sgl_piecewise.unified_attention_with_output.default
-_OP_PACKET = type(torch.ops.aten.mm)  # an op with its overloads (torch._ops.OpOverloadPacket)
+_OP_PACKET = type(torch.ops.aten.mm)
 
 _splitting_ops: Set[Callable] = {
     *_FUNCTIONAL_ATTENTION,
@@ -36,11 +28,8 @@ _splitting_ops: Set[Callable] = {
 
 
 def register_splitting_op(op: Callable) -> None:
-    """Also split the graph around ``op`` (a custom op, packet or overload).
-
-    Register before compiling. A splitting op runs eagerly between the
-    compiled (and graphed) pieces, so it may read host state, like attention.
-    """
+    """Also split the graph around ``op`` (a custom op, packet or overload),
+    registered before compiling: it runs eagerly between the graphed pieces."""
     if not callable(op):
         raise TypeError(f"register_splitting_op: expected a callable op, got {type(op).__name__}")
     _splitting_ops.add(op)
@@ -53,13 +42,8 @@ def splitting_ops() -> FrozenSet[Callable]:
 
 
 def _insert_output_buffer(graph: torch.fx.Graph, q: torch.fx.Node, v: torch.fx.Node) -> torch.fx.Node:
-    """Nodes that allocate the attention output ``[T, Hq, Dv]`` like ``q``.
-
-    Only aten ops: AOTAutograd's cache refuses a graph that calls a Python
-    function, and every warm start would then retrace each piece. A dynamic
-    size (the token count) is read with ``aten.sym_size``; the rest are
-    constants of the trace.
-    """
+    """Nodes that allocate the attention output ``[T, Hq, Dv]`` like ``q``; aten
+    ops only, since AOTAutograd's cache refuses a graph that calls Python."""
     q_val, v_val = q.meta["example_value"], v.meta["example_value"]
     sizes = [*q_val.shape[:-1], v_val.shape[-1]]
     owners = [q] * (len(sizes) - 1) + [v]
@@ -95,8 +79,7 @@ def to_out_variant(gm: torch.fx.GraphModule) -> int:
 
 
 def bypass_dispatcher(piece: torch.fx.GraphModule) -> int:
-    """In a splitting piece that runs eagerly, call the attention out variant's
-    implementation directly (``attention_with_output_direct``); return how
+    """Make a splitting piece call attention's implementation directly; return how
     many calls were redirected. Only for pieces that are never traced again."""
     count = 0
     for node in piece.graph.nodes:
@@ -112,9 +95,9 @@ def bypass_dispatcher(piece: torch.fx.GraphModule) -> int:
 class SplitItem:
     """One piece of a split graph."""
 
-    name: str  # attribute name of the submodule in the split module
+    name: str  # its attribute in the split module
     index: int
-    is_splitting_op: bool  # True: runs eagerly between compiled pieces
+    is_splitting_op: bool
     graph: torch.fx.GraphModule
 
 
@@ -136,16 +119,13 @@ def split_graph(
             piece += 1
         else:
             piece_of[node] = piece
-    # keep_original_order: attention mutates the KV cache and its output
-    # buffer; reordering pieces by data dependence alone could run a reader
-    # before the op that fills what it reads.
+    # Attention mutates the KV cache and its output: ordering by data alone could run a reader first.
     split_gm = split_module(gm, None, lambda n: piece_of[n], keep_original_order=True)
     return split_gm, split_items(split_gm, {f"submod_{i}" for i in splitting_ids})
 
 
 def split_items(split_gm: torch.fx.GraphModule, splitting: Set[str]) -> List[SplitItem]:
-    """The pieces of a split module in call order; ``splitting``: the names of
-    those that hold a splitting op."""
+    """The pieces of a split module in call order; ``splitting``: those of a splitting op."""
     items = []
     for name, module in split_gm.named_children():
         index = int(name.rsplit("_", 1)[-1])

@@ -1,11 +1,6 @@
-"""Which inputs and outputs of a Dynamo graph run along the token axis.
-
-The token count is the one dynamic size the backend pads: tensors whose dim 0
-is a symbol (``s0``, or ``u0`` with ``mark_unbacked``), and SymInt inputs that
-are such a symbol. Anything else dynamic (a symbolic inner dim, a derived
-expression like ``2*s0``) cannot be padded, and graphs are turned off for that
-graph with the reason recorded.
-"""
+"""Which inputs and outputs of a Dynamo graph run along the token axis: a
+symbolic dim 0, the one dynamic size the backend pads. Any other dynamic size
+turns graphs off for that graph (``TokenAxis.unsupported`` says why)."""
 
 from __future__ import annotations
 

@@ -1,42 +1,14 @@
 """One compiled graph for every token count, with Dynamo's backed symbols.
 
-``mark_token_axis`` (``compiled_model.py``) marks the token axis *unbacked*:
-no guard ever names the token count, but Inductor cannot reason about an
-unbacked size, and it fuses less: each RMSNorm becomes a reduction kernel
-plus a pointwise kernel. Backed, it is one kernel (on an H200 the 0.5b
-whole-model decode graph went from 14 to 10 kernels per layer with this and
-q and k rotated together, docs/BENCHMARKS.md).
-
-``CompiledModel`` therefore marks the axis *backed* (``mark_dynamic``) and
-traces it *size-obliviously* (``size_oblivious_tracing``): the trace does not
-specialise on 0 or 1, and Inductor sees an ordinary symbol with a hint.
-Dynamo's shape guards still bound that symbol from below (``s0 >= 2``,
-``Ne(s0, 1)``: a trace is only trusted for the sizes it was traced at, and
-a warm Inductor cache re-adds them), so a 1-token step would recompile.
-``TokenShapeGuards`` drops those shape guards, and only those: when the
-compile's shape guards all have one of the forms below, none of them
-selects what the graph computes, so it serves every token count.
-
-* a lower bound of at most 2 on a token-count symbol (``s >= 2``, ``s > 1``,
-  ``Ne(s, 1)``, ``Ne(s, 0)``): the 0/1 specialisation that size-oblivious
-  tracing made moot;
-* an upper bound of at least ``MAX_TRACED_TOKENS`` (``896*s <= 2**31 - 1``,
-  int32 indexing): ``CompiledModel`` never hands the graph more tokens;
-* two token-count symbols equal (``Eq(s0, s1)``: ``input_ids`` and
-  ``positions`` have the same length, as every caller's inputs do).
-
-Any other guard on a shape (``s0 > 4`` or ``s0 <= 4`` from a Python branch
-on the token count, a divisibility) keeps every shape guard, and so does a
-trace whose token symbol was not created size-obliviously: such a step
-recompiles, it never runs code traced for other sizes. The decision is
-logged.
-
-The size-oblivious setting and the shape environment are torch internals
-(``internals/size_oblivious.py``); where this torch lacks them, the axis is
-marked unbacked, as ``mark_token_axis`` does (nothing recompiles), and the
-shape guards go unread and are kept (``kept_reason`` says so), so every
-call goes through Dynamo. The guard entries (``guard_type``, ``name``,
-``value``) are ``torch.compile``'s public ``guard_filter_fn`` interface.
+An unbacked token axis (``mark_token_axis``) fuses less in Inductor, so
+``CompiledModel`` marks it backed and traces size-obliviously. Dynamo's shape
+guards still bound the symbol (``s0 >= 2``), so ``TokenShapeGuards`` drops a
+compile's shape guards when each is a lower bound of at most 2, an upper
+bound of at least ``MAX_TRACED_TOKENS`` or an equality of two token counts.
+Any other (a branch on the token count) keeps them all: such a step
+recompiles rather than run code traced for other sizes. Without the torch
+internals this needs (``internals/size_oblivious.py``), the axis is marked
+unbacked and the guards are kept.
 """
 
 from __future__ import annotations
@@ -58,20 +30,14 @@ _SHAPE_GUARD = "SHAPE_ENV"
 _CONSTANT_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
 
 
-# The most tokens one call of a compiled graph takes (CompiledModel runs a
-# larger call without it). Each compile bounds the token count by it before
-# Inductor runs: Inductor then proves that every buffer of up to 32768
-# elements per token is indexable with int32, instead of guarding on it.
+# The most tokens one call of a compiled graph takes: with this bound Inductor
+# proves int32 indexing instead of guarding on it.
 MAX_TRACED_TOKENS = 1 << 16
 
 
 def mark_token_axis_backed(*tensors: torch.Tensor) -> None:
-    """Dim 0 dynamic and backed (trace under ``size_oblivious_tracing``). A
-    first call of 0 or 1 token marks it unbacked instead: Inductor reads a
-    backed symbol's hint, the first call's size, and guards what it chose on
-    it (``Eq(s0, 1)``), which would keep the trace to that size. So does a
-    torch without size-oblivious tracing (``internals/size_oblivious.py``).
-    """
+    """Dim 0 dynamic and backed; unbacked for a first call of 0 or 1 token (Inductor
+    would guard on that hint) or without size-oblivious tracing."""
     backed = size_oblivious.AVAILABLE
     for t in tensors:
         if t.shape[0] < 2 or not backed:
@@ -88,28 +54,19 @@ def _constant_guards(entries: Sequence[Any]) -> Optional[List[Tuple[str, Any]]]:
 
 
 class TokenShapeGuards:
-    """``guard_filter_fn`` of one ``torch.compile``: drops the shape guards
-    of a compile whose shape guards only bound the token count (module doc).
-
-    The backend calls ``begin_compile`` with each compile's fake inputs
-    before compiling; Dynamo calls the instance right after that compile
-    with the guards it is about to install.
-    """
+    """``guard_filter_fn`` of one ``torch.compile`` (module docstring); the backend
+    calls ``begin_compile`` before each compile, Dynamo the instance after it."""
 
     def __init__(self) -> None:
         self._shape_env: Any = None
         self._symbols: Set[sympy.Symbol] = set()
         self.dropped = 0  # compiles whose shape guards were dropped
         self.kept_reason: Optional[str] = None  # why the last compile kept them, if it did
-        # The last compile's guards on constants ((source, value): a module's
-        # eps, a head count): a saved compile is checked against them where
-        # Dynamo no longer runs (precompiled.py).
-        # None: this torch's guard entries carry no values.
+        # The last compile's constant guards, (source, value); None: this torch gives no values.
         self.constants: Optional[List[Tuple[str, Any]]] = []
 
     def begin_compile(self, fake_mode: Any, fake_inputs: Sequence[Any]) -> None:
-        """Bound the token counts by ``MAX_TRACED_TOKENS`` and remember the
-        shape environment whose guards the filter will judge."""
+        """Bound the token counts and remember the shape environment to judge."""
         sizes = _token_sizes(fake_inputs)
         for size in sizes:
             torch._check(size <= MAX_TRACED_TOKENS)
@@ -138,14 +95,11 @@ class TokenShapeGuards:
         if shape_env is None or not symbols:
             return "no token-count symbol recorded for this compile"
         try:
-            # The lower bounds are moot only if the trace did not specialise on 0
-            # or 1: a backed symbol created outside size_oblivious_tracing (another
-            # thread restored the setting mid-call, say) keeps them.
+            # The lower bounds are moot only if the trace did not specialise on 0 or 1.
             specialising = size_oblivious.not_size_oblivious(shape_env, symbols)
             if specialising:
                 return f"token count {specialising[0]} traced without size-oblivious tracing"
-            # A symbol Dynamo replaced by a token symbol (positions' length by
-            # input_ids') is one too: the inputs show only the replacement.
+            # A symbol Dynamo replaced by a token symbol is one too.
             symbols = symbols | size_oblivious.replaced_by(shape_env, symbols)
             guards = size_oblivious.shape_guards(shape_env)
         except AttributeError as exc:  # a torch whose shape environment changed since

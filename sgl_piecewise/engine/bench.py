@@ -1,13 +1,6 @@
-"""``sgl-piecewise bench``: one ragged batch of prompts through the same model
-under each graph policy, with a check that they give the same tokens, timed
-on a GPU; and what the bench commands share (the model, its config, device
-and dtype, the backend, the prompts), each flag checked before a rank starts
-or a model loads.
-
-On a CPU a graph capture is a pass-through: a step on a graph path runs the
-model the graph would hold (eager or compiled) directly, so the times of the
-policies compare no graphs. The table then shows the paths and the
-agreement only.
+"""``sgl-piecewise bench``: one ragged batch through the same model under each
+graph policy, checked to give the same tokens and timed on a GPU; and what
+the bench commands share (model, device, dtype, backend, prompts, flag checks).
 """
 
 from __future__ import annotations
@@ -42,19 +35,16 @@ from sgl_piecewise.models.parallel import tp_layout
 from sgl_piecewise.runners.dispatch import POLICIES
 
 RANDOM_MODEL = "random"
-# The main job's questions, asked of a real model through its chat template.
 CHAT_PROMPTS = (
     "What is the capital of France?",
     "Name the largest planet in the solar system.",
     "What is 7 times 8?",
     "Write one sentence about the sea.",
 )
-# Policies that need a backend with graph hooks (auto goes without whole-model graphs).
+# Policies that need a backend with graph hooks (auto goes without).
 GRAPH_HOOK_POLICIES = ("full",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BENCH_POLICIES = ("none", "full", "piecewise", "breakable", "auto")  # the table's order: eager first
-# What each graph path of a step holds (``CaptureReport.paths`` says how many
-# sizes of it were captured, or why none).
 PATH_NOTES = {
     "whole_model": "whole-model graphs",
     "piecewise": "piecewise graphs of the model's pieces (piece compiler {compiler})",
@@ -63,7 +53,6 @@ PATH_NOTES = {
 
 
 def parse_policies(text: str, allowed: Sequence[str], flag: str = "--graphs") -> List[str]:
-    """``--graphs``: a comma-separated list among ``allowed``."""
     policies = [g.strip() for g in text.split(",") if g.strip()]
     if not policies or any(g not in allowed for g in policies):
         raise InvalidInputError(f"{flag}: expected a comma-separated subset of {tuple(allowed)}, got {text!r}")
@@ -78,14 +67,13 @@ class PolicyResult:
     decode_ms: Optional[float]  # None: no decode step (one new token)
     tokens: List[List[int]]
     paths: str  # how many timed steps took each path
-    compiled_while_timed: int  # graphs traced, pieces compiled or graphs captured during the timed run: 0
+    compiled_while_timed: int  # graphs traced, pieces compiled or graphs captured: 0
     prefill_path: str = "eager"
-    built: Dict[str, str] = dataclasses.field(default_factory=dict)  # the capture report's graph paths
+    built: Dict[str, str] = dataclasses.field(default_factory=dict)  # CaptureReport.paths
 
 
 def check_backend(name: str, policies: Sequence[str]) -> None:
-    """Before anything is loaded: the backend exists and has graph hooks if a policy needs them."""
-
+    """The backend exists, with graph hooks if a policy needs them."""
     if name not in backend_names():
         raise InvalidInputError(f"--backend: expected one of {list(backend_names())}, got {name!r}")
     needs = [g for g in policies if g in GRAPH_HOOK_POLICIES]
@@ -98,7 +86,6 @@ def check_backend(name: str, policies: Sequence[str]) -> None:
 
 def backend_factory(name: str, model):
     """``ModelRunner``'s ``backend`` argument: backend ``name`` over the runner's pools."""
-
     heads, _ = attention_heads(model)
     return lambda table, pool: create_backend(name, table, pool, num_q_heads=heads)
 
@@ -109,7 +96,7 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolved = torch.device(device)
-    except RuntimeError:  # torch's message lists every device type it knows, none of which the bench runs
+    except RuntimeError:  # torch's message lists every device type it knows
         raise InvalidInputError(f"--device: expected cpu, cuda, cuda:N or auto, got {device!r}") from None
     if resolved.type not in ("cpu", "cuda"):
         raise InvalidInputError(f"--device: expected cpu, cuda, cuda:N or auto, got {device!r}")
@@ -121,9 +108,7 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
 
 
 def load_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, Any]:
-    """``--device``, ``--dtype`` resolved, and ``--model`` loaded with them
-    (``model_source``; ``random``: the embedded config, random weights of
-    ``--seed``)."""
+    """``--device``, ``--dtype`` resolved, and ``--model`` loaded with them."""
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     return device, dtype, load_model_or_default(model_source(args.model), dtype, device, seed=args.seed)
 
@@ -137,8 +122,7 @@ def model_source(name: Optional[str]) -> Optional[str]:
 
 
 def model_config(name: Optional[str]) -> ModelConfig:
-    """The config of ``--model`` alone, no weight read: a GGUF file's
-    metadata, a checkpoint directory's config.json, or the embedded one."""
+    """The config of ``--model``, no weight read."""
     source = model_source(name)
     if source is None:
         return default_config()
@@ -149,9 +133,8 @@ def model_config(name: Optional[str]) -> ModelConfig:
 
 
 def check_tensor_parallel(name: Optional[str], size: int) -> None:
-    """Before any rank starts: ``--model`` splits over ``--tp size`` ranks,
-    else the error names the config field and the sizes that would work (a
-    rank would otherwise fail only once every rank had loaded the model)."""
+    """Before any rank starts: ``--model`` splits over ``--tp size`` ranks, else
+    the error names the sizes that would."""
     source = model_source(name)
     if source is not None and os.path.isdir(source) and checkpoint_architecture(source) in ADAPTER_ONLY:
         raise InvalidInputError(
@@ -172,7 +155,7 @@ def tp_sizes(config: ModelConfig) -> List[int]:
 
 def _splits_over(config: ModelConfig, size: int) -> bool:
     try:
-        tp_layout(config, 0, size)  # the model's own layout check, not a copy of it
+        tp_layout(config, 0, size)
     except InvalidInputError:
         return False
     return True
@@ -185,7 +168,6 @@ def ragged_prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> L
 
 
 def run_policy(policy: str, model, args, prompts, eos: frozenset = frozenset()) -> PolicyResult:
-
     context = max(len(p) for p in prompts) + args.new_tokens
     runner = ModelRunner(
         model,
@@ -195,12 +177,12 @@ def run_policy(policy: str, model, args, prompts, eos: frozenset = frozenset()) 
         graphs=policy,
     )
     start = time.perf_counter()
-    report = runner.capture_graphs(progress=tensor_parallel().is_first,  # rank 0's bar only
-                                   capture_sizes=default_capture_sizes(args.max_capture_size),
-                                   piece_compiler=args.piece_compiler)  # fmt: skip
-    # The timed run repeats an untimed one of the same prompts and length, so
-    # every step size it takes has been compiled and captured, and the
-    # kernels and the allocator are warm: set-up holds all of that.
+    report = runner.capture_graphs(
+        progress=tensor_parallel().is_first,
+        capture_sizes=default_capture_sizes(args.max_capture_size),
+        piece_compiler=args.piece_compiler,
+    )
+    # An untimed run of the same prompts first: set-up holds every compile, capture and warm-up.
     runner.generate(prompts, args.new_tokens, progress=False, eos_token_ids=eos)
     setup = time.perf_counter() - start
     runner.step_stats.clear()
@@ -213,8 +195,17 @@ def run_policy(policy: str, model, args, prompts, eos: frozenset = frozenset()) 
     decode = [s.seconds for s in steps[1:]]
     decode_ms = 1e3 * statistics.median(decode) if decode else None
     paths = ", ".join(f"{path} {n}" for path, n in collections.Counter(s.path for s in steps).items())
-    return PolicyResult(policy, setup, steps[0].seconds * 1e3, decode_ms, tokens, paths, compiled_while_timed,
-                        prefill_path=steps[0].path, built=dict(report.paths))  # fmt: skip
+    return PolicyResult(
+        policy,
+        setup,
+        steps[0].seconds * 1e3,
+        decode_ms,
+        tokens,
+        paths,
+        compiled_while_timed,
+        prefill_path=steps[0].path,
+        built=dict(report.paths),
+    )
 
 
 def _compile_work() -> int:
@@ -232,7 +223,7 @@ def agreement(results: Sequence[PolicyResult]) -> List[str]:
 
 
 def bench_policies(args: argparse.Namespace) -> List[str]:
-    """``--graphs`` of the bench, default every policy, eager first."""
+    """``--graphs`` of the bench, default every policy."""
     return parse_policies(args.graphs or ",".join(BENCH_POLICIES), POLICIES)
 
 
@@ -253,12 +244,11 @@ def tp_title(command: str) -> str:
 
 
 def bench(args: argparse.Namespace, console: Console) -> int:
-
     policies = check_bench_flags(args)
     device, dtype, model = load_model(args)
     source = model_source(args.model)
     tokenizer = load_tokenizer(source) if source is not None and has_tokenizer(source) else None
-    if tokenizer is not None:  # a real model: its answers to the main job's questions
+    if tokenizer is not None:  # a real model answers CHAT_PROMPTS
         questions = CHAT_PROMPTS
         prompts, eos = chat_prompt_ids(tokenizer, questions), eos_ids(tokenizer)
     else:
@@ -290,8 +280,7 @@ def bench(args: argparse.Namespace, console: Console) -> int:
 
 
 def results_table(results: Sequence[PolicyResult], timed: bool) -> Table:
-    """A row per policy: the paths its steps took and, where ``timed`` (a
-    GPU, where the graphs are real), its times and decode speed-up."""
+    """A row per policy: its steps' paths and, where ``timed`` (a GPU), its times."""
     table = Table(title=tp_title("sgl-piecewise bench"))
     times = ("set-up s", "prefill ms (path)", "decode ms/step (median)", "speed-up vs first") if timed else ()
     for col in ("graphs", *times, "steps by path"):
@@ -302,7 +291,6 @@ def results_table(results: Sequence[PolicyResult], timed: bool) -> Table:
 
 
 def _times(r: PolicyResult, first: PolicyResult) -> tuple:
-    # --new-tokens 1 has no decode step: nothing to time or compare.
     decode = "-" if r.decode_ms is None else f"{r.decode_ms:.3f}"
     speedup = "-" if r.decode_ms is None else f"{first.decode_ms / r.decode_ms:.2f}x"
     return f"{r.setup_s:.2f}", f"{r.prefill_ms:.2f} ({r.prefill_path})", decode, speedup
@@ -325,9 +313,8 @@ def policy_notes(results: Sequence[PolicyResult], device: torch.device, piece_co
 
 
 def _check_text(results: Sequence[PolicyResult], tokenizer, questions, prompts, model, console: Console) -> int:
-    """Print each question with the first policy's answer; check that every
-    policy gives its text, else name the first token each differs at with
-    eager's logit gap between the two tokens there."""
+    """Print each question with the first policy's answer; check every policy
+    gives its text, else name where each differs (``logit_gap_note``)."""
     ref = results[0]
     for question, seq in zip(questions, ref.tokens):
         console.print(Text.assemble(("Q: ", "bold"), question))
@@ -354,10 +341,8 @@ def _check_text(results: Sequence[PolicyResult], tokenizer, questions, prompts, 
 
 
 def logit_gap_note(model, prompt: Sequence[int], ref: Sequence[int], other: Sequence[int], at: int) -> str:
-    """Where one run stopped early (EOS) there is no second token to compare;
-    else eager's logits after the common prefix: how far apart the two
-    tokens were (a tie within the dtype's rounding flips under any change
-    of kernel or order)."""
+    """Eager's logit gap between the two tokens after the common prefix (a tie
+    within the dtype's rounding flips under any change of kernel)."""
     if at >= min(len(ref), len(other)):
         return " (one answer ends there)"
     logits = prefill_logits(model, list(prompt) + list(ref[:at]))[-1]

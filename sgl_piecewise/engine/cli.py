@@ -1,31 +1,7 @@
-"""``sgl-piecewise`` (also ``python -m sgl_piecewise``): the command-line main job.
-
-``sgl-piecewise bench`` runs one batch of prompts through the same model
-under each graph policy (``--graphs``: ``none`` eager, ``full`` whole-model
-decode graphs, ``piecewise``, ``breakable``, ``auto`` — see
-``runners/dispatch.py``), prints a table of the paths the steps took and,
-on a GPU, set-up time, prefill time, decode step time and speed-up, says
-what each policy built, and checks that every policy gives the same
-output: on a real model (SmolLM2 by default) the answers to four chat
-questions, printed; on ``--model random`` tokens of random prompts. On a
-CPU the graph capture is a pass-through (everything else runs as on a
-GPU), so no time is shown there. With ``--draft``, bench compares plain
-greedy decoding with speculative decoding instead, with whole-model graphs
-or none (``speculative_bench.py``); ``bench.py`` holds the bench itself.
-
-``sgl-piecewise verify`` replays the graphs of each policy against eager on
-fresh random ragged batches (``sgl_piecewise.engine.verify``) and exits non-zero on a
-mismatch.
-
-Both run tensor-parallel: ``--tp N`` starts N processes (one per GPU on
-CUDA, gloo ranks on a CPU), or, under ``torchrun``, each process is a rank
-of its world. Every rank runs the command; rank 0 prints.
-``--sequence-parallel`` splits the residual stream across the ranks by
-tokens (``sgl_piecewise.models.layers``).
-
-Every user error (a bad flag, a model that does not split over ``--tp``)
-prints one line, ``error: ...``, and exits 2, as argparse's own usage
-errors do; the flags and the model's config are checked before a rank
+"""``sgl-piecewise`` (also ``python -m sgl_piecewise``): ``bench`` (``bench.py``,
+``speculative_bench.py`` with ``--draft``) and ``verify`` (``verify.py``), on
+one rank or ``--tp N`` (every rank runs the command, rank 0 prints). A user
+error prints one ``error: ...`` line and exits 2, checked before a rank
 starts or a model loads.
 """
 
@@ -81,22 +57,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-len", type=int, default=48, help="--model random: longest prompt, ragged down to half of it"
     )
     b.add_argument("--new-tokens", type=int, default=32, help="most new tokens per prompt (a real model stops at EOS)")
-    b.add_argument("--graphs", default=None,
-                   help=f"comma-separated graph policies among {POLICIES}, run in that order "
-                        f"(default: {','.join(BENCH_POLICIES)}; with --draft see there)")  # fmt: skip
+    b.add_argument(
+        "--graphs",
+        default=None,
+        help=f"comma-separated graph policies among {POLICIES}, run in that order "
+        f"(default: {','.join(BENCH_POLICIES)}; with --draft see there)",
+    )
     b.add_argument("--max-capture-size", type=int, default=64, help="largest token count captured as graphs")
     add_draft_argument(b)
     v = sub.add_parser("verify", help="graph replay vs eager on random ragged batches")
     _add_model_args(v, RANDOM_MODEL)
-    v.add_argument("--graphs", default=",".join(VERIFY_POLICIES),
-                   help="comma-separated graph policies whose paths are checked (not none)")  # fmt: skip
+    v.add_argument(
+        "--graphs",
+        default=",".join(VERIFY_POLICIES),
+        help="comma-separated graph policies whose paths are checked (not none)",
+    )
     v.add_argument("--steps", type=int, default=24)
     v.add_argument("--max-bs", type=int, default=8, help="largest decode graph; prefill graphs up to 16x it tokens")
     return p
 
 
 def _add_model_args(p: argparse.ArgumentParser, default_model: str) -> None:
-    """What both commands run on: the model, where, and its attention backend."""
     p.add_argument(
         "--model",
         default=default_model,
@@ -105,15 +86,25 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str) -> None:
     )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--backend", default="torch",
-                   help="attention backend: torch (graph-safe PyTorch), triton, flashinfer, or reference "
-                        "(the oracle; no graph hooks: not for --graphs full)")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        default="torch",
+        help="attention backend: torch (graph-safe PyTorch), triton, flashinfer, or reference "
+        "(the oracle; no graph hooks: not for --graphs full)",
+    )
     p.add_argument("--piece-compiler", default="inductor", choices=["inductor", "eager", "tensorrt"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel size: start this many ranks (under torchrun: its WORLD_SIZE)")  # fmt: skip
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="with --tp N > 1: split the residual stream across the ranks by tokens")  # fmt: skip
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel size: start this many ranks (under torchrun: its WORLD_SIZE)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp N > 1: split the residual stream across the ranks by tokens",
+    )
     p.add_argument(
         "-v", "--verbose", action="store_true", help="log what the library decides (KV pool size, fallbacks)"
     )
@@ -132,8 +123,7 @@ def check_verify_flags(args: argparse.Namespace) -> List[str]:
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """The command's flags, checked before a rank starts or a model loads:
-    a bad one is then one ``error:`` line, not a rank's traceback."""
+    """The command's flags, checked before a rank starts or a model loads."""
     if args.command == "verify":
         check_verify_flags(args)
     elif args.draft is None:
@@ -143,35 +133,45 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def verify_command(args: argparse.Namespace, console: Console) -> int:
-
     policies = check_verify_flags(args)
     device, dtype, model = load_model(args)
     reports = verify(
         model,
         backend_factory(args.backend, model),
-        graphs=policies, steps=args.steps, max_bs=args.max_bs, seed=args.seed,
-        max_context_len=min(256, model.config.max_position_embeddings), piece_compiler=args.piece_compiler,
-        progress=tensor_parallel().is_first,  # one bar, rank 0's, as one table
-    )  # fmt: skip
+        graphs=policies,
+        steps=args.steps,
+        max_bs=args.max_bs,
+        seed=args.seed,
+        max_context_len=min(256, model.config.max_position_embeddings),
+        piece_compiler=args.piece_compiler,
+        progress=tensor_parallel().is_first,
+    )
     atol, rtol = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
-    half = dtype != torch.float32  # the tolerance's third term: eager's own distance from an fp32 copy
+    half = dtype != torch.float32  # the tolerance then has a third term, eager's distance from fp32
     noise = f" + {NOISE_FACTOR:g}·|eager - fp32|" if half else ""
-    table = Table(title=f"sgl-piecewise verify ({device}, {dtype}, backend {args.backend}, "
-                        f"graphs {','.join(policies)}, tolerance {atol:g} + {rtol:g}·|eager|{noise})")  # fmt: skip
+    table = Table(
+        title=f"sgl-piecewise verify ({device}, {dtype}, backend {args.backend}, "
+        f"graphs {','.join(policies)}, tolerance {atol:g} + {rtol:g}·|eager|{noise})"
+    )
     columns = ("mode", "path", "steps", "batch sizes", "max |graph - eager|", *(("max |eager - fp32|",) * half))
     for col in (*columns, "verdict"):
-        # Fold, never cut: every batch size drawn is shown, however narrow the terminal.
         table.add_column(col, justify="left" if col in ("mode", "path", "batch sizes") else "right", overflow="fold")
     for _, r in sorted(reports.items()):
         sizes = ",".join(map(str, sorted(set(r.sizes)))) or "-"
-        table.add_row(r.mode, r.path, str(r.steps), sizes, f"{r.worst:.3g}", *((f"{r.noise:.3g}",) * half),
-                      "ok" if r.ok else "[red]MISMATCH[/red]")  # fmt: skip
+        table.add_row(
+            r.mode,
+            r.path,
+            str(r.steps),
+            sizes,
+            f"{r.worst:.3g}",
+            *((f"{r.noise:.3g}",) * half),
+            "ok" if r.ok else "[red]MISMATCH[/red]",
+        )
     console.print(table)
     return 0 if all(r.ok for r in reports.values()) else 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     console = Console()
@@ -181,16 +181,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if ranks > 1:
             check_tensor_parallel(args.model, ranks)
         sp, device = args.sequence_parallel, _launch_device(args)
-        if ranks > 1 and "WORLD_SIZE" not in os.environ:  # start the ranks; each runs the command
+        if ranks > 1 and "WORLD_SIZE" not in os.environ:
             return max(launch(_run_rank, ranks, argv, device=device, sequence_parallel=sp))
-        if ranks > 1:  # a rank of torchrun's world: an error ends it, and torchrun the others
+        if ranks > 1:  # a rank of torchrun's world
             init_tensor_parallel(device=device, sequence_parallel=sp)
             return _run_rank(argv)
         return _run(args, console)
     except RankFailedError as exc:  # its message names the rank and carries its traceback
         console.print(Text.assemble(("error:", "red"), " ", str(exc)), soft_wrap=True)
         return 1
-    except SglPiecewiseError as exc:  # bad input: the message says what was expected
+    except SglPiecewiseError as exc:
         console.print(Text.assemble(("error:", "red"), " ", str(exc)), soft_wrap=True)
         return 2
 
@@ -211,9 +211,8 @@ def _launch_device(args: argparse.Namespace) -> str:
 
 
 def _run_rank(argv: Sequence[str]) -> int:
-    """One rank of ``--tp N``: the command, printed by rank 0 only. An error
-    is raised, not printed: ``launch`` then ends every rank (one that went on
-    would wait for this one in its next collective) and names the cause."""
+    """One rank of ``--tp N``, printed by rank 0 only. An error is raised, not
+    printed: ``launch`` then ends every rank and names the cause."""
     args = build_parser().parse_args(list(argv))
     return _command(args)(args, Console(quiet=not tensor_parallel().is_first))
 
@@ -228,9 +227,8 @@ def _command(args: argparse.Namespace):
 def _run(args: argparse.Namespace, console: Console) -> int:
     try:
         return _command(args)(args, console)
-    except SglPiecewiseError as exc:  # bad input: the message says what was expected
-        # As plain text, not markup: messages name tensors as "[a.b.c]". Soft
-        # wrap: a console that is not a terminal would break the line at 80.
+    except SglPiecewiseError as exc:
+        # Plain text, not markup ("[a.b.c]" names a tensor); soft wrap: one line off a terminal too.
         console.print(Text.assemble(("error:", "red"), " ", str(exc)), soft_wrap=True)
         return 2
 

@@ -1,16 +1,7 @@
-"""Draft models for speculative decoding (``sgl_piecewise.engine.speculative``), and
-the ``--draft`` spelling of the command line and the benchmark.
-
-A draft is any model ``ModelRunner`` runs (``forward``, ``compute_logits``,
-``config``) with the target's vocabulary. Three kinds are built here:
-
-* ``self``: the target itself, in a ``ModelRunner`` of its own (its own KV
-  pool): every draft is accepted — the upper bound of the loop;
-* ``self-layers``: :class:`LayerSkipDraft`, the target's first ``N``
-  layers, final norm and LM head (a self-speculative, layer-skipping draft
-  sharing the target's weights; its KV pool holds ``N`` layers);
-* ``random``: an unrelated small model of the same vocabulary, seeded
-  random weights: almost nothing is accepted — the lower bound.
+"""Draft models for speculative decoding, and the ``--draft`` spelling: ``self``
+(the target: every draft accepted), ``self-layers`` (:class:`LayerSkipDraft`)
+or ``random`` (an unrelated model: almost none accepted). A draft is any model
+``ModelRunner`` runs, with the target's vocabulary.
 """
 
 from __future__ import annotations
@@ -31,13 +22,8 @@ DRAFT_SPELLING = "self:K, self-layers:N:K or random:K (K draft tokens per step, 
 
 
 class LayerSkipDraft(nn.Module):
-    """The target's first ``num_layers`` decoder layers, then its final norm
-    and LM head: a draft that shares every weight with the target.
-
-    Its ``config`` is the target's with ``num_hidden_layers = num_layers``,
-    so a ``ModelRunner`` over it sizes a KV pool of that many layers; the
-    layers keep their ids ``0 .. num_layers - 1``, which index that pool.
-    """
+    """The target's first ``num_layers`` layers, final norm and LM head, sharing
+    its weights; its config has ``num_layers`` layers, so its KV pool does too."""
 
     def __init__(self, target: nn.Module, num_layers: int):
         super().__init__()
@@ -58,7 +44,6 @@ class LayerSkipDraft(nn.Module):
         self.layers = nn.ModuleList(list(inner.layers)[:num_layers])
         self.norm = inner.norm
         self.lm_head = target.lm_head
-        # A sharded target's rank holds a share of the heads: so does its draft.
         self.num_local_heads = target.num_local_heads
         self.num_local_kv_heads = target.num_local_kv_heads
 
@@ -69,12 +54,11 @@ class LayerSkipDraft(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(hidden)  # every rank's vocabulary share, gathered
+        return self.lm_head.logits(hidden)
 
 
 def random_draft_model(target_config: ModelConfig, *, dtype=torch.float32, device="cpu", seed: int = 1) -> nn.Module:
-    """A one-layer Llama with the target's vocabulary and context, seeded
-    random weights: a draft the target almost never agrees with."""
+    """A one-layer Llama with the target's vocabulary and context, seeded random weights."""
     config = ModelConfig(
         architecture="LlamaForCausalLM",
         hidden_size=64,
@@ -91,8 +75,7 @@ def random_draft_model(target_config: ModelConfig, *, dtype=torch.float32, devic
 
 @dataclass(frozen=True)
 class DraftSpec:
-    """A parsed ``--draft``: the kind, ``K`` draft tokens per step and, for
-    ``self-layers``, the number of target layers ``N``."""
+    """A parsed ``--draft``."""
 
     kind: str
     num_draft_tokens: int

@@ -1,19 +1,10 @@
 """``ModelRunner``: the KV pool, an attention backend and a model, driven step
-by step; ``generate`` runs greedy decoding for a batch of token-id prompts.
+by step (``runners/dispatch.py`` picks each step's path); ``generate`` runs
+greedy decoding for a batch of token-id prompts.
 
-``graphs=`` picks a graph policy ("auto", "full", "piecewise", "breakable",
-"none"); ``capture_graphs()`` captures what it needs, and every step then
-takes the fastest path that serves it (``runners/dispatch.py``): whole-model
-graphs (``step_graphs``), token-axis graphs (``token_graphs``: piecewise or
-breakable), else the eager path, counted in ``counters.step_paths``.
-
-The eager path calls ``self.model_forward(input_ids, positions)`` for the
-hidden states. It starts as the model itself; a caller may replace it with
-any callable of the same signature (a ``torch.compile``d model) and every
-eager step goes through it, with the batch's forward context entered and the
-inputs' token axis marked dynamic (``compile.mark_token_axis``), so a
-``torch.compile``d model traces once for every token count. Graph runners
-built by hand install themselves as ``step_graphs`` or ``token_graphs``.
+The eager path calls ``model_forward(input_ids, positions)``, the model unless
+replaced by a callable of the same signature (a ``torch.compile``d model),
+with the token axis marked dynamic.
 """
 
 from __future__ import annotations
@@ -44,15 +35,11 @@ from sgl_piecewise.runners.protocols import StepGraphs, TokenGraphs
 BackendFactory = Callable[[ReqToTokenPool, KVPool], AttentionBackend]
 logger = logging.getLogger("sgl_piecewise")
 
-# Below this many decode steps a run finishes in moments, and a progress bar
-# would only clutter the output (``progress=None`` means "decide from this").
-AUTO_PROGRESS_MIN_STEPS = 128
+AUTO_PROGRESS_MIN_STEPS = 128  # generate(progress=None) shows a bar from this many steps
 # KV pool budget when neither num_slots nor kv_cache_gib is given.
 DEFAULT_KV_FREE_FRACTION = 0.3  # of the CUDA device's free memory at construction
 DEFAULT_CPU_KV_GIB = 1.0
-# step_stats keeps the most recent steps only: a long-lived runner must not
-# grow by one entry per step forever.
-STEP_STATS_MAXLEN = 4096
+STEP_STATS_MAXLEN = 4096  # step_stats keeps the most recent steps only
 
 
 class StepStat(NamedTuple):
@@ -68,21 +55,14 @@ class StepStat(NamedTuple):
 class ModelRunner:
     """Own the pools, the backend and the model; run steps and greedy generation.
 
-    ``model`` is a model of ``sgl_piecewise.models`` (or anything with
-    ``config``, ``forward(input_ids, positions)`` and ``compute_logits``). The
-    KV pool takes the dtype and device of the model's parameters.
-    ``max_context_len`` defaults to the model's ``max_position_embeddings``
-    and may not exceed it (the rotary cache ends there).
-
-    KV pool size: ``num_slots`` (tokens of K/V over all layers), or a memory
-    budget ``kv_cache_gib``; by default ``DEFAULT_KV_FREE_FRACTION`` of the
-    free memory of a CUDA device, ``DEFAULT_CPU_KV_GIB`` on the CPU. A budget
-    never takes more than ``max_reqs * max_context_len`` slots (every request
-    at full length). The size taken is logged (logger ``sgl_piecewise``);
-    requests that do not fit are refused before anything is allocated.
-
-    ``graphs``: the graph policy (``runners.dispatch.POLICIES``); nothing is
-    captured until ``capture_graphs()``. Default ``"none"``: every step eager.
+    ``model``: anything with ``config``, ``forward(input_ids, positions)`` and
+    ``compute_logits``; the KV pool takes its parameters' dtype and device.
+    ``max_context_len``: at most (and by default) ``max_position_embeddings``.
+    KV pool size: ``num_slots``, or a budget ``kv_cache_gib`` (default
+    ``DEFAULT_KV_FREE_FRACTION`` of a CUDA device's free memory,
+    ``DEFAULT_CPU_KV_GIB`` on the CPU), capped at ``max_reqs * max_context_len``.
+    ``graphs``: the graph policy (``runners.dispatch.POLICIES``), captured by
+    ``capture_graphs()``.
     """
 
     def __init__(
@@ -126,7 +106,7 @@ class ModelRunner:
         self.backend = _make_backend(backend, self.num_heads, self.req_to_token_pool, self.kv_pool)
         self.debug_checks = bool(debug_checks)
         self.model_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = model
-        self.step_graphs: Optional[StepGraphs] = None  # whole-model graphs, asked first
+        self.step_graphs: Optional[StepGraphs] = None  # whole-model graphs
         self.token_graphs: Optional[TokenGraphs] = None  # piecewise or breakable graphs
         self.step_stats: Deque[StepStat] = collections.deque(maxlen=STEP_STATS_MAXLEN)
 
@@ -141,8 +121,7 @@ class ModelRunner:
         return 2 * c.num_hidden_layers * self.num_kv_heads * c.head_dim * self.dtype.itemsize
 
     def _kv_slots(self, num_slots: Optional[int], kv_cache_gib: Optional[float], max_reqs: int, context: int) -> int:
-        """The KV pool's slot count: given, or what the memory budget holds
-        (at most every request at full length)."""
+        """The KV pool's slot count: given, or what the memory budget holds."""
         if num_slots is not None:
             if kv_cache_gib is not None:
                 raise InvalidInputError(f"expected num_slots or kv_cache_gib, got both ({num_slots}, {kv_cache_gib})")
@@ -155,9 +134,7 @@ class ModelRunner:
             return num_slots
         budget, source = self._kv_budget(kv_cache_gib)
         full = max_reqs * context
-        # Every rank of a tensor-parallel group allocates and frees the same
-        # slots step by step: they must all hold the same count, the least
-        # any rank's memory allows.
+        # Every tensor-parallel rank allocates the same slots: the least any rank's memory allows.
         slots = min(tensor_parallel().all_gather_object(min(full, int(budget // self.kv_bytes_per_slot))))
         if slots < 1:
             raise InvalidInputError(
@@ -166,8 +143,13 @@ class ModelRunner:
             )
         logger.info(
             "KV pool: %d slots, %.2f GiB (budget: %s; %d requests at %d tokens would need %d slots)",
-            slots, slots * self.kv_bytes_per_slot / 2**30, source, max_reqs, context, full,
-        )  # fmt: skip
+            slots,
+            slots * self.kv_bytes_per_slot / 2**30,
+            source,
+            max_reqs,
+            context,
+            full,
+        )
         return slots
 
     def _kv_budget(self, kv_cache_gib: Optional[float]) -> tuple[float, str]:
@@ -189,26 +171,23 @@ class ModelRunner:
         capture_sizes: Optional[Sequence[int]] = None,
         piece_compiler: str = "inductor",
     ) -> CaptureReport:
-        """Capture the graphs the policy needs, largest sizes first; say what was built.
+        """Capture the graphs the policy needs; say what was built.
 
-        ``capture_bs``: batch sizes of the whole-model graphs (default:
-        SGLang's schedule up to 160 or ``max_reqs``, and that size itself);
-        ``capture_sizes``: token counts of the piecewise or breakable graphs
-        (default: the piecewise schedule up to 512, capped by what one step
-        can hold); ``piece_compiler``: what compiles the pieces.
+        ``capture_bs``: whole-model batch sizes (default:
+        ``runners.whole_model.default_capture_bs``); ``capture_sizes``: token
+        counts of the piecewise or breakable graphs.
         """
-        # A tensor-parallel model's small all-reduces take symmetric memory,
-        # which a capture cannot allocate: it is set up first (capped in size).
+        # Symmetric memory for small all-reduces, which a capture cannot allocate.
         tokens = self.req_to_token_pool.max_reqs * self.max_context_len
         prepare_communication(tokens, self.config.hidden_size, self.dtype, self.device)
-        return capture_graphs(self, progress=progress, capture_bs=capture_bs, capture_sizes=capture_sizes,
-                              piece_compiler=piece_compiler)  # fmt: skip
+        return capture_graphs(
+            self, progress=progress, capture_bs=capture_bs, capture_sizes=capture_sizes, piece_compiler=piece_compiler
+        )
 
     @torch.no_grad()
     def forward_step(self, batch: ForwardBatch, *, every_token: bool = False) -> torch.Tensor:
-        """Run one step; return ``[bs, vocab]`` float32 logits of each request's last new token
-        (``last_token_logits``), or with ``every_token`` ``[num_tokens, vocab]``
-        of every real token (TARGET_VERIFY scores each draft)."""
+        """Run one step; ``[bs, vocab]`` float32 logits of each request's last new
+        token, or with ``every_token`` ``[num_tokens, vocab]`` of every real token."""
         start = time.perf_counter()
         check_batch(batch, self.req_to_token_pool, self.kv_pool, debug_checks=self.debug_checks)
         hidden, path, why = graph_step(self, batch)
@@ -231,28 +210,18 @@ class ModelRunner:
     def run_model(
         self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: ForwardBatch
     ) -> torch.Tensor:
-        """``forward(input_ids, positions)`` on ``batch``'s real tokens with
-        eager attention metadata: hidden states ``[num_tokens, H]``. The eager
-        path and the piecewise graphs (which pad the tokens themselves) both
-        run the model this way."""
+        """Hidden states ``[num_tokens, H]`` of ``forward`` on ``batch``'s real
+        tokens with eager attention metadata."""
         return run_model(forward, batch, self.backend, self.debug_checks)
 
     def last_token_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """``[bs, vocab]`` logits of each request's last new token from ``hidden [T, H]``.
-
-        In DRAFT_EXTEND_V2 with ``spec_info.accept_lengths``, a request's last
-        token is its last *accepted* one, row ``accept_lengths[r] - 1`` of its
-        uniform block: the rows after it only fill the width (upstream SGLang
-        PR 25002 selects the same rows).
-        """
+        """``[bs, vocab]`` logits of each request's last new token from ``hidden [T, H]``
+        (in DRAFT_EXTEND_V2 with ``accept_lengths``, its last accepted one)."""
         lens, spec = batch.extend_seq_lens_cpu, batch.spec_info
         uniform = lens and lens[0] > 0 and lens.count(lens[0]) == len(lens) and lens[0] * len(lens) == hidden.shape[0]
         if uniform and not (batch.forward_mode.is_draft_extend_v2() and spec is not None):
-            # Every request has as many new rows (a decode step: one): its last
-            # rows are a strided view, with no index computed or gathered on
-            # the device (four kernel launches a step otherwise).
+            # As many new rows per request: a strided view, no index built on the device.
             return self.model.compute_logits(hidden[lens[0] - 1 :: lens[0]])
-        # Requests are laid out back to back.
         new = batch.extend_seq_lens.to(torch.int64)
         ends = torch.cumsum(new, dim=0)  # [bs]
         if batch.forward_mode.is_draft_extend_v2() and spec is not None and spec.accept_lengths is not None:
@@ -271,17 +240,9 @@ class ModelRunner:
     ) -> List[List[int]]:
         """Greedy-decode up to ``max_new_tokens`` tokens for each prompt; return the new tokens.
 
-        One EXTEND step prefills every prompt (a ragged batch), then DECODE
-        steps add one token per unfinished request. A request finishes at
-        ``max_new_tokens`` or once it generates one of ``eos_token_ids`` (kept
-        as its last token): its request row and KV slots are freed at once and
-        the batch goes on with the others. Room for the whole run is checked
-        before anything is allocated, and every row and slot is freed by the
-        end, on error too. ``progress=None`` shows a bar only for runs of at
-        least ``AUTO_PROGRESS_MIN_STEPS`` steps.
-
-        Greedy speculative decoding, the same tokens in fewer target steps:
-        ``engine.speculative.speculative_generate(target, draft, ...)``.
+        A request finishes at ``max_new_tokens`` or at one of ``eos_token_ids``
+        (kept as its last token), its row and KV slots freed at once. Room for
+        the whole run is checked first; everything is freed by the end, on error too.
         """
         prompts = self._check_prompts(prompts)
         check_positive_int("max_new_tokens", max_new_tokens)
@@ -345,7 +306,7 @@ class ModelRunner:
         return checked
 
     def _check_room(self, prompts: List[List[int]], max_new_tokens: int) -> None:
-        """Everything that could fail mid-run is checked here, before any allocation."""
+        """Everything that could fail mid-run, checked before any allocation."""
         for i, prompt in enumerate(prompts):
             if len(prompt) + max_new_tokens > self.max_context_len:
                 raise InvalidInputError(
@@ -369,9 +330,7 @@ class ModelRunner:
 
 
 def attention_heads(model: torch.nn.Module) -> tuple[int, int]:
-    """``(query heads, KV heads)`` this process's attention and KV pool hold:
-    a sharded model's ``num_local_heads`` and ``num_local_kv_heads`` (its
-    rank's share), else all of its config's."""
+    """``(query heads, KV heads)`` this process holds: a sharded model's local ones, else all."""
     config = model.config
     return (
         getattr(model, "num_local_heads", config.num_attention_heads),
@@ -380,7 +339,6 @@ def attention_heads(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def _make_backend(backend, num_heads: int, req_pool: ReqToTokenPool, kv_pool: KVPool) -> AttentionBackend:
-    """The runner's backend from a name or a factory."""
     if isinstance(backend, str):
         if backend not in backend_names():
             raise InvalidInputError(f"backend: expected one of {list(backend_names())} or a factory, got {backend!r}")
@@ -397,14 +355,13 @@ def _make_backend(backend, num_heads: int, req_pool: ReqToTokenPool, kv_pool: KV
 
 
 class _Requests:
-    """The requests of one ``generate`` run: their rows and KV slots, which
-    are freed as each request finishes, and the batch of those still going."""
+    """The requests of one ``generate`` run: rows and KV slots, freed as each finishes."""
 
     def __init__(self, runner: ModelRunner, prompt_lens: List[int]):
         self.runner = runner
         self.prompt_lens = prompt_lens
-        self.rows: List[int] = []  # request row of each request
-        self.slots: List[List[torch.Tensor]] = [[] for _ in prompt_lens]  # KV slots of each request
+        self.rows: List[int] = []
+        self.slots: List[List[torch.Tensor]] = [[] for _ in prompt_lens]
         self.active: List[int] = []  # the requests still generating, in batch order
         self.generated: List[int] = [0] * len(prompt_lens)
 
@@ -417,8 +374,8 @@ class _Requests:
         return ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [0] * bs, lens, loc)
 
     def take(self, tokens: List[int], out: List[List[int]], eos: frozenset, max_new_tokens: int) -> List[int]:
-        """Append each active request's new token; finish (and free) those
-        done; return the batch positions of the requests that go on."""
+        """Append each active request's new token, free those done; the batch
+        positions of the requests that go on."""
         kept, going = [], []
         for pos, (i, t) in enumerate(zip(self.active, tokens)):
             out[i].append(t)
@@ -432,7 +389,6 @@ class _Requests:
         return kept
 
     def decode(self, next_ids: torch.Tensor) -> ForwardBatch:
-        """The DECODE step of the active requests, ``next_ids`` their last tokens."""
         prefix = [self.prompt_lens[i] + self.generated[i] - 1 for i in self.active]  # tokens cached
         rows = torch.tensor([self.rows[i] for i in self.active], dtype=torch.int64)
         loc = self.runner._alloc_decode_slots(rows, prefix)

@@ -1,34 +1,13 @@
-"""Greedy speculative decoding: a draft model proposes ``k`` tokens, the
-target checks all of them in one step, and the longest agreeing prefix plus
-the target's own next token is kept. The output is exactly the target's
-greedy output (in float32), in fewer target steps.
-
-Both models have a ``ModelRunner`` of their own (pools, backend, graphs).
-Per request, with ``x`` the newest output token at position ``p``:
-
-* invariant: the target holds K/V for positions ``< p``, the draft for
-  ``<= p`` (``x`` included), and the draft's first proposal ``d1`` is known;
-* **draft**: ``k - 1`` DECODE steps propose ``d2 .. dk`` (positions ``p+1 ..``);
-* **verify**: one TARGET_VERIFY step over ``[x, d1 .. dk]`` (width ``k + 1``:
-  the last accepted token and the ``k`` drafts, as SGLang verifies;
-  ``seq_lens`` = the prefix ``p``) scores every row: ``g0 .. gk``. The
-  longest ``j`` with ``d_i == g_{i-1}`` for ``i <= j`` is accepted; the
-  output grows by ``d1 .. dj, gj`` (truncated at ``max_new_tokens``);
-* **draft extend**: one DRAFT_EXTEND_V2 step over ``[d1 .. dj, gj]`` padded
-  to the same width ``k + 1`` with copies of ``gj`` (prefix ``p + 1``;
-  ``spec_info.accept_lengths = j + 1``): the draft catches up on the
-  accepted tokens, and the logits of its last accepted row give the next
-  ``d1``. The new ``p`` is ``p + j + 1``.
-
-KV slots: each round maps a fresh window of ``k + 1`` slots per request in
-each model (target: positions ``p .. p+k``, draft: ``p+1 .. p+k+1``; the
-draft's DECODE steps and its extend write the same window). After the
-verify the target gives back the slots of rejected positions, after the
-extend the draft gives back those past the accepted ones: K/V of a rejected
-position is never read again, and every slot a request holds is the one its
-row maps (batch validation accepts every step). All rows and slots are given
-back at the end, on error too. A request that finished is left out of later
-steps; graphs pad the smaller batches.
+"""Greedy speculative decoding: the target's greedy output (exact in float32)
+in fewer target steps. Per request, with ``x`` the newest output token at
+position ``p`` (the target holds K/V below ``p``, the draft up to ``p``, and
+the draft's first proposal ``d1`` is known), each round runs ``k - 1`` draft
+DECODE steps for ``d2 .. dk``, one TARGET_VERIFY step over ``[x, d1 .. dk]``
+scoring ``g0 .. gk``, keeps ``d1 .. dj, gj`` for the longest agreeing ``j``,
+and one DRAFT_EXTEND_V2 step over those, padded to ``k + 1`` with ``gj``,
+which gives the next ``d1``. Each model maps a window of ``k + 1`` fresh
+slots per round and gives back the rejected ones. docs/ARCHITECTURE.md,
+"Speculative decoding".
 """
 
 from __future__ import annotations
@@ -48,12 +27,10 @@ from sgl_piecewise.memory import allocate_requests
 
 @dataclass
 class SpeculativeStats:
-    """Counts of one run. ``rounds``: verify steps; ``proposed``: draft
-    tokens offered (``k`` per request per round); ``accepted``: of those,
-    the ones the target agreed with (before truncation at ``max_new_tokens``)."""
+    """Counts of one run; ``accepted`` counts before truncation at ``max_new_tokens``."""
 
     num_draft_tokens: int
-    rounds: int = 0
+    rounds: int = 0  # verify steps
     proposed: int = 0
     accepted: int = 0
 
@@ -77,9 +54,8 @@ def speculative_generate(
     progress: Optional[bool] = None,
 ) -> SpeculativeOutput:
     """Greedy-decode ``max_new_tokens`` tokens per prompt with ``target``,
-    ``num_draft_tokens`` proposed per step by ``draft`` (module docstring).
-    Every input is checked, and room in both runners' pools, before
-    anything is allocated."""
+    ``num_draft_tokens`` proposed per round by ``draft`` (a ``ModelRunner`` of its
+    own); inputs and room are checked before anything is allocated."""
     prompts = _check_inputs(target, draft, prompts, max_new_tokens, num_draft_tokens)
     run = _Run(target, draft, prompts, max_new_tokens, num_draft_tokens)
     try:
@@ -88,7 +64,6 @@ def speculative_generate(
         run.release()
 
 
-# ---- checks, before anything is allocated ----------------------------------------
 def _check_inputs(target, draft, prompts, max_new_tokens, k) -> List[List[int]]:
     if not isinstance(draft, ModelRunner):
         raise InvalidTypeError(f"draft: expected a ModelRunner over the draft model, got {type(draft).__name__}")
@@ -105,8 +80,7 @@ def _check_inputs(target, draft, prompts, max_new_tokens, k) -> List[List[int]]:
             f"got a draft of {draft.config.vocab_size}"
         )
     prompts = target._check_prompts(prompts)
-    # Highest position each model writes: the target verifies up to
-    # p + k with p <= len + max_new - 2, the draft extends up to p + k + 1.
+    # The target writes up to p + k with p <= len + max_new - 2, the draft up to p + k + 1.
     for who, runner, extra in (("target", target, k - 1), ("draft", draft, k)):
         longest = max(len(p) for p in prompts)
         need = longest + max_new_tokens + extra
@@ -120,7 +94,6 @@ def _check_inputs(target, draft, prompts, max_new_tokens, k) -> List[List[int]]:
 
 
 def _check_room(who: str, runner, prompts: List[List[int]], extra: int) -> None:
-    """Rows for every prompt, and slots for the most each request holds at once."""
     if len(prompts) > runner.req_to_token_pool.available:
         raise KVPoolExhaustedError(
             f"{who} request table: expected room for {len(prompts)} requests, got "
@@ -143,14 +116,10 @@ def _agreeing_prefix(drafts: List[int], scores: List[int]) -> int:
     return j
 
 
-# ---- the loop ------------------------------------------------------------------
 @dataclass
 class _Requests:
-    """Per request: output so far, position ``p`` of the newest output token,
-    and the draft's first proposal for the next round."""
-
     out: List[List[int]]
-    pos: List[int]
+    pos: List[int]  # p
     first_draft: List[int] = field(default_factory=list)
 
 
@@ -165,16 +134,19 @@ class _Run:
     def generate(self, progress: Optional[bool]) -> SpeculativeOutput:
         lens = [len(p) for p in self.prompts]
         bs = len(lens)
-        self.rows_target, target_loc = allocate_requests(self.target.req_to_token_pool, self.target.kv_pool,
-                                                         [0] * bs, lens)  # fmt: skip
-        self.rows_draft, draft_loc = allocate_requests(self.draft.req_to_token_pool, self.draft.kv_pool,
-                                                       [0] * bs, [n + 1 for n in lens])  # fmt: skip
+        self.rows_target, target_loc = allocate_requests(
+            self.target.req_to_token_pool, self.target.kv_pool, [0] * bs, lens
+        )
+        self.rows_draft, draft_loc = allocate_requests(
+            self.draft.req_to_token_pool, self.draft.kv_pool, [0] * bs, [n + 1 for n in lens]
+        )
         first = self._prefill(self.target, self.rows_target, [list(p) for p in self.prompts], target_loc)
         reqs = _Requests(out=[[t] for t in first], pos=list(lens))
         active = [i for i in range(bs) if self.max_new_tokens > 1]
         if active:
-            reqs.first_draft = self._prefill(self.draft, self.rows_draft,
-                                             [p + [t] for p, t in zip(self.prompts, first)], draft_loc)  # fmt: skip
+            reqs.first_draft = self._prefill(
+                self.draft, self.rows_draft, [p + [t] for p, t in zip(self.prompts, first)], draft_loc
+            )
         show = self.max_new_tokens >= 128 if progress is None else progress
         with tqdm(total=bs * self.max_new_tokens, initial=bs, desc="speculative", unit="tok", disable=not show) as bar:
             while active:
@@ -212,8 +184,9 @@ class _Run:
                 going.append(n)
         if going:
             blocks = [drafts[n][: accepted[n]] + [scores[n][accepted[n]]] * (k - accepted[n] + 1) for n in going]
-            self._extend_draft(reqs, [active[n] for n in going], rows_d[going], window_d[going], blocks,
-                               [accepted[n] for n in going])  # fmt: skip
+            self._extend_draft(
+                reqs, [active[n] for n in going], rows_d[going], window_d[going], blocks, [accepted[n] for n in going]
+            )
         return [active[n] for n in going]
 
     def _map_window(self, runner, rows: torch.Tensor, starts: List[int]) -> torch.Tensor:
@@ -238,8 +211,9 @@ class _Run:
         drafts = [[d] for d in first]
         for i in range(1, self.k):  # d_i at position p+i (window column i-1) -> d_{i+1}
             ids = torch.tensor([d[-1] for d in drafts], dtype=torch.int64, device=self.draft.device)
-            batch = ForwardBatch.build(ForwardMode.DECODE, ids, rows_d, [p + i for p in pos], [1] * len(pos),
-                                       window_d[:, i - 1].contiguous())  # fmt: skip
+            batch = ForwardBatch.build(
+                ForwardMode.DECODE, ids, rows_d, [p + i for p in pos], [1] * len(pos), window_d[:, i - 1].contiguous()
+            )
             for d, t in zip(drafts, self.draft.forward_step(batch).argmax(dim=-1).tolist()):
                 d.append(t)
         return drafts
@@ -247,10 +221,18 @@ class _Run:
     def _verify(self, rows_t, pos: List[int], window_t: torch.Tensor, last: List[int], drafts) -> List[List[int]]:
         """The target's greedy token after each of ``[x, d1 .. dk]``: ``[b][k+1]``."""
         w = self.width
-        ids = torch.tensor([t for x, d in zip(last, drafts) for t in [x, *d]], dtype=torch.int64,
-                           device=self.target.device)  # fmt: skip
-        batch = ForwardBatch.build(ForwardMode.TARGET_VERIFY, ids, rows_t, pos, [w] * len(pos),
-                                   window_t.reshape(-1), SpecInfo(num_tokens_per_req=w))  # fmt: skip
+        ids = torch.tensor(
+            [t for x, d in zip(last, drafts) for t in [x, *d]], dtype=torch.int64, device=self.target.device
+        )
+        batch = ForwardBatch.build(
+            ForwardMode.TARGET_VERIFY,
+            ids,
+            rows_t,
+            pos,
+            [w] * len(pos),
+            window_t.reshape(-1),
+            SpecInfo(num_tokens_per_req=w),
+        )
         return self.target.forward_step(batch, every_token=True).argmax(dim=-1).view(-1, w).tolist()
 
     def _extend_draft(self, reqs: _Requests, idx: List[int], rows_d, window_d, blocks, accepted) -> None:
@@ -262,8 +244,9 @@ class _Run:
         ids = torch.tensor([t for b in blocks for t in b], dtype=torch.int64, device=device)
         accept = torch.tensor([j + 1 for j in accepted], dtype=torch.int32, device=device)
         spec = SpecInfo(num_tokens_per_req=w, accept_lengths=accept)
-        batch = ForwardBatch.build(ForwardMode.DRAFT_EXTEND_V2, ids, rows_d, [p + 1 for p in pos], [w] * len(pos),
-                                   window_d.reshape(-1), spec)  # fmt: skip
+        batch = ForwardBatch.build(
+            ForwardMode.DRAFT_EXTEND_V2, ids, rows_d, [p + 1 for p in pos], [w] * len(pos), window_d.reshape(-1), spec
+        )
         nxt = self.draft.forward_step(batch).argmax(dim=-1).tolist()
         # The draft keeps d1 .. dj, gj (positions p+1 .. p+j+1): give back p+j+2 .. p+k+1.
         self._unmap(self.draft, rows_d, [p + j + 2 for p, j in zip(pos, accepted)], [k - j for j in accepted])

@@ -1,14 +1,8 @@
-"""Plain greedy against greedy speculative decoding on one batch: the
-measurement behind ``sgl-piecewise bench --draft SPEC`` and
-``benchmarks/bench_speculative.py``.
-
-Both runs use one target ``ModelRunner``; with whole-model graphs (``--graphs
-full``, the default where the backend has graph hooks) the target gets them
-for DECODE (plain greedy) and TARGET_VERIFY, the draft for DECODE and
-DRAFT_EXTEND_V2 (``k + 1`` tokens per request); with ``--graphs none`` both
-run eagerly. Prefills run eagerly in both. Each run is warmed up (kernel
-JIT, allocator) before it is timed; tokens per second count every
-generated token of the batch over the run's wall time.
+"""Plain greedy against greedy speculative decoding on one batch, each warmed
+up, then timed: ``sgl-piecewise bench --draft SPEC`` and
+``benchmarks/bench_speculative.py``. With graphs, the target's DECODE and
+TARGET_VERIFY steps and the draft's DECODE and DRAFT_EXTEND_V2 steps replay
+whole-model graphs.
 """
 
 from __future__ import annotations
@@ -50,21 +44,21 @@ def compare_greedy_and_speculative(
     capture_bs: Optional[Sequence[int]] = None,
     progress: bool = False,
 ) -> Dict[str, object]:
-    """Time plain greedy and speculative decoding of ``prompts`` (``new_tokens``
-    each) with the draft ``spec`` names; ``backend``: a name or a factory."""
+    """Time plain greedy and speculative decoding of ``prompts``; ``backend``: a name or a factory."""
     k = spec.num_draft_tokens
     context = min(max(map(len, prompts)) + new_tokens + k, model.config.max_position_embeddings)
     kwargs = dict(max_reqs=len(prompts), max_context_len=context, backend=backend)
     target = ModelRunner(model, **kwargs)
     draft = ModelRunner(build_draft_model(spec, model), **kwargs)
     if graphs:
-        # SGLang's sizes below the batch, and the batch itself: no step falls back.
-        n = len(prompts)
+        n = len(prompts)  # the batch itself is a size too: no step falls back
         capture_bs = capture_bs or sorted({*default_capture_sizes(n), n})
-        CudaGraphRunner(target, capture_bs, modes=[ForwardMode.DECODE, ForwardMode.TARGET_VERIFY],
-                        num_tokens_per_req=k + 1).capture(progress)  # fmt: skip
-        CudaGraphRunner(draft, capture_bs, modes=[ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND_V2],
-                        num_tokens_per_req=k + 1).capture(progress)  # fmt: skip
+        CudaGraphRunner(
+            target, capture_bs, modes=[ForwardMode.DECODE, ForwardMode.TARGET_VERIFY], num_tokens_per_req=k + 1
+        ).capture(progress)
+        CudaGraphRunner(
+            draft, capture_bs, modes=[ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND_V2], num_tokens_per_req=k + 1
+        ).capture(progress)
     target.generate(prompts, min(new_tokens, 2))  # warm-up, untimed
     speculative_generate(target, draft, prompts, min(new_tokens, k + 2), k)
     counters.reset()
@@ -90,8 +84,7 @@ def compare_greedy_and_speculative(
     }
 
 
-# ---- the command line: sgl-piecewise bench --draft SPEC ------------------------------
-# The speculative runs have whole-model graphs (full) or none: no token-axis graphs.
+# The speculative runs have whole-model graphs (full) or none.
 DRAFT_POLICIES = ("full", "none")
 WHOLE_MODEL_GRAPHS = {"full": "on", "none": "off"}
 
@@ -107,9 +100,7 @@ def add_draft_argument(bench: argparse.ArgumentParser) -> None:
 
 
 def draft_policies(args: argparse.Namespace) -> List[str]:
-    """``--graphs`` of ``bench --draft``: given, a list among DRAFT_POLICIES
-    (the backend then must have graph hooks for full); else full where the
-    backend has graph hooks, none where it has not."""
+    """``--graphs`` of ``bench --draft``; default full where the backend has graph hooks, else none."""
     check_backend(args.backend, [])
     if args.graphs is None:
         return ["full" if get_backend_class(args.backend).supports_cuda_graph else "none"]
@@ -119,8 +110,7 @@ def draft_policies(args: argparse.Namespace) -> List[str]:
 
 
 def check_draft_flags(args: argparse.Namespace) -> Tuple[DraftSpec, List[str]]:
-    """Every flag of ``bench --draft`` that can be checked without the model:
-    the draft and the graph policies."""
+    """Every flag of ``bench --draft`` that can be checked without the model."""
     for name in ("batch_size", "prompt_len", "new_tokens"):
         check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
     spec = parse_draft_spec(args.draft)
@@ -130,10 +120,8 @@ def check_draft_flags(args: argparse.Namespace) -> Tuple[DraftSpec, List[str]]:
 
 
 def bench_draft(args: argparse.Namespace, console) -> int:
-    """``bench --draft``: two table rows (plain greedy, speculative) per
-    graph policy; 1 when float32 runs differ. Prompts, backend and device
-    come as for the other bench modes."""
-    spec, policies = check_draft_flags(args)  # before the model loads
+    """``bench --draft``: a plain and a speculative row per graph policy; 1 when float32 runs differ."""
+    spec, policies = check_draft_flags(args)
     device, dtype, model = load_model(args)
     prompts = ragged_prompts(args.batch_size, args.prompt_len, model.config.vocab_size, args.seed)
     graphs = ", then ".join(WHOLE_MODEL_GRAPHS[p] for p in policies)
@@ -146,7 +134,7 @@ def bench_draft(args: argparse.Namespace, console) -> int:
     runs = {
         p: compare_greedy_and_speculative(
             model, spec, prompts, args.new_tokens, backend_factory(args.backend, model), graphs=p == "full"
-        )  # fmt: skip
+        )
         for p in policies
     }
     console.print(_draft_table(spec, runs))
@@ -162,16 +150,22 @@ def _draft_table(spec: DraftSpec, runs: Dict[str, Dict[str, object]]) -> Table:
     for col in ("graphs", "run", "tokens/s", "speed-up", "acceptance rate", "target steps"):
         table.add_column(col, justify="left" if col in ("graphs", "run") else "right")
     for policy, r in runs.items():
-        table.add_row(policy, "plain greedy", f"{r['plain_tokens_per_s']:.1f}", "1.00x", "-",
-                      str(r["plain_decode_steps"]))  # fmt: skip
-        table.add_row(policy, "speculative", f"{r['speculative_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
-                      f"{r['acceptance_rate']:.2f}", str(r["verify_steps"]))  # fmt: skip
+        table.add_row(
+            policy, "plain greedy", f"{r['plain_tokens_per_s']:.1f}", "1.00x", "-", str(r["plain_decode_steps"])
+        )
+        table.add_row(
+            policy,
+            "speculative",
+            f"{r['speculative_tokens_per_s']:.1f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['acceptance_rate']:.2f}",
+            str(r["verify_steps"]),
+        )
     return table
 
 
 def _check_draft(policy: str, r: Dict[str, object], dtype: torch.dtype, console) -> bool:
-    """Print the check of one run (named by ``policy`` where there are
-    several); True where float32 tokens differ."""
+    """Print the check of one run; True where float32 tokens differ."""
     label = f"graphs {policy}: " if policy else ""
     if not r["identical_tokens"] and dtype == torch.float32:
         console.print(f"[red]{label}check failed: float32 speculative decoding must give plain greedy's tokens[/red]")

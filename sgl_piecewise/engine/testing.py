@@ -1,8 +1,5 @@
-"""Builders of random ragged batches over real pools, for tests, ``verify``
-and benchmarks, and the smallest model configuration tests compile. Nothing
-here is a stand-in: the batch is laid out in the pools exactly as
-``ModelRunner`` lays out a real one. ``random_batch`` fills the prefixes
-with random K/V; ``model_written_batch`` has the model itself write them."""
+"""Random ragged batches laid out in real pools as ``ModelRunner`` lays them
+out, for tests, ``verify`` and benchmarks."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ from sgl_piecewise.runners.eager import run_model
 
 
 def two_layer_llama_config() -> ModelConfig:
-    """Two Llama layers of hidden size 64, 4 query and 2 KV heads of 16 dims,
-    vocabulary 256: a model that compiles in seconds on a CPU."""
+    """A two-layer Llama small enough to compile quickly on a CPU."""
     return ModelConfig(
         architecture="LlamaForCausalLM",
         hidden_size=64,
@@ -93,17 +89,10 @@ def model_written_batch(
     spec_info: Optional[SpecInfo] = None,
     generator: Optional[torch.Generator] = None,
 ) -> ForwardBatch:
-    """A batch of random token ids whose prefixes hold the K/V ``model`` writes
-    for random prefix tokens, as if an earlier step had prefilled them.
-
-    Random K/V (``random_batch``) lie far outside what a trained model
-    produces; attention over them amplifies rounding differences, so two
-    correct paths of a real model disagree in bf16. Here one eager EXTEND of
-    ``model`` (``backend``'s eager metadata, never a graph) over the prefix
-    tokens writes exactly the prefix slots: the same pools, model, lengths
-    and generator state give bit-identical prefixes on every runner.
-    ``generator`` draws the prefix token ids first, then the batch's. Release
-    the batch with ``release_batch``; on error nothing stays allocated.
+    """A batch of random token ids whose prefixes hold the K/V one eager EXTEND
+    of ``model`` writes for random prefix tokens: unlike random K/V, in the
+    range a trained model's attention expects, and bit-identical on every
+    runner for the same generator state. Release it with ``release_batch``.
     """
     rows, loc = place_requests(req_pool, kv_pool, prefix_lens, extend_lens, fill_prefix=False)
     try:
@@ -126,9 +115,7 @@ def _prefill_prefixes(
     prefix_lens: Sequence[int],
     prefix_ids: torch.Tensor,
 ) -> None:
-    """One eager EXTEND of the requests with a prefix, over their prefix
-    tokens, into their prefix slots (positions ``0 .. p - 1`` of each row);
-    requests without one take no part."""
+    """One eager EXTEND over the requests' prefix tokens, into their prefix slots."""
     held = [(row, p) for row, p in zip(rows.tolist(), prefix_lens) if p]
     if not held:
         return
@@ -143,12 +130,13 @@ def _prefill_prefixes(
 
 
 def release_batch(req_pool: ReqToTokenPool, kv_pool: KVPool, batch: ForwardBatch) -> None:
-    """Free every request row of ``batch`` and every KV slot its requests hold
-    (prefix and new tokens: ``seq_lens`` of each, or prefix + new for the
-    modes whose ``seq_lens`` exclude the new tokens)."""
+    """Free every request row of ``batch`` and every KV slot its requests hold."""
     rows = batch.req_pool_indices.tolist()
-    held = (batch.seq_lens_cpu + batch.extend_seq_lens.cpu()
-            if batch.forward_mode.seq_lens_exclude_new_tokens() else batch.seq_lens_cpu)  # fmt: skip
+    held = (
+        batch.seq_lens_cpu + batch.extend_seq_lens.cpu()
+        if batch.forward_mode.seq_lens_exclude_new_tokens()
+        else batch.seq_lens_cpu
+    )
     table = req_pool.req_to_token
     slots = [table[r, : int(n)] for r, n in zip(rows, held.tolist()) if n]
     if slots:
@@ -158,13 +146,12 @@ def release_batch(req_pool: ReqToTokenPool, kv_pool: KVPool, batch: ForwardBatch
 
 def prefill_logits(model: torch.nn.Module, prompt: Sequence[int]) -> torch.Tensor:
     """``[len(prompt), vocab]`` float32 logits of one eager EXTEND step over
-    ``prompt`` (reference attention, pools of its own): the plain forward a
-    loaded model's outputs are compared with."""
+    ``prompt`` (reference attention, pools of its own)."""
     cfg = model.config
     param = next(model.parameters())
     device = param.device
     req_pool = ReqToTokenPool(max_reqs=1, max_context_len=len(prompt), device=device)
-    _, kv_heads = attention_heads(model)  # a sharded model's rank holds a share of them
+    _, kv_heads = attention_heads(model)
     kv_pool = KVPool(len(prompt), cfg.num_hidden_layers, kv_heads, cfg.head_dim, dtype=param.dtype, device=device)
     backend = ReferenceBackend(req_pool, kv_pool)
     rows, loc = place_requests(req_pool, kv_pool, [0], [len(prompt)], fill_prefix=False)

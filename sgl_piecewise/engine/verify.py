@@ -1,21 +1,9 @@
 """``verify``: graph replay against eager on fresh random ragged batches.
 
-An eager ``ModelRunner`` and one per graph policy (default ``auto`` and
-``breakable``) share one model; the graph runners capture what their policy
-needs, and every step goes through the dispatcher, so each path a policy
-offers runs: piecewise graphs for EXTEND and MIXED, whole-model graphs for
-DECODE (``auto``); breakable graphs for every mode; and eager for the steps
-no graph holds. Each step draws a batch — a random size, skewed prefixes
-(empty, one token, long), ragged new tokens for EXTEND, prefill chunks next
-to single decode tokens for MIXED, now and then one request more than the
-largest decode graph — lays it out identically in every runner's pools
-(same seed: same rows, slots and token ids), has the model write the
-prefixes' K/V with one eager EXTEND over random prefix tokens (eager in
-every runner: bit-identical prefixes), runs the step and compares the
-logits. Prefixes the model wrote itself keep a real model's attention in
-the range it was trained for: random K/V there amplify rounding noise until
-a correct graph and eager disagree in bf16. Reports are per (mode, path
-taken). The debugging entry (docs/ARCHITECTURE.md, "Debugging").
+An eager ``ModelRunner`` and one per graph policy share one model; each step
+draws a batch (random size, skewed prefixes the model writes itself, now and
+then one request above the largest decode graph), lays it out alike in every
+runner and compares the logits, reported per (mode, path taken).
 """
 
 from __future__ import annotations
@@ -39,20 +27,12 @@ from sgl_piecewise.forward import ForwardMode
 from sgl_piecewise.memory import KVPool, ReqToTokenPool
 from sgl_piecewise.runners.dispatch import POLICIES, token_split
 
-# |graph - eager| <= atol + rtol * |eager| on the logits. Graphs run the
-# compiled pieces (Inductor fusions), eager runs the model's own kernels: in
-# bf16 that reorders roundings (max |Δ| 0.1-0.16 on logits of ~10, measured).
-# The prefixes are K/V the model wrote itself (``model_written_batch``): random
-# ones sent a real model's bf16 logits (SmolLM2-135M, 30 layers) 15-20 apart
-# on correct graphs, rounding noise no tolerance separates from a bug.
+# |graph - eager| <= atol + rtol * |eager| on the logits: compiled kernels round otherwise in half precision.
 TOLERANCE = {torch.float32: (1e-3, 1e-3), torch.float16: (5e-2, 5e-2), torch.bfloat16: (5e-2, 5e-2)}
-# In half precision the rounding itself is the model's: a deep model with
-# large activations moves its bf16 logits by several units from its own fp32
-# logits (SmolLM2-135M: 0.6-2.8 between compiled and eager kernels, on a CPU
-# as on an H200). Each step also runs an fp32 copy of the model, eagerly, and
-# a graph path may differ from eager by NOISE_FACTOR times eager's own
-# distance from it on that step: two paths each that far from the fp32
-# logits are at most twice that far apart.
+# In half precision a deep model's own rounding moves its logits by whole units,
+# so a graph path may also differ from eager by NOISE_FACTOR times eager's
+# distance from an fp32 copy on that step (two paths that far from it are at
+# most twice that far apart).
 NOISE_FACTOR = 2.0
 MAX_NEW_TOKENS_PER_EXTEND = 16
 MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED)
@@ -64,12 +44,12 @@ class PathReport:
     """What ``verify`` saw for one forward mode on one path."""
 
     mode: str
-    path: str  # whole_model, piecewise, breakable or eager (no graph held the step)
+    path: str  # whole_model, piecewise, breakable or eager
     steps: int = 0
     worst: float = 0.0  # max |graph - eager| over every logit
     worst_excess: float = float("-inf")  # max (|Δ| - tolerance): > 0 is a failure
     sizes: List[int] = field(default_factory=list)
-    noise: float = 0.0  # max |eager - fp32 copy| (half precision only): the tolerance's third term
+    noise: float = 0.0  # max |eager - fp32 copy| (half precision only)
 
     @property
     def ok(self) -> bool:
@@ -89,11 +69,8 @@ def verify(
     progress: bool = True,
 ) -> Dict[Tuple[str, str], PathReport]:
     """Replay against eager for ``steps`` random steps; one report per (mode, path).
-
-    ``backend`` builds the attention backend of each runner. Whole-model
-    graphs cover batch sizes up to ``max_bs``; token-axis graphs, token
-    counts up to ``max_bs * MAX_NEW_TOKENS_PER_EXTEND``.
-    """
+    Whole-model graphs cover batch sizes up to ``max_bs``, token-axis graphs
+    ``max_bs * MAX_NEW_TOKENS_PER_EXTEND`` tokens."""
     check_positive_int("steps", steps)
     check_positive_int("max_bs", max_bs)
     if check_positive_int("max_context_len", max_context_len) < MAX_NEW_TOKENS_PER_EXTEND + 2:
@@ -130,26 +107,32 @@ def verify(
 
 
 def _fp32_reference(model: torch.nn.Module, max_bs: int, max_context_len: int) -> ModelRunner:
-    """An eager runner over an fp32 copy of ``model`` (the graph-safe torch
-    backend, which takes any dtype): the logits half precision rounds."""
+    """An eager runner over an fp32 copy of ``model`` (the torch backend takes any dtype)."""
     heads, _ = attention_heads(model)
     twin = copy.deepcopy(model).float()
-    return ModelRunner(twin, max_reqs=max_bs + 1, max_context_len=max_context_len,
-                       backend=lambda table, pool: create_backend("torch", table, pool, num_q_heads=heads))  # fmt: skip
+    return ModelRunner(
+        twin,
+        max_reqs=max_bs + 1,
+        max_context_len=max_context_len,
+        backend=lambda table, pool: create_backend("torch", table, pool, num_q_heads=heads),
+    )
 
 
 def _runners(model, backend, graphs, max_bs: int, max_context_len: int, piece_compiler: str):
-    """An eager runner and one captured runner per policy."""
-    # One request more than the largest decode graph: the other paths run too.
+    """An eager runner and one captured runner per policy, with room for one
+    request more than the largest decode graph."""
     kwargs = dict(max_reqs=max_bs + 1, max_context_len=max_context_len, backend=backend)
     eager = ModelRunner(model, **kwargs)
     runners = []
     decode_bs = [bs for bs in default_capture_sizes(max_bs) if bs % token_split() == 0]
     for policy in graphs:
         runner = ModelRunner(model, graphs=policy, **kwargs)
-        runner.capture_graphs(progress=False, capture_bs=decode_bs,
-                              capture_sizes=default_capture_sizes(max_bs * MAX_NEW_TOKENS_PER_EXTEND),
-                              piece_compiler=piece_compiler)  # fmt: skip
+        runner.capture_graphs(
+            progress=False,
+            capture_bs=decode_bs,
+            capture_sizes=default_capture_sizes(max_bs * MAX_NEW_TOKENS_PER_EXTEND),
+            piece_compiler=piece_compiler,
+        )
         runners.append(runner)
     return eager, runners
 
@@ -162,17 +145,24 @@ def _draw_step(rng: random.Random, max_bs: int, max_context_len: int):
     else:  # MIXED: about half the requests decode (one new token), the others prefill a chunk
         one = 0.5 if mode == ForwardMode.MIXED else 0.0
         extend = [1 if rng.random() < one else rng.randint(1, MAX_NEW_TOKENS_PER_EXTEND) for _ in range(bs)]
-    # Skewed prefixes: empty, one token, or long (up to what the context holds).
     prefix = [rng.choice((0, 1, rng.randint(2, max_context_len - e))) for e in extend]
     return mode, prefix, extend
 
 
 def _step(runner: ModelRunner, mode: ForwardMode, prefix, extend, seed: int) -> torch.Tensor:
-    """The step's logits on ``runner``; its prefixes are prefilled by the
-    runner's eager model (never its graphs), so every runner starts alike."""
+    """The step's logits on ``runner``, its prefixes prefilled eagerly."""
     gen = torch.Generator().manual_seed(seed)
-    batch = model_written_batch(mode, runner.req_to_token_pool, runner.kv_pool, runner.model, runner.backend,
-                                prefix, extend, vocab_size=runner.config.vocab_size, generator=gen)  # fmt: skip
+    batch = model_written_batch(
+        mode,
+        runner.req_to_token_pool,
+        runner.kv_pool,
+        runner.model,
+        runner.backend,
+        prefix,
+        extend,
+        vocab_size=runner.config.vocab_size,
+        generator=gen,
+    )
     try:
         return runner.forward_step(batch).float()
     finally:

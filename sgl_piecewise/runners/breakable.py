@@ -1,41 +1,12 @@
 """``BreakableCudaGraphRunner``: the eager model as CUDA graphs per token
-count, broken at every attention call; no compiler.
+count, in segments broken at every attention call; no compiler, so a model
+Dynamo cannot trace still gets graphs. A replay runs segment 0, break 0
+(attention on the real tokens), segment 1, and so on; recorded tensors are
+non-owning aliases, safe because a replay repeats the capture's order.
+docs/ARCHITECTURE.md, "BreakableCudaGraphRunner".
 
-SGLang runs such a runner next to its whole-model and piecewise ones: the
-model's own Python runs while capturing, so a model Dynamo cannot trace as one
-graph (a call it refuses, Python it breaks on) still gets graphs for all but
-attention, and nothing is compiled.
-
-Capture, per token count (largest first through the capture core: one pool,
-one capture stream, gc frozen): the registry (``build_prefill_registry``) is
-filled with no real token, so every row is padding (token 0, position 0, the
-dummy KV slot) and the step has zero real tokens; the model runs once as a
-warm-up, then again while capturing. Each attention call ends the open graph
-segment and is recorded as a *break* — its layer, scale and its q, k, v and
-output tensors, which the segment allocated in the pool at fixed addresses —
-and the next segment begins right after it. The last segment ends with the
-forward and holds its output.
-
-Replay: fill the registry with the real batch (the segments read its token
-inputs), prepare the backend's eager metadata, then replay segment 0, run
-break 0 (attention on the real tokens: their K/V written, padded rows
-zeroed), replay segment 1, and so on; return a copy of the real rows.
-
-Every recorded tensor is kept as a non-owning alias, as the piecewise pieces
-keep their outputs: once capture is over the pool may reuse the memory for
-other sizes. That is safe because a replay reproduces the capture's order —
-segment ``i`` writes q, k, v, break ``i`` reads them and writes its output,
-segment ``i + 1`` reads that — and replays of two sizes never interleave.
-
-The graphs replay the Python path taken at capture. A branch on a tensor's
-value (``if t.sum() > 0``) reads the device, which a CUDA capture refuses:
-capture then fails naming that cause. Breakable graphs are for Python that
-Dynamo refuses but whose path does not depend on the data.
-
-Without CUDA, capture records the structure (segments, and each break's
-layer) and "replay" runs the model eagerly on the padded registry inputs,
-each attention call checked against the break it stands for, so CPU tests
-exercise everything but the graphs themselves.
+Without CUDA, "replay" runs the model eagerly, each attention call checked
+against the break it stands for.
 """
 
 from __future__ import annotations
@@ -59,7 +30,7 @@ from sgl_piecewise.graphs.counters import counters
 from sgl_piecewise.graphs.fill_graphs import reserve_eager_bindings
 from sgl_piecewise.graphs.input_registries import build_prefill_registry
 from sgl_piecewise.graphs.weight_guard import WeightGuard
-from sgl_piecewise.internals.storage_alias import non_owning_alias as _non_owning_alias  # shared with the pieces
+from sgl_piecewise.internals.storage_alias import non_owning_alias as _non_owning_alias
 from sgl_piecewise.ops.attention import attention_with_output_direct
 from sgl_piecewise.runners.protocols import GraphHost
 
@@ -72,11 +43,9 @@ class Break:
 
     layer_id: int
     scale: Optional[float]
-    tensors: Tuple[torch.Tensor, ...] = ()  # q, k, v, output: non-owning aliases into the pool (CUDA)
+    tensors: Tuple[torch.Tensor, ...] = ()  # q, k, v, output: aliases into the pool (CUDA)
 
     def run(self) -> None:
-        """Attention over the captured tensors, for the real tokens of the
-        step in the current forward context."""
         q, k, v, out = self.tensors
         attention_with_output_direct(q, k, v, out, self.layer_id, self.scale)
 
@@ -87,12 +56,12 @@ class SizeGraphs:
 
     segments: List[Optional[torch.cuda.CUDAGraph]]  # None on a machine without CUDA
     breaks: List[Break]
-    inputs: Tuple[torch.Tensor, torch.Tensor]  # registry views the segments read: input_ids, positions
-    output: Optional[torch.Tensor] = None  # non-owning alias of the forward's output (CUDA)
+    inputs: Tuple[torch.Tensor, torch.Tensor]  # registry views: input_ids, positions
+    output: Optional[torch.Tensor] = None  # alias of the forward's output (CUDA)
 
 
 def _attend_outside_capture(ctx: ForwardContext, q, k, v, out, layer_id: int, scale) -> None:
-    """Run the op's attention with the hook off (else it would call the hook again)."""
+    """Run the op's attention with the hook off."""
     hook, ctx.breakable = ctx.breakable, None
     try:
         attention_with_output_direct(q, k, v, out, layer_id, scale)
@@ -129,8 +98,7 @@ class _Recorder:
         self.end()
         tensors = tuple(_non_owning_alias(t) for t in (q, k, v, out)) if self.core is not None else ()
         self.breaks.append(Break(layer_id, scale, tensors))
-        # Zero real tokens: this checks the arguments and zeroes the output
-        # (outside any graph), as the replay's attention will for padded rows.
+        # Outside any graph: zero real tokens, so it checks the arguments and zeroes the output.
         _attend_outside_capture(ctx, q, k, v, out, layer_id, scale)
         self.begin()
 
@@ -165,18 +133,9 @@ class _EagerChecker:
 
 
 class BreakableCudaGraphRunner:
-    """Breakable graphs for a ``ModelRunner``; installs itself as the runner's
-    ``token_graphs``, so ``forward_step`` replays them for every step whose
-    token count a captured size holds (see ``runners/dispatch.py``).
-
-    Args:
-        model_runner: the ``ModelRunner`` whose model, pools and backend the
-            graphs use. Any backend works: attention runs eagerly.
-        capture_sizes: token counts to capture (default: the piecewise
-            schedule up to ``DEFAULT_MAX_CAPTURE_SIZE``).
-        capture: the capture core (pool, stream); default: the process-wide
-            one of the runner's device, shared with every other runner.
-    """
+    """Breakable graphs for a ``ModelRunner`` (any backend); installs itself as
+    its ``token_graphs``. ``capture_sizes``: token counts (default: the
+    piecewise schedule); ``capture``: the capture core (default: the device's shared one)."""
 
     name = "breakable"
 
@@ -191,8 +150,6 @@ class BreakableCudaGraphRunner:
         self.max_size = self.capture_sizes[-1]
         device = model_runner.device
         self.use_cuda = device.type == "cuda"
-        # Only the token inputs reach the segments; the rest of the registry
-        # is the same declaration every token-axis graph shares.
         self.registry = build_prefill_registry(
             self.max_size,
             model_runner.req_to_token_pool.max_reqs,
@@ -203,16 +160,15 @@ class BreakableCudaGraphRunner:
         reserve_eager_bindings(model_runner.backend, model_runner.req_to_token_pool.max_reqs, self.max_size)
         self.graphs: Dict[int, SizeGraphs] = {}
         self.capture_seconds = 0.0
-        self._weights: Optional[WeightGuard] = None  # where the captured graphs read the weights
+        self._weights: Optional[WeightGuard] = None
         model_runner.token_graphs = self
 
-    # ---- capture ----------------------------------------------------------
     def capture(self, progress: bool = True) -> float:
         """Capture every size, largest first; return the seconds it took."""
         start = time.perf_counter()
         self._weights = WeightGuard(self.model_runner.model, "breakable graphs")
         sizes = self.capture_core.largest_first(self.capture_sizes, "capturing breakable graphs", "size", progress)
-        with torch.no_grad(), contextlib.closing(sizes):  # a failure thaws gc and closes the bar at once
+        with torch.no_grad(), contextlib.closing(sizes):  # a failure thaws gc at once
             for size in sizes:
                 self.graphs[size] = self._capture_one(size)
         self.capture_seconds = time.perf_counter() - start
@@ -222,7 +178,7 @@ class BreakableCudaGraphRunner:
         ctx = FillContext(raw_bs=0, padded_bs=0, raw_num_tokens=0, padded_num_tokens=size)  # all padding
         self.registry.fill_from(self._no_rows(), ctx)
         batch = self._capture_batch(ctx)
-        if self.use_cuda:  # first runs allocate and pick kernels, which must not happen while capturing
+        if self.use_cuda:
             self.capture_core.warmup(lambda: self._forward(batch, None))
         recorder = _Recorder(self.capture_core if self.use_cuda else None)
         if self.use_cuda:
@@ -249,16 +205,15 @@ class BreakableCudaGraphRunner:
 
     def _forward(self, batch: ForwardBatch, hook: Optional[_Recorder]) -> torch.Tensor:
         mr = self.model_runner
-        with forward_context(batch, mr.backend, check=False) as ctx:  # the padded static batch of a capture
+        with forward_context(batch, mr.backend, check=False) as ctx:
             ctx.breakable = hook
             return mr.model(batch.input_ids, batch.positions)
 
     def _no_rows(self) -> Dict[str, torch.Tensor]:
-        """Sources of a fill with no real request: zero rows of every slot."""
         return {slot.name: slot.buffer[:0] for slot in self.registry if slot.copy_from_fb}
 
     def _capture_batch(self, ctx: FillContext) -> ForwardBatch:
-        """A step of ``ctx.padded_num_tokens`` rows, none of them real: registry views."""
+        """A step of ``ctx.padded_num_tokens`` rows, none of them real."""
         v = self.registry.extract(ctx)
         return ForwardBatch(
             forward_mode=ForwardMode.EXTEND,
@@ -274,9 +229,8 @@ class BreakableCudaGraphRunner:
             num_token_non_padded=v["num_token_non_padded"],
         )
 
-    # ---- replay -----------------------------------------------------------
     def padded_size(self, num_tokens: int) -> Optional[int]:
-        """The captured size ``num_tokens`` replays at, or None (not captured, or above the largest)."""
+        """The captured size ``num_tokens`` replays at, or None."""
         i = bisect.bisect_left(self.capture_sizes, num_tokens)
         if num_tokens < 1 or i == len(self.capture_sizes):
             return None
@@ -290,7 +244,7 @@ class BreakableCudaGraphRunner:
         n = batch.num_tokens
         self._weights.check_first()
         self.registry.fill_from(_sources(batch, n), FillContext(batch.batch_size, batch.batch_size, n, padded))
-        mr.backend.init_forward_metadata(batch, check=False)  # validated by the step
+        mr.backend.init_forward_metadata(batch, check=False)
         counters.replays += len(graphs.segments)
         with forward_context(batch, mr.backend, check=False, debug_checks=mr.debug_checks) as ctx:
             if graphs.output is None:
@@ -301,13 +255,12 @@ class BreakableCudaGraphRunner:
                 segment.replay()
                 brk.run()
             graphs.segments[-1].replay()
-            self._weights.check()  # while the card runs the last segment (weight_guard.py)
+            self._weights.check()
         # A copy: the next replay (of any size: one pool) rewrites the output.
         return graphs.output[:n].clone()
 
     def _replay_eagerly(self, graphs: SizeGraphs, padded: int, ctx: ForwardContext) -> torch.Tensor:
-        """Without CUDA: the model on the padded registry inputs, each
-        attention call checked against its break."""
+        """Without CUDA: the model on the padded inputs, each attention call checked."""
         checker = _EagerChecker(padded, graphs.breaks)
         ctx.breakable = checker
         out = self.model_runner.model(*graphs.inputs)

@@ -1,35 +1,7 @@
-"""One dispatcher: every step of a ``ModelRunner`` takes the fastest correct
-path by itself, and is counted by the path it took and why.
-
-A ``ModelRunner`` holds at most two graph runners:
-
-* ``step_graphs``: whole-model graphs along the batch axis
-  (``CudaGraphRunner``), asked first; it says itself which batches it serves
-  (``padded_bs(batch)``), so modes it learns to capture are served without a
-  change here;
-* ``token_graphs``: graphs along the token axis, piecewise
-  (``PiecewiseCudaGraphRunner``) or breakable (``BreakableCudaGraphRunner``),
-  for any step of 1 to its largest size tokens, whatever the mode;
-
-and the eager path, ``model_forward`` (the model itself unless replaced).
-
-``graphs=`` of ``ModelRunner`` (one of ``POLICIES``) decides what
-``capture_graphs`` builds; the routing below is the same for every policy:
-
-* ``"auto"``: whole-model graphs (where the backend has graph hooks) and
-  piecewise graphs; a model Dynamo cannot trace gets breakable graphs
-  instead of piecewise ones, and whole-model graphs of the eager model. As
-  vLLM's default (``FULL_AND_PIECEWISE``, vLLM PR 25444): uniform decode
-  batches replay one graph per step, prefill and mixed batches replay pieces,
-  and a decode batch above the largest whole-model graph replays pieces too;
-* ``"full"``: whole-model graphs of the eager model only;
-* ``"piecewise"`` / ``"breakable"``: token-axis graphs only, for every mode;
-* ``"none"``: nothing (a runner installed by hand still serves).
-
-Counted in ``counters.step_paths[(path, why)]``: path ``whole_model``,
-``piecewise``, ``breakable``, ``eager`` (``model_forward`` when it was
-replaced); why: the padding taken (``"DECODE bs 3 -> 4"``, ``"EXTEND 17 ->
-24 tokens"``) or why no graph served the step.
+"""One dispatcher: every ``ModelRunner`` step takes the first path that serves
+it (whole-model graphs, then token-axis graphs, else eager) and is counted in
+``counters.step_paths[(path, why)]``; the graph policy (``POLICIES``) decides
+only what ``capture_graphs`` builds. docs/ARCHITECTURE.md, "The dispatcher".
 """
 
 from __future__ import annotations
@@ -42,14 +14,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sgl_piecewise.compile.compiled_model import CompiledModel
-from sgl_piecewise.compile.options import DEFAULT_MAX_CAPTURE_SIZE, CompileOptions, default_capture_sizes
+from sgl_piecewise.compile.options import DEFAULT_MAX_CAPTURE_SIZE, CompileOptions
 from sgl_piecewise.distributed import tensor_parallel
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
 from sgl_piecewise.forward import ForwardBatch
 from sgl_piecewise.runners.breakable import BreakableCudaGraphRunner
 from sgl_piecewise.runners.piecewise import PiecewiseCudaGraphRunner
 from sgl_piecewise.runners.protocols import GraphHost, StepGraphs, TokenGraphs
-from sgl_piecewise.runners.whole_model import DEFAULT_MAX_DECODE_BS, CudaGraphRunner
+from sgl_piecewise.runners.whole_model import CudaGraphRunner
 
 POLICIES = ("auto", "full", "piecewise", "breakable", "none")
 logger = logging.getLogger("sgl_piecewise")
@@ -61,7 +33,6 @@ def check_policy(graphs: object) -> str:
     return graphs  # type: ignore[return-value]
 
 
-# ---- routing ----------------------------------------------------------------
 def graph_step(model_runner: GraphHost, batch: ForwardBatch) -> Tuple[Optional[torch.Tensor], str, str]:
     """``(hidden [num_tokens, H], path, why)`` from the first graph runner that
     serves ``batch``; ``(None, "", why none did)`` for the eager path."""
@@ -72,7 +43,7 @@ def graph_step(model_runner: GraphHost, batch: ForwardBatch) -> Tuple[Optional[t
         hidden, why, usual = _whole_model(whole, batch)
         if hidden is not None:
             return hidden, "whole_model", why
-        if usual:  # a mode the whole-model graphs never serve: said only if nothing else is
+        if usual:  # a mode they never serve: said only if nothing else is
             unserved_mode = why
         else:
             declined.append(why)
@@ -93,8 +64,7 @@ def graph_step(model_runner: GraphHost, batch: ForwardBatch) -> Tuple[Optional[t
 def _whole_model(runner: StepGraphs, batch: ForwardBatch) -> Tuple[Optional[torch.Tensor], str, bool]:
     """``(hidden or None, why, usual)``; ``usual``: a mode it never serves."""
     mode = batch.forward_mode
-    # try_replay whatever padded_bs says: the runner counts its own declines
-    # (a batch above its largest graph) in counters.eager_fallbacks.
+    # try_replay whatever padded_bs says: the runner counts its own declines.
     hidden = runner.try_replay(batch)
     padded = runner.padded_bs(batch)
     if hidden is not None:
@@ -117,7 +87,6 @@ def _token_reason(runner: TokenGraphs, batch: ForwardBatch) -> str:
     return f"{runner.name} graphs not captured"
 
 
-# ---- capture ----------------------------------------------------------------
 @dataclass
 class CaptureReport:
     """What ``capture_graphs`` built for a policy: per path, what it captured or why not."""
@@ -140,7 +109,7 @@ def capture_graphs(
     capture_sizes: Optional[Sequence[int]] = None,
     piece_compiler: str = "inductor",
 ) -> CaptureReport:
-    """Build and capture the runners ``model_runner.graphs`` needs (module docstring)."""
+    """Build and capture the runners the policy ``model_runner.graphs`` needs."""
     policy = model_runner.graphs
     report = CaptureReport(policy)
     start = time.perf_counter()
@@ -158,9 +127,7 @@ def capture_graphs(
 
 
 def _token_sizes(model_runner: GraphHost, capture_sizes: Optional[Sequence[int]]) -> Tuple[int, ...]:
-    """Default: the piecewise schedule, up to what one step can hold (every
-    request row at full context)."""
-
+    """Default: the piecewise schedule, up to what one step can hold."""
     if capture_sizes is not None:
         return CompileOptions(capture_sizes=tuple(capture_sizes)).capture_sizes
     most = model_runner.req_to_token_pool.max_reqs * model_runner.max_context_len
@@ -176,7 +143,6 @@ def _try_piecewise(
 ) -> bool:
     """Capture piecewise graphs; False where the model does not trace as one
     graph and ``required`` is off (auto then takes breakable graphs)."""
-
     options = CompileOptions(cudagraphs=True, capture_sizes=sizes, piece_compiler=piece_compiler)
     runner = PiecewiseCudaGraphRunner(model_runner, options)
     try:
@@ -193,7 +159,6 @@ def _try_piecewise(
 
 
 def _capture_breakable(model_runner: GraphHost, sizes, progress: bool, report) -> None:
-
     BreakableCudaGraphRunner(model_runner, sizes).capture(progress=progress)
     report.paths["breakable"] = _describe(sizes, "tokens")
 
@@ -203,19 +168,16 @@ def _capture_whole_model(
 ) -> None:
     """Whole-model graphs of the compiled model (``piece_compiler`` given: the
     model traces) or of the eager one; skipped under auto without graph hooks."""
-
     backend = model_runner.backend
     if not backend.supports_cuda_graph and model_runner.graphs == "auto":
         report.paths["whole_model"] = f"skipped: the {backend.name} backend has no graph hooks"
         logger.info("graphs='auto': %s", report.paths["whole_model"])
         return
     forward = _compiled_forward(model_runner, piece_compiler) if piece_compiler else None
-    # Under sequence parallelism each graph's token count splits evenly over
-    # the ranks, and its registry writes this rank's share of the real
-    # tokens as num_token_non_padded (upstream SGLang PR 22404).
+    # Under sequence parallelism each graph's tokens split evenly over the ranks.
     split = token_split()
     rank = tensor_parallel().rank if split > 1 else 0
-    bs = capture_bs or _default_bs(model_runner, split)
+    bs = capture_bs or None  # None: default_capture_bs, whose sizes split over the ranks
     runner = CudaGraphRunner(model_runner, bs, forward=forward, attn_tp_size=split, attn_tp_rank=rank)
     runner.capture(progress=progress)
     what = "compiled" if forward is not None else "eager"
@@ -223,31 +185,12 @@ def _capture_whole_model(
 
 
 def token_split() -> int:
-    """What a whole-model graph's batch size must be a multiple of, for
-    its tokens to split evenly over the ranks: the group's size under
-    sequence parallelism, else 1."""
+    """What a whole-model graph's batch size must be a multiple of: the group's
+    size under sequence parallelism, else 1."""
     tp = tensor_parallel()
     return tp.size if tp.splits_sequence else 1
 
 
-def _default_bs(model_runner: GraphHost, multiple: int = 1) -> Tuple[int, ...]:
-    """SGLang's schedule up to 160 and the request table's size: a full
-    table (3 requests, say, off the schedule) gets a graph of its own. Only
-    multiples of ``multiple`` (the ranks a step's tokens split over), the
-    table's size rounded down to one."""
-
-    most = min(model_runner.req_to_token_pool.max_reqs, DEFAULT_MAX_DECODE_BS)
-    sizes = {s for s in (*default_capture_sizes(most), most // multiple * multiple) if s and s % multiple == 0}
-    if not sizes:
-        raise InvalidInputError(
-            f"max_reqs: expected at least {multiple} requests (a decode graph's tokens split over {multiple} "
-            f"ranks), got {model_runner.req_to_token_pool.max_reqs}"
-        )
-    return tuple(sorted(sizes))
-
-
 def _compiled_forward(model_runner: GraphHost, piece_compiler: str) -> CompiledModel:
-    """The model compiled without graphs of its own (the whole-model graph
-    holds them): its fused kernels inside the decode graphs."""
-
+    """The model compiled without graphs of its own, for the whole-model graphs to record."""
     return CompiledModel(model_runner.model, CompileOptions(piece_compiler=piece_compiler))

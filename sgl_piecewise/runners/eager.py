@@ -1,5 +1,4 @@
-"""A step's model run with eager attention metadata: the eager path of
-every step, and the piecewise graphs' (which pad the tokens themselves)."""
+"""A step's model run with eager attention metadata: the eager path, and the piecewise graphs'."""
 
 from __future__ import annotations
 
@@ -18,16 +17,11 @@ Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def run_model(
     forward: Forward, batch: ForwardBatch, backend: AttentionBackend, debug_checks: bool = False
 ) -> torch.Tensor:
-    """``forward(input_ids, positions)`` on ``batch``'s real tokens with eager
-    attention metadata: hidden states ``[num_tokens, H]``. ``batch`` has been
-    validated by the caller."""
+    """Hidden states ``[num_tokens, H]`` of ``forward`` on ``batch``'s real tokens (validated)."""
     backend.init_forward_metadata(batch, check=False)
     n = batch.num_tokens
     ids, positions = batch.input_ids[:n], batch.positions[:n]
-    # A compiled forward then traces one graph for every token count (1
-    # included) from its first call: no recompile, and the first call's
-    # graph already has a token axis to pad for graphs. CompiledModel
-    # marks the axis itself, its own way (compile/token_guards.py).
+    # One trace for every token count from the first call; CompiledModel marks its own.
     if not isinstance(forward, CompiledModel):
         mark_token_axis(ids, positions)
     with forward_context(batch, backend, check=False, debug_checks=debug_checks):

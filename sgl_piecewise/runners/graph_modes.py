@@ -1,23 +1,8 @@
-"""What differs between the forward modes a whole-model graph serves.
-
-``CudaGraphRunner`` captures one graph per ``(mode, batch size)`` for the
-modes with a uniform number of new tokens per request
-(``ForwardMode.is_cuda_graph``). Everything mode-specific lives here, so the
-runner's capture and replay paths stay one path:
-
-* the **width** ``w``: new tokens per request, padded requests included —
-  DECODE 1, IDLE 1 (an idle graph is a decode graph of padding),
-  TARGET_VERIFY and DRAFT_EXTEND_V2 the runner's ``num_tokens_per_req``;
-* the static batch a graph reads (views of the registry) and the
-  ``spec_info`` handed to the backend's capture and replay hooks;
-* why a batch of a served mode cannot replay (another width, a ragged
-  draft-extend step, another mask kind): the runner counts that fallback;
-* the tree mask of padded requests (TARGET_VERIFY with ``tree_mask=True``).
-
-In TARGET_VERIFY and DRAFT_EXTEND_V2 ``seq_lens`` holds the prefix (upstream
-SGLang PR 26512), so a padded request has prefix = the backend's fill value
-and ``w`` new tokens that write only the dummy slot.
-"""
+"""What differs between the modes a whole-model graph serves, so
+``CudaGraphRunner`` has one capture and one replay path: each mode's width
+(new tokens per request), static batch, ``spec_info`` for the backend's
+hooks, and why a batch cannot replay. The table: docs/ARCHITECTURE.md,
+"CudaGraphRunner"."""
 
 from __future__ import annotations
 
@@ -30,7 +15,6 @@ from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode, SpecInfo
 
 GRAPH_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2, ForwardMode.IDLE)
-# Names in counters' fallback reasons and progress bars.
 LABELS = {
     ForwardMode.DECODE: "decode",
     ForwardMode.TARGET_VERIFY: "verify",
@@ -41,8 +25,7 @@ LABELS = {
 
 @dataclass(frozen=True)
 class ModeLayout:
-    """One mode's graph layout: ``width`` new tokens per request; ``masked``:
-    TARGET_VERIFY graphs read a tree mask (``spec_info.custom_mask``)."""
+    """One mode's graph layout; ``masked``: TARGET_VERIFY graphs read a tree mask."""
 
     mode: ForwardMode
     width: int
@@ -54,15 +37,14 @@ class ModeLayout:
 
     @property
     def speculative(self) -> bool:
-        """The step carries ``spec_info.num_tokens_per_req`` (and ``seq_lens`` = prefix)."""
+        """``seq_lens`` holds the prefix, and ``spec_info`` the width."""
         return self.mode.seq_lens_exclude_new_tokens()
 
 
 def mode_layouts(
     modes: Sequence[ForwardMode], num_tokens_per_req: Optional[int], tree_mask: bool
 ) -> Dict[ForwardMode, ModeLayout]:
-    """The layouts of ``modes``, checked: graph modes only, each once;
-    ``num_tokens_per_req`` (an int >= 1) exactly when a speculative mode is among them."""
+    """The layouts of ``modes``, checked."""
     if isinstance(modes, (str, ForwardMode)) or not isinstance(modes, Sequence) or not modes:
         raise InvalidTypeError(f"modes: expected a non-empty sequence of ForwardMode, got {modes!r}")
     bad = [m for m in modes if not isinstance(m, ForwardMode) or m not in GRAPH_MODES]
@@ -92,15 +74,8 @@ def mode_layouts(
 
 
 def static_batch(layout: ModeLayout, views: Dict[str, torch.Tensor], bs: int) -> ForwardBatch:
-    """The batch a graph of ``bs`` requests reads: the registry's views.
-
-    The host lists are what every replay of this size has: ``w`` new tokens
-    per request, except IDLE, whose rows are all padding (no K/V written,
-    zero attention output). ``extend_prefix_lens`` is kept true by the
-    runner before each run; prefix host values change per step and are not kept.
-    ``seq_lens_cpu`` is None where the registry keeps no host copy: nothing
-    reads it then, and None fails loudly where a stale copy would not.
-    """
+    """The batch a graph of ``bs`` requests reads: the registry's views, and the
+    host lists every replay of this size has (IDLE: all padding)."""
     w = layout.width
     return ForwardBatch(
         forward_mode=layout.mode,
@@ -108,7 +83,7 @@ def static_batch(layout: ModeLayout, views: Dict[str, torch.Tensor], bs: int) ->
         input_ids=views["input_ids"],
         positions=views["positions"],
         seq_lens=views["seq_lens"],
-        seq_lens_cpu=views.get("seq_lens_cpu"),  # None: the registry keeps no host copy
+        seq_lens_cpu=views.get("seq_lens_cpu"),  # None fails loudly where a stale copy would not
         extend_seq_lens=views["extend_seq_lens"],
         extend_prefix_lens=torch.empty_like(views["seq_lens"]),
         req_pool_indices=views["req_pool_indices"],
@@ -121,17 +96,15 @@ def static_batch(layout: ModeLayout, views: Dict[str, torch.Tensor], bs: int) ->
 
 
 def _static_spec(layout: ModeLayout, views: Dict[str, torch.Tensor]) -> Optional[SpecInfo]:
-    """What a graph's forward may read of ``spec_info``: the width and, in
-    DRAFT_EXTEND_V2, the registry's accept lengths (padded with ``w``,
-    upstream SGLang PR 25002). The tree mask is passed per step to the hooks."""
+    """The width and, in DRAFT_EXTEND_V2, the registry's accept lengths; the tree
+    mask goes to the hooks per step."""
     if not layout.speculative:
         return None
     return SpecInfo(num_tokens_per_req=layout.width, accept_lengths=views.get("accept_lengths"))
 
 
 def refresh_prefix_lens(static: ForwardBatch) -> None:
-    """``extend_prefix_lens`` of the static batch from its ``seq_lens``: the
-    prefix itself where ``seq_lens`` excludes the new tokens, else ``seq_lens - w``."""
+    """``extend_prefix_lens`` of the static batch from its ``seq_lens``."""
     if static.forward_mode.seq_lens_exclude_new_tokens():
         static.extend_prefix_lens.copy_(static.seq_lens)
     else:
@@ -139,8 +112,7 @@ def refresh_prefix_lens(static: ForwardBatch) -> None:
 
 
 def why_eager(layout: ModeLayout, batch: ForwardBatch) -> Optional[str]:
-    """Why ``batch`` (of ``layout``'s mode) cannot replay a graph of this
-    layout, or None. Sizes are the runner's business; this is the shape."""
+    """Why ``batch`` cannot replay a graph of this layout (sizes aside), or None."""
     if not layout.speculative:
         return None
     spec = batch.spec_info
@@ -148,7 +120,6 @@ def why_eager(layout: ModeLayout, batch: ForwardBatch) -> Optional[str]:
     if width != layout.width:
         return f"{layout.label} graphs: {width} tokens per request, captured {layout.width}"
     if any(n != width for n in batch.extend_seq_lens_cpu):
-        # DRAFT_EXTEND_V2 may carry fewer tokens eagerly; a graph has exactly w.
         return f"{layout.label} graphs: a ragged batch, captured a uniform {width} tokens per request"
     if layout.masked != (spec.custom_mask is not None):
         want = "a" if layout.masked else "no"
@@ -157,8 +128,7 @@ def why_eager(layout: ModeLayout, batch: ForwardBatch) -> Optional[str]:
 
 
 def causal_block(prefix: int, width: int, device) -> torch.Tensor:
-    """``[width, prefix + width]`` bool, flat: every prefix key and the chain
-    of drafts up to itself (the mask of a padded request, or of a chain)."""
+    """``[width, prefix + width]`` bool, flat: a chain's causal mask over its prefix."""
     i = torch.arange(width, device=device).view(width, 1)
     j = torch.arange(prefix + width, device=device).view(1, prefix + width)
     return (j <= prefix + i).flatten()
@@ -167,9 +137,8 @@ def causal_block(prefix: int, width: int, device) -> torch.Tensor:
 def graph_spec(
     layout: ModeLayout, batch: Optional[ForwardBatch], raw_bs: int, padded_bs: int, fill: int, device
 ) -> Optional[SpecInfo]:
-    """``spec_info`` for the backend's hooks at ``padded_bs`` (``batch`` None:
-    a capture, every request padding). The width is the layout's; a tree
-    mask gets a causal block per padded request, after the real blocks."""
+    """``spec_info`` for the backend's hooks at ``padded_bs`` (``batch`` None: a
+    capture); a tree mask gets a causal block per padded request."""
     if not layout.speculative:
         return None
     mask = None

@@ -1,19 +1,6 @@
-"""``PiecewiseCudaGraphRunner``: a ``ModelRunner``'s model, compiled by the
-``sgl_piecewise`` backend, with every capture size captured up front.
-
-The backend's own wrapper does the capturing (one place, not two); this
-runner only drives it: it compiles with the token axis marked dynamic
-(``CompiledModel``: one graph for every size, 1 included), and calls the compiled
-model once per capture size through the capture core (``capture.py``):
-largest first — so smaller sizes reuse the pool memory the largest one
-reserved — with Python's gc frozen and a progress bar.
-
-It installs itself as the ``ModelRunner``'s ``token_graphs``: ``forward_step``
-replays through it every step whose token count a captured size holds
-(``runners/dispatch.py``); larger steps run ``model_forward`` (the eager
-model). A model with a graph break is refused at capture, naming the break:
-such a model can run through the breakable runner instead.
-"""
+"""``PiecewiseCudaGraphRunner``: a ``ModelRunner``'s model compiled by the
+``sgl_piecewise`` backend, which captures the pieces itself; this runner
+drives a dummy step per capture size, largest first."""
 
 from __future__ import annotations
 
@@ -37,8 +24,7 @@ from sgl_piecewise.runners.protocols import GraphHost
 
 
 class PiecewiseCudaGraphRunner:
-    """The compiled model's piecewise graphs; installs itself as
-    ``model_runner.token_graphs`` (``self.compiled`` is the compiled model)."""
+    """The compiled model's piecewise graphs; installs itself as ``model_runner.token_graphs``."""
 
     name = "piecewise"
 
@@ -50,26 +36,19 @@ class PiecewiseCudaGraphRunner:
         self.compiled = CompiledModel(model_runner.model, self.options)
         self.max_size = self.options.capture_sizes[-1]
         self.captured = False
-        self.first_size_seconds = 0.0
+        self.first_size_seconds = 0.0  # the largest size's share, the trace and compiles included
         reserve_eager_bindings(model_runner.backend, model_runner.req_to_token_pool.max_reqs, self.max_size)
         model_runner.token_graphs = self
 
     def capture(self, progress: bool = True, sizes: Optional[Sequence[int]] = None) -> float:
-        """Compile and capture ``sizes`` (default: every capture size),
-        largest first; return the seconds it took.
-
-        A capture size left out is captured lazily, the first time a step
-        pads to it (inside that step): capture the sizes a deployment uses
-        most up front and let rare ones wait, for a shorter start.
-        ``self.first_size_seconds`` keeps the share of the first (largest) size,
-        which includes Dynamo's trace and the piece compiles. A model Dynamo
-        cannot trace as one graph raises ``UnsupportedModeError`` naming the break.
-        """
+        """Compile and capture ``sizes`` (default: every capture size), largest
+        first; return the seconds it took. A size left out is captured at first
+        use. A graph break raises ``UnsupportedModeError`` naming it."""
         sizes = self._check_sizes(sizes)
         start = time.perf_counter()
         core = shared_capture(self.model_runner.device)
         sizes = core.largest_first(sizes, "capturing piecewise graphs", "size", progress)
-        with contextlib.closing(sizes):  # a failure thaws gc and closes the bar at once
+        with contextlib.closing(sizes):  # a failure thaws gc at once
             for i, size in enumerate(sizes):
                 try:
                     self._dummy_forward(size)
@@ -82,13 +61,11 @@ class PiecewiseCudaGraphRunner:
         return time.perf_counter() - start
 
     def padded_size(self, num_tokens: int) -> Optional[int]:
-        """The size ``num_tokens`` replays at, or None (before ``capture``, or
-        above the largest); a size ``capture`` left out is captured at first use."""
+        """The size ``num_tokens`` replays at, or None (before ``capture``, or above the largest)."""
         return self.options.padded_size(num_tokens) if self.captured and num_tokens >= 1 else None
 
     def replay(self, batch: ForwardBatch, padded: int) -> torch.Tensor:
-        """Hidden states of ``batch`` through the compiled model, which pads
-        to ``padded`` tokens itself and replays its pieces' graphs."""
+        """Hidden states of ``batch`` through the compiled model, which pads it itself."""
         mr = self.model_runner
         return run_model(self.compiled, batch, mr.backend, mr.debug_checks)
 
@@ -105,9 +82,7 @@ class PiecewiseCudaGraphRunner:
 
     @torch.no_grad()
     def _dummy_forward(self, num_tokens: int) -> None:
-        """``num_tokens`` new tokens, every one writing the dummy slot, spread
-        over as few requests as the context allows (a request holds at most
-        ``max_context_len`` tokens)."""
+        """``num_tokens`` new tokens on the dummy slot, over as few requests as the context allows."""
         mr = self.model_runner
         device = mr.device
         context = mr.max_context_len
@@ -129,7 +104,6 @@ class PiecewiseCudaGraphRunner:
                 torch.full((num_tokens,), DUMMY_SLOT, dtype=torch.int64),
             )
             mr.backend.init_forward_metadata(batch, check=False)  # every token on the dummy slot
-            # check=False: every token writing the dummy slot is the point here.
             with forward_context(batch, mr.backend, check=False), outputs_unused():
                 self.compiled(batch.input_ids, batch.positions)
         finally:

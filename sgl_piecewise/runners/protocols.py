@@ -1,10 +1,6 @@
-"""What the graph runners, the dispatcher and the engine declare to each other.
-
-The engine (``engine.runner.ModelRunner``) sits above this layer: a runner
-is handed a :class:`GraphHost`, the part of it a runner reads, and installs
-itself in one of its two slots; the dispatcher asks those slots only through
-:class:`StepGraphs` and :class:`TokenGraphs`.
-"""
+"""What the graph runners, the dispatcher and the engine above them declare to
+each other: a runner reads a :class:`GraphHost` and installs itself in one of
+its two slots, :class:`StepGraphs` or :class:`TokenGraphs`."""
 
 from __future__ import annotations
 
@@ -47,9 +43,7 @@ class TokenGraphs(Protocol):
 
 
 class GraphHost(Protocol):
-    """What a graph runner needs to capture and run steps: the model, its
-    backend and request table, the device, and the slots runners install
-    themselves in (``ModelRunner`` is one)."""
+    """What a graph runner reads of a ``ModelRunner``, and the slots it installs itself in."""
 
     model: torch.nn.Module
     backend: AttentionBackend

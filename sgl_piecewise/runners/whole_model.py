@@ -1,48 +1,17 @@
 """``CudaGraphRunner``: the whole model as one CUDA graph per ``(mode, batch
-size)``, with attention inside the graph, for every mode with a uniform
-number of new tokens per request: DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2 and
-IDLE (``runners/graph_modes.py`` holds what differs between them).
+size)``, attention inside, for the modes with a uniform number of new tokens
+per request (``graph_modes.py``). Capture and replay fill the same registry,
+so their inputs cannot drift; attention metadata goes through the backend's
+capture/replay hooks. docs/ARCHITECTURE.md, "CudaGraphRunner".
 
-Every static input comes from one registry per mode (``build_decode_registry``
-with ``num_tokens_per_bs`` = the mode's width, buffers shared through one
-pool): a capture fills its dummy batch through it (every request padding), a
-replay fills the real batch through it, so the two cannot drift (upstream
-SGLang PRs 22404 and 26742) — ``num_token_non_padded`` included, also as the
-local count of a simulated attention-TP rank (``attn_tp_size``,
-``attn_tp_rank``). Attention metadata goes through the backend's
-capture/replay hooks (Pattern A/B, docs/ARCHITECTURE.md, "Pattern A and
-Pattern B"), which key their static metadata per ``(mode, bs)``; host work
-such as FlashInfer's ``plan()`` runs in the hook, before the graph is
-launched, never inside it. Where the backend's fill is device work alone
-(``fill_in_graph``), the graph records it with the model, reading the
-registry's buffers, and the replay hook only checks the step. A host copy
-of the lengths (``seq_lens_cpu``, and ``seq_lens_sum``) is kept and passed
-only where the backend's replay hook reads it
-(``AttentionBackend.replay_reads_host_lengths``; none of this library's
-backends does).
-
-Sizes are captured largest first into one memory pool, with Python's gc
-frozen and a progress bar. A batch is padded to the smallest captured size
-that holds it: padded requests have ``seq_len`` = the backend's fill value
-(in TARGET_VERIFY and DRAFT_EXTEND_V2 that is their prefix), request row 0
-and, for each of their ``w`` tokens, the dummy KV slot. Batches of a served
-mode that no graph fits (above the largest size, another width, a ragged
-draft-extend step, another mask kind) run eagerly and are counted in
-``counters.eager_fallbacks``; steps of other modes run eagerly, uncounted.
-
-Graphs output hidden states only; logits are computed outside, for the rows
-the caller needs (every row in TARGET_VERIFY, the last accepted token of
-each request in DRAFT_EXTEND_V2): no sampling or top-k inside a graph
-(upstream SGLang PR 25002).
-
-On a machine without CUDA, capture is a pass-through: the hooks and the
-registry run as on a GPU, and "replay" runs the model eagerly on the static
-inputs, so CPU tests exercise everything but the graph itself.
+Without CUDA, capture is a pass-through and "replay" runs the forward on the
+static inputs, so CPU tests exercise everything but the graph itself.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
@@ -70,40 +39,24 @@ from sgl_piecewise.runners.graph_modes import (
 )
 from sgl_piecewise.runners.protocols import GraphHost
 
-# SGLang's default largest decode graph (`--cuda-graph-max-bs` on most cards).
-DEFAULT_MAX_DECODE_BS = 160
+DEFAULT_MAX_DECODE_BS = 160  # SGLang's default --cuda-graph-max-bs
 
 GraphKey = Tuple[ForwardMode, int]  # (mode, padded batch size)
 
 
 class CudaGraphRunner:
-    """Whole-model graphs for a ``ModelRunner``; installs itself as the
-    runner's ``step_graphs``, so ``forward_step`` replays a graph whenever one
-    fits the batch.
+    """Whole-model graphs for a ``ModelRunner``; installs itself as its ``step_graphs``.
 
     Args:
-        model_runner: the ``ModelRunner`` whose model, pools and backend the
-            graphs use. Its backend must support CUDA graphs and every mode.
-        capture_bs: batch sizes to capture (default: SGLang's schedule up to
-            ``DEFAULT_MAX_DECODE_BS``, capped by the request table's size).
+        capture_bs: batch sizes (default: ``default_capture_bs(max_reqs)``).
         forward: what the graphs record, ``forward(input_ids, positions)``
-            (default: the runner's model, eager kernels). A compiled model,
-            e.g. ``CompiledModel(model, CompileOptions())``, records
-            Inductor's fused kernels instead: fewer launches per step.
-        capture: the capture core (pool, stream); default: the process-wide
-            one of the runner's device, shared with every other runner.
-        modes: the modes to capture, each at every size (default: DECODE).
-        num_tokens_per_req: the uniform width of TARGET_VERIFY and
-            DRAFT_EXTEND_V2 graphs (required with either, refused without).
-            For greedy verification of ``k`` draft tokens it is ``k + 1``:
-            the last accepted token and the ``k`` drafts
-            (``sgl_piecewise.engine.speculative``).
-        tree_mask: TARGET_VERIFY graphs read a tree mask
-            (``spec_info.custom_mask``); off by default (chain drafts,
-            causal). A graph serves one mask kind.
+            (default: the eager model; a ``CompiledModel`` records Inductor's kernels).
+        capture: the capture core; default: the device's shared one.
+        num_tokens_per_req: the width of TARGET_VERIFY and DRAFT_EXTEND_V2
+            graphs (``k + 1`` for ``k`` drafts); required with either.
+        tree_mask: TARGET_VERIFY graphs read ``spec_info.custom_mask``.
         attn_tp_size, attn_tp_rank: the attention tensor-parallel split whose
-            local ``num_token_non_padded`` the graphs read (upstream SGLang
-            PR 22404); every captured size's token count must divide by it.
+            local ``num_token_non_padded`` the graphs read.
     """
 
     def __init__(
@@ -131,12 +84,12 @@ class CudaGraphRunner:
         self.model_runner = model_runner
         self.forward = forward if forward is not None else model_runner.model
         max_width = max(layout.width for layout in self.layouts.values())
-        self.capture_bs = _check_sizes(capture_bs, model_runner.req_to_token_pool.max_reqs,
-                                       self._widths(), attn_tp_size)  # fmt: skip
+        self.capture_bs = _check_sizes(
+            capture_bs, model_runner.req_to_token_pool.max_reqs, self._widths(), attn_tp_size
+        )
         self.max_bs = self.capture_bs[-1]
         self.use_cuda = model_runner.device.type == "cuda"
         self._seq_len_fill = backend.get_cuda_graph_seq_len_fill_value()  # padded requests' seq_len
-        # A host copy of the lengths (and their sum) only for a replay hook that reads them.
         self._host_lengths = backend.replay_reads_host_lengths
         self.registries = self._build_registries(attn_tp_size, attn_tp_rank)
         record_fills(backend)
@@ -144,12 +97,10 @@ class CudaGraphRunner:
         self._static: Dict[GraphKey, ForwardBatch] = {}  # the batch each graph reads
         self._graphs: Dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._outputs: Dict[GraphKey, torch.Tensor] = {}  # hidden [bs * w, H] in the pool
-        # (mode, real bs, padded bs) -> its fill's sizes: immutable, built once
-        # rather than before every replay.
         self._fill_contexts: Dict[Tuple[ForwardMode, int, int], FillContext] = {}
         self.capture_core = capture if capture is not None else shared_capture(model_runner.device)
         self.capture_seconds = 0.0
-        self._weights: Optional[WeightGuard] = None  # where the captured graphs read the weights
+        self._weights: Optional[WeightGuard] = None
         model_runner.step_graphs = self
 
     @property
@@ -160,9 +111,7 @@ class CudaGraphRunner:
         return tuple(sorted({layout.width for layout in self.layouts.values()}))
 
     def _build_registries(self, attn_tp_size: int, attn_tp_rank: int) -> Dict[ForwardMode, CudaGraphBufferRegistry]:
-        """One registry per mode; one pool, so modes of one width share their
-        buffers (graphs of a device run one at a time, and every fill rewrites
-        what its graph reads)."""
+        """One registry per mode over one pool: modes of one width share buffers."""
         pool = SharedBufferPool()
         device = self.model_runner.device
         return {
@@ -176,11 +125,10 @@ class CudaGraphRunner:
                 with_accept_lengths=mode.is_draft_extend_v2(),
                 host_seq_lens=self._host_lengths,
                 pool=pool,
-            )  # fmt: skip
+            )
             for mode, layout in self.layouts.items()
         }
 
-    # ---- capture ----------------------------------------------------------
     def capture(self, progress: bool = True) -> float:
         """Capture every mode at every size, largest first; return the seconds it took."""
         start = time.perf_counter()
@@ -205,12 +153,11 @@ class CudaGraphRunner:
         key = (layout.mode, bs)
         self._static[key] = static
         counters.graphs_captured += 1
+        # On every device: a compiled forward compiles here, not at the first step.
+        self.capture_core.warmup(lambda: self._run(static))
         if not self.use_cuda:
             return
-        self.capture_core.warmup(lambda: self._run(static))
         backend = self.model_runner.backend
-        # Where the backend lets it, the graph holds the metadata fill too, so a
-        # replay launches nothing but the registry's copies before the graph.
         fill_in_graph = backend.fill_in_graph(layout.mode, bs, static.req_pool_indices, static.seq_lens)
 
         def step() -> torch.Tensor:
@@ -235,30 +182,25 @@ class CudaGraphRunner:
         with forward_context(static, self.model_runner.backend, check=False):  # padded static batch
             return self.forward(static.input_ids, static.positions)
 
-    # ---- replay -----------------------------------------------------------
     def padded_bs(self, batch: ForwardBatch) -> Optional[int]:
-        """The captured size ``batch`` replays at, or None (eager). An IDLE
-        step has no requests and replays the smallest size; a caller that
-        must run a given size (DP attention) calls :meth:`replay` with it."""
+        """The captured size ``batch`` replays at, or None (eager)."""
         if batch.forward_mode not in self.layouts or not self._static:
             return None
         i = bisect.bisect_left(self.capture_bs, batch.batch_size)
         return self.capture_bs[i] if i < len(self.capture_bs) else None
 
     def captured_graph(self, mode: ForwardMode, bs: int) -> Optional[torch.cuda.CUDAGraph]:
-        """The graph captured for ``bs`` requests of ``mode`` (None on a CPU or
-        before capture), for profiling."""
+        """The graph of ``bs`` requests of ``mode`` (None on a CPU or before capture)."""
         return self._graphs.get((mode, bs))
 
     def try_replay(self, batch: ForwardBatch) -> Optional[torch.Tensor]:
-        """Hidden states ``[num_tokens, H]`` of every real token of ``batch``
-        from a graph, or None when no captured graph serves it (the caller
-        runs eagerly; batches of a served mode are counted)."""
+        """Hidden states ``[num_tokens, H]`` of ``batch``'s real tokens from a
+        graph, or None (a batch of a served mode is counted as a fallback)."""
         layout = self.layouts.get(batch.forward_mode)
         if layout is None or not self._static:
             return None
         if batch.batch_size == 0 and not batch.forward_mode.is_idle():
-            return None  # nothing to run: the eager path handles an empty step
+            return None
         reason = why_eager(layout, batch)
         padded = self.padded_bs(batch)
         if reason is None and padded is None:
@@ -269,8 +211,7 @@ class CudaGraphRunner:
         return self.replay(batch, padded)
 
     def replay(self, batch: ForwardBatch, padded_bs: int) -> torch.Tensor:
-        """Run ``batch`` through the graph of its mode at ``padded_bs``
-        (checked by :meth:`try_replay`); hidden states of its real tokens."""
+        """Hidden states of ``batch``'s real tokens through its mode's graph at ``padded_bs``."""
         mode, bs = batch.forward_mode, batch.batch_size
         layout = self.layouts[mode]
         key = (mode, padded_bs)
@@ -290,33 +231,52 @@ class CudaGraphRunner:
             batch.seq_lens_sum + self._seq_len_fill * (padded_bs - bs) if self._host_lengths else SEQ_LENS_SUM_UNKNOWN
         )
         self.model_runner.backend.init_forward_metadata_replay_cuda_graph(
-            padded_bs, static.req_pool_indices, static.seq_lens, seq_lens_sum, None, mode, spec,
+            padded_bs,
+            static.req_pool_indices,
+            static.seq_lens,
+            seq_lens_sum,
+            None,
+            mode,
+            spec,
             static.seq_lens_cpu,
-        )  # fmt: skip
+        )
         counters.replays += 1
         if not self.use_cuda:
             out = self._run(static)[: batch.num_tokens]
             self._weights.check()
             return out
         self._graphs[key].replay()
-        self._weights.check()  # while the card runs the graph (weight_guard.py)
-        # A copy: the next replay (of any size: one pool) rewrites the graph's output.
+        self._weights.check()
+        # A copy: the next replay (of any size: one pool) rewrites the output.
         return self._outputs[key][: batch.num_tokens].clone()
 
 
+def default_capture_bs(max_reqs: int, multiple: int = 1) -> Tuple[int, ...]:
+    """SGLang's schedule up to ``DEFAULT_MAX_DECODE_BS`` and the request table's
+    size itself (a full table gets a graph of its own), multiples of
+    ``multiple`` only (the table's size rounded down to one)."""
+    most = min(max_reqs, DEFAULT_MAX_DECODE_BS)
+    sizes = {s for s in (*default_capture_sizes(most), most // multiple * multiple) if s and s % multiple == 0}
+    if not sizes:
+        raise InvalidInputError(
+            f"max_reqs: expected at least {multiple} requests (a graph's tokens split evenly over the "
+            f"attention ranks), got {max_reqs}"
+        )
+    return tuple(sorted(sizes))
+
+
 def _check_sizes(capture_bs: Optional[Sequence[int]], max_reqs: int, widths: Sequence[int], attn_tp_size: int) -> list:
-    """Sorted sizes, each within the request table and, under attention TP,
-    with a token count ``bs * w`` every rank holds an even share of."""
+    """Sorted sizes within the request table whose token counts ``bs * w``
+    split evenly over the attention ranks."""
     check_positive_int("attn_tp_size", attn_tp_size)
 
     def splits(bs: int) -> bool:
         return all(bs * w % attn_tp_size == 0 for w in widths)
 
     if capture_bs is None:
-        sizes = [s for s in default_capture_sizes(DEFAULT_MAX_DECODE_BS) if s <= max_reqs and splits(s)]
-        if sizes:
-            return sizes
-        capture_bs = [max_reqs]
+        # The sizes that split are the multiples of this one.
+        multiple = math.lcm(*(attn_tp_size // math.gcd(attn_tp_size, w) for w in widths))
+        return list(default_capture_bs(max_reqs, multiple))
     sizes = sorted({check_positive_int("capture_bs", s) for s in capture_bs})
     if not sizes or sizes[-1] > max_reqs:
         raise InvalidInputError(
