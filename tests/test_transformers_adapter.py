@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import sgl_piecewise as sp  # noqa: E402
-from sgl_piecewise.compile import CompiledModel, CompileOptions  # noqa: E402
+from sgl_piecewise.compile import CompiledModel, CompileOptions, mark_token_axis  # noqa: E402
 from sgl_piecewise.engine.runner import ModelRunner  # noqa: E402
 from sgl_piecewise.engine.testing import random_batch  # noqa: E402
 from sgl_piecewise.errors import InvalidInputError  # noqa: E402
@@ -115,6 +115,29 @@ def test_one_dynamo_graph_for_every_token_count(expected, arch):
         try:
             batch = random_batch(sp.ForwardMode.EXTEND, table, pool, [i], [n], vocab_size=VOCAB)
             backend.init_forward_metadata(batch)
+            with torch.no_grad(), sp.forward_context(batch, backend):
+                got = compiled(batch.input_ids, batch.positions)
+                want = model(batch.input_ids, batch.positions)
+        finally:
+            torch.compiler.set_stance("default")
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["Phi3ForCausalLM", "MistralForCausalLM"])
+def test_torch_compile_with_the_backend_has_no_graph_break_and_no_recompile(expected, arch):
+    """``fullgraph=True`` raises at any graph break; ``fail_on_recompile`` at any recompile."""
+    model, _ = expected[arch]
+    compiled = torch.compile(model, backend="sgl_piecewise", fullgraph=True)
+    table = sp.ReqToTokenPool(max_reqs=8, max_context_len=64)
+    pool = sp.KVPool(1024, 2, 2, 16)
+    backend = sp.backends.ReferenceBackend(table, pool)
+    for i, n in enumerate([6, 1, 9]):
+        batch = random_batch(sp.ForwardMode.EXTEND, table, pool, [i], [n], vocab_size=VOCAB)
+        backend.init_forward_metadata(batch)
+        mark_token_axis(batch.input_ids, batch.positions)
+        if i == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
             with torch.no_grad(), sp.forward_context(batch, backend):
                 got = compiled(batch.input_ids, batch.positions)
                 want = model(batch.input_ids, batch.positions)
