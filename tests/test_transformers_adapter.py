@@ -237,6 +237,12 @@ def test_longrope_bounds_the_context_to_its_short_factors():
     assert from_config(config).config.max_position_embeddings == 32
 
 
+def test_a_config_built_in_code_is_named_by_its_model_type():
+    assert from_config(transformers.Qwen3Config(**SHAPE)).config.architecture == "Qwen3ForCausalLM"
+    with pytest.raises(InvalidInputError, match="got none named, model_type 'gpt2'"):
+        from_config(transformers.GPT2Config())
+
+
 def test_adapt_refuses_what_is_not_a_transformers_model():
     with pytest.raises(sp.errors.InvalidTypeError, match="expected a transformers PreTrainedModel, got Linear"):
         adapt(torch.nn.Linear(2, 2))

@@ -62,14 +62,19 @@ def architecture_of(hf_config: Any, architecture: Optional[str] = None) -> str:
     names none: its ``model_type`` then), refused unless the adapter lists it."""
     archs = getattr(hf_config, "architectures", None) or []
     if architecture is None and not archs:
-        architecture = ADAPTER_MODEL_TYPES.get(getattr(hf_config, "model_type", None))
+        model_type = getattr(hf_config, "model_type", None)
+        architecture = ADAPTER_MODEL_TYPES.get(model_type)
+        if architecture is None:
+            raise _unlisted(f"none named, model_type {model_type!r}")
     elif architecture is None:
         architecture = archs[0] if len(archs) == 1 else archs
     if architecture not in ADAPTER_ARCHITECTURES:
-        raise InvalidInputError(
-            f"architectures: expected one of {', '.join(ADAPTER_ARCHITECTURES)}, got {architecture!r}"
-        )
+        raise _unlisted(repr(architecture))
     return architecture
+
+
+def _unlisted(got: str) -> InvalidInputError:
+    return InvalidInputError(f"architectures: expected one of {', '.join(ADAPTER_ARCHITECTURES)}, got {got}")
 
 
 def _refuse(architecture: str, feature: str, got: object) -> InvalidInputError:
