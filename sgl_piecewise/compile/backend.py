@@ -10,7 +10,7 @@ import logging
 import operator
 import pickle
 from dataclasses import replace
-from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.fx
@@ -49,21 +49,36 @@ def sgl_piecewise_backend(
 class SglPiecewiseBackend:
     """A configured backend: ``torch.compile`` refuses ``mode`` and ``options`` at once."""
 
-    def __init__(self, options: Optional[CompileOptions] = None, **kwargs: Any):
+    def __init__(
+        self,
+        options: Optional[CompileOptions] = None,
+        *,
+        token_guards: Optional[TokenShapeGuards] = None,
+        **kwargs: Any,
+    ):
         if options is not None and kwargs:
             raise InvalidInputError(f"expected CompileOptions or keyword options, got both ({sorted(kwargs)})")
         self.options = options or CompileOptions.from_compile_args(None, kwargs)
         self.modules: list = []  # every PiecewiseModule built, for inspection
-        self.token_guards: Optional[TokenShapeGuards] = None  # set by CompiledModel
-        # Set by CompiledModel around a call that may compile: (model, args).
-        self.call: Optional[Tuple[torch.nn.Module, tuple]] = None
+        self.token_guards = token_guards  # told of each compile's inputs (CompiledModel's guard filter)
+        self._call: Optional[Tuple[torch.nn.Module, tuple]] = None  # see calling()
+
+    @contextlib.contextmanager
+    def calling(self, model: torch.nn.Module, args: tuple) -> Iterator[None]:
+        """A call of ``model`` on ``args`` that may compile: a piecewise module
+        compiled inside it keeps them, to be called without Dynamo later."""
+        self._call = (model, args)
+        try:
+            yield
+        finally:
+            self._call = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         if self.token_guards is not None:
             self.token_guards.begin_compile(*_fake_inputs(list(example_inputs)))
         if not self.options.split_graph:
             return compile_whole(gm, list(example_inputs), self.options)
-        module = PiecewiseModule.compile(gm, list(example_inputs), self.options, self.call)
+        module = PiecewiseModule.compile(gm, list(example_inputs), self.options, self._call)
         self.modules.append(module)
         return module
 

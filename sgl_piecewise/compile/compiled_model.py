@@ -52,8 +52,8 @@ class CompiledModel:
     def __init__(self, model: torch.nn.Module, options: Optional[CompileOptions] = None):
         self.model = model
         self.options = options or CompileOptions()
-        self.backend = SglPiecewiseBackend(self.options)
-        self.token_guards = self.backend.token_guards = TokenShapeGuards()
+        self.token_guards = TokenShapeGuards()
+        self.backend = SglPiecewiseBackend(self.options, token_guards=self.token_guards)
         self.compiled = torch.compile(
             model, backend=self.backend, fullgraph=True, options={"guard_filter_fn": self.token_guards}
         )
@@ -98,9 +98,9 @@ class CompiledModel:
             mark_token_axis_backed(*args)
             self._marked = True
         direct = _direct_calls_on(self.options)
-        self.backend.call = (self.model, args) if direct else None
+        calling = self.backend.calling(self.model, args) if direct else contextlib.nullcontext()
         try:
-            with size_oblivious_tracing(), _regions(direct):
+            with calling, size_oblivious_tracing(), _regions(direct):
                 return self.compiled(*args)
         except dynamo_backend.GraphBreak as exc:  # raised while tracing, never on a traced call
             raise UnsupportedModeError(
@@ -108,8 +108,6 @@ class CompiledModel:
                 f"{graph_break_reason(exc)}; run it without the compiler (graphs='breakable': CUDA "
                 f"graphs broken at attention) or remove the break"
             ) from exc
-        finally:
-            self.backend.call = None
 
     def _look_up(self, args) -> tuple:
         """(the saved compile to call, or None; the key to save under, or None)."""
