@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import sgl_piecewise as sp  # noqa: E402
+from sgl_piecewise.backends import create_backend  # noqa: E402
 from sgl_piecewise.compile import CompiledModel, CompileOptions, mark_token_axis  # noqa: E402
 from sgl_piecewise.engine.runner import ModelRunner  # noqa: E402
 from sgl_piecewise.engine.testing import random_batch  # noqa: E402
@@ -292,3 +294,16 @@ def test_gpu_adapted_models_generate_the_eager_tokens_for_7_ragged_prompts(arch,
     expected = {"auto": {"piecewise", "whole_model"}, "full": {"eager", "whole_model"}, "piecewise": {"piecewise"},
                 "breakable": {"breakable"}, "none": {"eager"}}  # fmt: skip
     assert paths == expected[graphs]
+
+
+@pytest.mark.triton_cpu
+@pytest.mark.parametrize("graphs", ["none", "full", "piecewise"])
+def test_the_triton_backend_takes_transformers_strided_heads(expected, graphs):
+    """q and k come out of transformers' rotary as ``[1, H, T, D]``: the op gets
+    them token-major with strides, as the Triton kernels read them on a GPU."""
+    model, want = expected["Qwen3ForCausalLM"]
+    backend = partial(create_backend, "triton", num_q_heads=4, max_kv_splits=2)
+    runner = ModelRunner(model, max_reqs=4, max_context_len=64, backend=backend, graphs=graphs)
+    if graphs != "none":
+        runner.capture_graphs(progress=False, **CAPTURE)
+    assert runner.generate(PROMPTS, NEW_TOKENS) == want
