@@ -60,3 +60,9 @@ def check_positive_int(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise InvalidInputError(f"{name}: expected a positive int, got {value!r}")
     return value
+
+
+def check_float_dtype(name: str, dtype: object) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InvalidTypeError(f"{name}: expected a floating torch.dtype, got {dtype!r}")
+    return dtype

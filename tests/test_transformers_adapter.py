@@ -20,7 +20,13 @@ from sgl_piecewise.compile import CompiledModel, CompileOptions, mark_token_axis
 from sgl_piecewise.engine.runner import ModelRunner  # noqa: E402
 from sgl_piecewise.engine.testing import random_batch  # noqa: E402
 from sgl_piecewise.errors import InvalidInputError  # noqa: E402
-from sgl_piecewise.models import ADAPTER_ARCHITECTURES, adapt, from_config, load_model  # noqa: E402
+from sgl_piecewise.models import (  # noqa: E402
+    ADAPTER_ARCHITECTURES,
+    adapt,
+    from_config,
+    load_model,
+    load_transformers_model,
+)
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -243,6 +249,14 @@ def test_a_config_built_in_code_is_named_by_its_model_type():
     assert from_config(transformers.Qwen3Config(**SHAPE)).config.architecture == "Qwen3ForCausalLM"
     with pytest.raises(InvalidInputError, match="got none named, model_type 'gpt2'"):
         from_config(transformers.GPT2Config())
+
+
+def test_a_missing_checkpoint_and_a_dtype_that_is_not_floating_are_refused(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(InvalidInputError, match="no such file or directory"):
+        load_transformers_model(missing)
+    with pytest.raises(sp.errors.InvalidTypeError, match="dtype: expected a floating torch.dtype, got torch.int32"):
+        from_config(CONFIGS["Qwen3ForCausalLM"](), dtype=torch.int32)
 
 
 def test_adapt_refuses_what_is_not_a_transformers_model():

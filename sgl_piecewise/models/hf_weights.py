@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, 
 
 import torch
 
-from sgl_piecewise.errors import InvalidInputError, InvalidTypeError
+from sgl_piecewise.checks import check_float_dtype
+from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.models.config import ModelConfig
 from sgl_piecewise.models.llama import LlamaForCausalLM
 from sgl_piecewise.models.parallel import TPLayout, shard_hf_tensor
@@ -39,8 +40,7 @@ def new_model(
     config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: Optional[TensorParallel] = None
 ) -> LlamaForCausalLM:
     """The model class of ``config.architecture``, uninitialised, holding ``tp``'s shard."""
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise InvalidTypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+    check_float_dtype("dtype", dtype)
     return MODEL_CLASSES[config.architecture](config, dtype=dtype, device=device, tp=tp)
 
 

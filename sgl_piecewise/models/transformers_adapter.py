@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from sgl_piecewise.checks import check_float_dtype
 from sgl_piecewise.distributed import tensor_parallel
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError, SglPiecewiseError
 from sgl_piecewise.models import gguf
@@ -126,7 +127,7 @@ def from_config(
     """A seeded random model of a transformers config, checked first."""
     transformers = _transformers()
     adapted_config(hf_config)  # refuse before anything is built
-    _check_dtype(dtype)
+    check_float_dtype("dtype", dtype)
     # A copy: the model keeps its config, and the caller's keeps its attention.
     hf_config = copy.deepcopy(hf_config)
     with torch.random.fork_rng(devices=[]):
@@ -140,8 +141,9 @@ def load_transformers_model(
 ) -> TransformersModel:
     """A checkpoint directory or GGUF file read by transformers, its config checked first."""
     transformers = _transformers()
-    _check_dtype(dtype)
+    check_float_dtype("dtype", dtype)
     path = os.fspath(path)
+    gguf.check_path_exists("path", path, "a checkpoint directory or a .gguf file")
     folder, gguf_file = _gguf_parts(path)
     hf_config = transformers.AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
     adapted_config(hf_config)
@@ -158,8 +160,3 @@ def _gguf_parts(path: str) -> tuple[str, Optional[str]]:
         folder, name = os.path.split(os.path.abspath(path))
         return folder, name
     return path, None
-
-
-def _check_dtype(dtype: object) -> None:
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise InvalidTypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
