@@ -59,8 +59,9 @@ class TransformersModel(nn.Module):
         self.config = config
         # Granite divides its logits by this; the others keep 1.
         self.logits_scaling = float(getattr(config.hf_config, "logits_scaling", 1.0) or 1.0)
-        # Slicing a ModuleList builds a module inside the trace (a recompile):
-        # these layers slice to a plain list.
+        # transformers slices its layers each step; a ModuleList slice builds a
+        # new module (inside a trace too, running torch's module hooks): these
+        # layers slice to a plain list.
         decoder = hf_model.get_decoder()
         decoder.layers = _LayerList(decoder.layers)
 
