@@ -118,14 +118,14 @@ def start_up(runner, cache_dir=None) -> tuple:
 
 
 def whole_model_runners(runner, max_bs: int) -> tuple:
-    """Whole-model graphs recording the model compiled whole, and in pieces."""
+    """Whole-model graphs recording the model compiled whole, and in pieces,
+    captured but not installed: each path is timed through its own runner."""
     sizes = default_capture_sizes(max_bs)
     runners, info = {}, {}
     for name, split in (("whole_model", False), ("whole_model_pieces", True)):
         graphs = CudaGraphRunner(runner, sizes, forward=CompiledModel(runner.model, CompileOptions(split_graph=split)))
         info[name] = {"sizes": len(sizes), **timed_capture(lambda g=graphs: g.capture(progress=False))}
         runners[name] = graphs
-    runner.step_graphs = None  # every path is timed explicitly
     return runners, info
 
 

@@ -22,8 +22,8 @@ model = load_model_or_default(sys.argv[1] if len(sys.argv) > 1 else None, dtype=
 k = 3  # draft tokens per step: verify and draft extend carry k + 1 tokens per request
 target = ModelRunner(model, max_reqs=8, max_context_len=256, backend="torch")
 draft = ModelRunner(LayerSkipDraft(model, num_layers=2), max_reqs=8, max_context_len=256, backend="torch")
-CudaGraphRunner(target, modes=[ForwardMode.DECODE, ForwardMode.TARGET_VERIFY], num_tokens_per_req=k + 1).capture()
-CudaGraphRunner(draft, modes=[ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND_V2], num_tokens_per_req=k + 1).capture()
+for runner, mode in ((target, ForwardMode.TARGET_VERIFY), (draft, ForwardMode.DRAFT_EXTEND_V2)):
+    runner.use_graphs(CudaGraphRunner(runner, modes=[ForwardMode.DECODE, mode], num_tokens_per_req=k + 1))
 prompts = [[1, 2, 3], [4, 5]]
 out = speculative_generate(target, draft, prompts, max_new_tokens=16, num_draft_tokens=k)
 print(out.tokens == target.generate(prompts, max_new_tokens=16))  # float32: exactly plain greedy's tokens

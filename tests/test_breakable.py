@@ -170,7 +170,7 @@ def test_replay_equals_eager_on_the_same_padded_inputs_bit_for_bit(name):
 
 def test_a_step_above_the_largest_size_runs_eagerly_with_the_eager_logits_bit_for_bit():
     eager, graphs, breakable = _runners(_model())
-    breakable.capture(progress=False)
+    graphs.use_graphs(breakable, progress=False)
     counters.reset()
     for i, (mode, extend) in enumerate([(E, [9, 11]), (M, [1, 15, 1]), (D, [1] * 8)]):  # 20, 17 and 8 tokens
         prefix = [3 * i + j for j in range(len(extend))]
@@ -209,7 +209,7 @@ def test_each_replay_replays_every_segment_of_its_size():
 
 def test_generate_through_breakable_graphs_gives_the_eager_tokens_and_frees_everything():
     eager, graphs, breakable = _runners(_model())
-    breakable.capture(progress=False)
+    graphs.use_graphs(breakable, progress=False)
     prompts = [[3, 14, 15, 92], [6], [53, 58, 9, 7, 9, 3, 2]]  # 12 tokens: padded to 16
     free = graphs.kv_pool.available
     want = eager.generate(prompts, 8)
@@ -225,7 +225,7 @@ def test_any_backend_serves_breakable_graphs_even_one_without_graph_hooks():
     model = _model()
     eager = ModelRunner(model, max_reqs=4, max_context_len=96, backend=ReferenceBackend)
     graphs = ModelRunner(model, max_reqs=4, max_context_len=96, backend=ReferenceBackend)
-    BreakableCudaGraphRunner(graphs, SIZES).capture(progress=False)
+    graphs.use_graphs(BreakableCudaGraphRunner(graphs, SIZES), progress=False)
     prompts = [[5, 9, 2], [8, 8, 1, 4, 4]]
     assert graphs.generate(prompts, 5) == eager.generate(prompts, 5)
 
@@ -249,9 +249,11 @@ def test_an_untraceable_model_runs_breakable_but_piecewise_refuses_it_naming_the
     model = untraceable(inner)
     runner = ModelRunner(model, max_reqs=4, max_context_len=96, backend=_backend("torch"))
     cause = "Data-dependent branching" if untraceable is BranchingModel else "torch.compiler.disable"
+    piecewise = PiecewiseCudaGraphRunner(runner, CompileOptions(cudagraphs=True, capture_sizes=SIZES))
     with pytest.raises(UnsupportedModeError, match=rf"piecewise graphs: .*graph break: .*{cause}.*test_breakable.py"):
-        PiecewiseCudaGraphRunner(runner, CompileOptions(cudagraphs=True, capture_sizes=SIZES)).capture(False)
-    BreakableCudaGraphRunner(runner, SIZES).capture(progress=False)
+        runner.use_graphs(piecewise, progress=False)
+    assert runner.token_graphs is None  # the refused capture installed nothing
+    runner.use_graphs(BreakableCudaGraphRunner(runner, SIZES), progress=False)
     eager = ModelRunner(inner, max_reqs=4, max_context_len=96, backend=_backend("torch"))
     prompts = [[5, 9, 2, 7], [3]]
     assert runner.generate(prompts, 6) == eager.generate(prompts, 6)
@@ -275,7 +277,7 @@ class SkippingModel(BranchingModel):
 def test_a_replay_whose_python_takes_another_path_than_at_capture_is_refused():
     model = SkippingModel(_model())
     _, graphs, breakable = _runners(model)
-    breakable.capture(progress=False)
+    graphs.use_graphs(breakable, progress=False)
     model.skip_last = True
     batch = _batch(graphs, E, [0], [3], seed=0)
     with pytest.raises(SglPiecewiseError, match=r"expected the attention calls captured \(layers \[0, 1\]\), got "
@@ -331,7 +333,7 @@ def test_gpu_replay_equals_eager_on_the_same_padded_inputs(name):
 def test_gpu_a_model_dynamo_refuses_runs_through_breakable_graphs():
     inner = _model("cuda", torch.float32, GPU_CONFIG)
     runner = ModelRunner(OpaqueCallModel(inner), max_reqs=8, max_context_len=96, backend="triton")
-    BreakableCudaGraphRunner(runner, GPU_SIZES).capture(progress=False)
+    runner.use_graphs(BreakableCudaGraphRunner(runner, GPU_SIZES), progress=False)
     eager = ModelRunner(inner, max_reqs=8, max_context_len=96, backend="triton")
     prompts = [[5, 9, 2, 7], [3], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     assert runner.generate(prompts, 16) == eager.generate(prompts, 16)
@@ -342,6 +344,6 @@ def test_gpu_a_branch_on_a_tensor_value_is_refused_at_capture_with_the_cause():
     runner = ModelRunner(BranchingModel(_model("cuda", torch.float32, GPU_CONFIG)), max_reqs=8,
                          max_context_len=96, backend="triton")  # fmt: skip
     with pytest.raises(UnsupportedModeError, match="never waits for the device while it is captured"):
-        BreakableCudaGraphRunner(runner, (4,)).capture(progress=False)
+        runner.use_graphs(BreakableCudaGraphRunner(runner, (4,)), progress=False)
     # The failed capture left the device usable: an eager step still runs.
     assert len(runner.generate([[1, 2, 3]], 2)[0]) == 2

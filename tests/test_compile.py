@@ -169,8 +169,7 @@ def test_graphed_generation_equals_eager_over_changing_batches(arch, piece_compi
     options = CompileOptions(
         cudagraphs=True, capture_sizes=(1, 2, 4, 8, 16, 32), piece_compiler=piece_compiler, debug_checks=True
     )
-    graphs = PiecewiseCudaGraphRunner(runner, options)
-    graphs.capture(progress=False)
+    runner.use_graphs(PiecewiseCudaGraphRunner(runner, options), progress=False)
     assert runner.generate(prompts, 6) == eager
     assert counters.graphs_captured == 6 * counters.pieces_seen
     assert counters.replays > 0 and not counters.eager_fallbacks

@@ -138,7 +138,7 @@ def captured_runner(device="cpu", seed=5):
     model = build_random_model(config, device=device, seed=seed, std=0.2)
     runner = ModelRunner(model, max_reqs=2, max_context_len=64, backend="torch")
     options = CompileOptions(cudagraphs=True, capture_sizes=(2, 8), piece_compiler="eager")
-    PiecewiseCudaGraphRunner(runner, options).capture(progress=False)
+    runner.use_graphs(PiecewiseCudaGraphRunner(runner, options), progress=False)
     runner.generate(PROMPTS, 3)
     return model, runner
 
@@ -196,7 +196,7 @@ def test_capture_of_more_tokens_than_the_context_spreads_them_over_requests():
     model = build_random_model(small_config(), seed=0)
     runner = ModelRunner(model, max_reqs=4, max_context_len=256)
     options = CompileOptions(cudagraphs=True, capture_sizes=(512, 4), piece_compiler="eager")
-    PiecewiseCudaGraphRunner(runner, options).capture(progress=False)
+    runner.use_graphs(PiecewiseCudaGraphRunner(runner, options), progress=False)
     assert runner.req_to_token_pool.available == 4  # every dummy row given back
     want = ModelRunner(model, max_reqs=4, max_context_len=256).generate(PROMPTS, 3)
     assert runner.generate(PROMPTS, 3) == want
@@ -207,7 +207,7 @@ def test_capture_larger_than_the_request_table_can_hold_names_the_fix():
     runner = ModelRunner(model, max_reqs=1, max_context_len=256)
     options = CompileOptions(cudagraphs=True, capture_sizes=(512,), piece_compiler="eager")
     with pytest.raises(InvalidInputError, match="expected room for 2 requests of at most 256 tokens, got 1 free"):
-        PiecewiseCudaGraphRunner(runner, options).capture(progress=False)
+        runner.use_graphs(PiecewiseCudaGraphRunner(runner, options), progress=False)
     assert runner.req_to_token_pool.available == 1
 
 
@@ -237,6 +237,7 @@ def test_sizes_left_out_of_the_capture_are_captured_at_first_use():
     graphs = PiecewiseCudaGraphRunner(runner, options)
     graphs.capture(progress=False, sizes=[8])
     assert counters.graphs_captured == 3  # 2 layers: 3 pieces around attention, at size 8
+    runner.use_graphs(graphs)  # captured already: installed as it is, size 2 left to its first use
     want = ModelRunner(model, max_reqs=2, max_context_len=64).generate(PROMPTS, 3)
     assert runner.generate(PROMPTS, 3) == want
     assert counters.graphs_captured == 6  # the decode steps (2 tokens) captured size 2 on first use

@@ -142,7 +142,7 @@ def test_the_dispatcher_serves_every_mode_a_whole_model_runner_was_built_for():
     model = _model()
     eager, runner = _runner(model), _captured(model, "breakable")
     TV = sp.ForwardMode.TARGET_VERIFY
-    CudaGraphRunner(runner, (1, 2, 4), modes=[D, TV], num_tokens_per_req=3).capture(progress=False)
+    runner.use_graphs(CudaGraphRunner(runner, (1, 2, 4), modes=[D, TV], num_tokens_per_req=3), progress=False)
     counters.reset()
     for i, (mode, prefix) in enumerate([(TV, [5, 9]), (TV, [1, 2, 3, 4, 5, 6]), (E, [4])]):
         extend = [3] * len(prefix)  # 3 draft tokens per verified request
@@ -241,9 +241,9 @@ def test_a_replaced_model_forward_is_counted_as_its_own_path():
     assert counters.step_paths == {("model_forward", "graphs='none'"): 2}
 
 
-def test_a_runner_installed_by_hand_still_serves_without_a_policy():
+def test_a_runner_handed_to_use_graphs_serves_without_a_policy():
     runner = _runner(_model())
-    CudaGraphRunner(runner, (1, 2, 4)).capture(progress=False)
+    runner.use_graphs(CudaGraphRunner(runner, (1, 2, 4)), progress=False)
     runner.generate(PROMPTS, 3)
     assert counters.step_paths == {("eager", "EXTEND: no whole-model graph for this mode"): 1,
                                    ("whole_model", "DECODE bs 3 -> 4"): 2}  # fmt: skip

@@ -39,7 +39,7 @@ PROCESS = textwrap.dedent(
     runner = ModelRunner(model, max_reqs=3, max_context_len=64, backend="torch")
     graphs = PiecewiseCudaGraphRunner(runner, CompileOptions(cudagraphs=True, capture_sizes=(1, 2, 4, 8, 16),
                                                              cache_dir=cache_dir))
-    graphs.capture(progress=False)
+    runner.use_graphs(graphs, progress=False)
     tokens = runner.generate(prompts, 6)
     print(json.dumps({"loaded": counters.compiles_loaded, "saved": counters.compiles_saved,
                       "traced": dynamo_counters["stats"]["unique_graphs"], "split": counters.graphs_split,

@@ -62,9 +62,10 @@ def _runner(model, backend="torch", **kwargs) -> ModelRunner:
 def _install_graphs(target: ModelRunner, draft: ModelRunner, k: int, capture_bs=CAPTURE_BS) -> None:
     """Whole-model graphs for the three step kinds: verify on the target,
     decode and draft extend on the draft (``k + 1`` tokens per request)."""
-    CudaGraphRunner(target, capture_bs, modes=[ForwardMode.TARGET_VERIFY], num_tokens_per_req=k + 1).capture(False)
-    CudaGraphRunner(draft, capture_bs, modes=[ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND_V2],
-                    num_tokens_per_req=k + 1).capture(False)  # fmt: skip
+    target.use_graphs(CudaGraphRunner(target, capture_bs, modes=[ForwardMode.TARGET_VERIFY], num_tokens_per_req=k + 1),
+                      progress=False)  # fmt: skip
+    draft.use_graphs(CudaGraphRunner(draft, capture_bs, modes=[ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND_V2],
+                                     num_tokens_per_req=k + 1), progress=False)  # fmt: skip
 
 
 def _prompts(rng: random.Random, lens) -> list:

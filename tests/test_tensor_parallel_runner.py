@@ -279,9 +279,10 @@ def _speculative_tokens(prompts: list, new_tokens: int, k: int) -> list:
     model = build_random_model(ModelConfig(architecture="LlamaForCausalLM", **SPEC_CONFIG), seed=5, std=0.2)
     target = ModelRunner(model, max_reqs=6, max_context_len=96, backend="torch")
     draft = ModelRunner(LayerSkipDraft(model, 2), max_reqs=6, max_context_len=96, backend="torch")
-    CudaGraphRunner(target, (1, 2, 4), modes=[ForwardMode.TARGET_VERIFY], num_tokens_per_req=k + 1).capture(False)
-    CudaGraphRunner(draft, (1, 2, 4), modes=[ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND_V2],
-                    num_tokens_per_req=k + 1).capture(False)  # fmt: skip
+    target.use_graphs(CudaGraphRunner(target, (1, 2, 4), modes=[ForwardMode.TARGET_VERIFY], num_tokens_per_req=k + 1),
+                      progress=False)  # fmt: skip
+    draft.use_graphs(CudaGraphRunner(draft, (1, 2, 4), modes=[ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND_V2],
+                                     num_tokens_per_req=k + 1), progress=False)  # fmt: skip
     return speculative_generate(target, draft, prompts, new_tokens, k).tokens
 
 

@@ -196,19 +196,19 @@ def test_two_whole_model_runners_on_one_model_runner_both_replay_weights_updated
     runner.capture_graphs(**CAPTURE)
     first = runner.step_graphs
     second = CudaGraphRunner(runner, (2, 4))  # other sizes: buffers of its own
-    second.capture(progress=False)
+    second.capture(progress=False)  # captured beside the first, which still serves
     assert second is not first
     for round_ in ("captured", "updated in place"):
         if round_ == "updated in place":
             _update_in_place(model, other, "copy_")
         want = _eager_tokens(model)
         for graphs in (first, second):  # over both rounds: first, second, first, second
-            runner.step_graphs = graphs
+            runner.use_graphs(graphs)  # captured already: installed as it is
             with counters.expect(replays=NEW_TOKENS - 1, **SAME_GRAPHS):  # every decode step replayed
                 assert _generate(runner) == want, round_
             assert _last_paths(runner) == PATHS["full"]
     _replace(model, other, "parameter assigned")
     for graphs in (first, second):  # each refuses
-        runner.step_graphs = graphs
+        runner.use_graphs(graphs)
         with pytest.raises(SglPiecewiseError, match=r"down_proj\.weight"):
             _generate(runner)

@@ -120,7 +120,7 @@ def _runners(kind: str, device="cpu", dtype=torch.float32):
     kwargs = dict(max_reqs=8, max_context_len=96, backend=partial(create_backend, "torch", num_q_heads=4))
     eager, graphs = ModelRunner(model, **kwargs), ModelRunner(model, **kwargs)
     runner = CudaGraphRunner(graphs, (1, 2, 4)) if kind == "whole" else BreakableCudaGraphRunner(graphs, (1, 2, 4))
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     return model, eager, graphs
 
 

@@ -98,7 +98,7 @@ def _check_fresh_batches(eager, graphs, rng: random.Random, sizes, tol: float) -
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_replay_equals_eager_on_fresh_ragged_batches_of_every_size(name):
     eager, graphs, runner = _runners(name)
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     # Every captured size, and 3 padded to 4 (the graph of 4 replayed twice,
     # for a full and a padded batch); sizes go down and up.
     _check_fresh_batches(eager, graphs, random.Random(f"decode-graphs-{name}"), (4, 1, 3, 2), 1e-4)
@@ -106,7 +106,7 @@ def test_replay_equals_eager_on_fresh_ragged_batches_of_every_size(name):
 
 def test_generate_with_decode_graphs_gives_the_eager_tokens():
     eager, graphs, runner = _runners("torch")
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     prompts = [[3, 14, 15, 92], [6], [53, 58, 9]]  # 3 requests: padded to 4
     counters.reset()
     free = graphs.kv_pool.available
@@ -122,7 +122,7 @@ def test_a_compiled_forward_replays_like_eager():
     eager, graphs, _ = _runners("torch")
     compiled = CompiledModel(graphs.model, CompileOptions())
     counters.reset()
-    CudaGraphRunner(graphs, CAPTURE_BS, forward=compiled).capture(progress=False)
+    graphs.use_graphs(CudaGraphRunner(graphs, CAPTURE_BS, forward=compiled), progress=False)
     assert counters.graphs_split == 1  # compiled at capture, on a CPU too: one trace for sizes 4, 2 and 1
     _check_fresh_batches(eager, graphs, random.Random("compiled-forward"), (2, 1, 4), 1e-4)
     assert counters.graphs_split == 0  # no step compiles or recompiles
@@ -135,7 +135,7 @@ def test_a_forward_compiled_whole_replays_like_eager():
     eager, graphs, _ = _runners("torch")
     compiled = CompiledModel(graphs.model, CompileOptions(split_graph=False))
     counters.reset()
-    CudaGraphRunner(graphs, CAPTURE_BS, forward=compiled).capture(progress=False)
+    graphs.use_graphs(CudaGraphRunner(graphs, CAPTURE_BS, forward=compiled), progress=False)
     # One graph, compiled at capture as one piece: no split, nothing shared.
     assert (counters.graphs_split, counters.pieces_compiled) == (0, 1)
     _check_fresh_batches(eager, graphs, random.Random("compiled-whole"), (2, 1, 4), 1e-4)
@@ -149,7 +149,7 @@ def test_whole_graph_compilation_refuses_the_backends_own_graphs():
 
 def test_batches_above_the_largest_size_run_eagerly_and_are_counted():
     eager, graphs, runner = _runners("torch")
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     counters.reset()
     want, got, _ = _same_step(eager, graphs, [5, 9, 1, 30, 2], seed=3)  # 5 > 4
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -159,7 +159,7 @@ def test_batches_above_the_largest_size_run_eagerly_and_are_counted():
 
 def test_other_modes_run_eagerly_without_counting_a_fallback():
     _, graphs, runner = _runners("torch")
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     counters.reset()
     gen = torch.Generator().manual_seed(0)
     batch = random_batch(ForwardMode.EXTEND, graphs.req_to_token_pool, graphs.kv_pool, [4, 0], [3, 5],
@@ -202,7 +202,7 @@ def test_a_backend_whose_replay_reads_no_host_lengths_gets_none_and_no_host_copy
     eager, graphs, runner = _runners("torch")
     assert graphs.backend.replay_reads_host_lengths is False
     assert all("seq_lens_cpu" not in registry for registry in runner.registries.values())
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     assert runner._static[(ForwardMode.DECODE, 4)].seq_lens_cpu is None
     calls = _hook_calls(graphs.backend, monkeypatch)
     _check_fresh_batches(eager, graphs, random.Random("no-host-lengths"), (3,), 1e-4)
@@ -216,7 +216,7 @@ def test_a_backend_whose_replay_reads_host_lengths_gets_them_padded(monkeypatch)
     monkeypatch.setattr(TorchGraphBackend, "replay_reads_host_lengths", True)
     eager, graphs, runner = _runners("torch")
     assert all("seq_lens_cpu" in registry for registry in runner.registries.values())
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     calls = _hook_calls(graphs.backend, monkeypatch)
     batch = _decode_batch(graphs, [4, 9, 30], seed=3)
     graphs.forward_step(batch)
@@ -248,7 +248,7 @@ def test_gpu_decode_graphs_equal_eager_on_fresh_ragged_batches(name):
     if name == "flashinfer":
         pytest.importorskip("flashinfer")
     eager, graphs, runner = _runners(name, "cuda", torch.bfloat16, GPU_CONFIG, max_reqs=24)
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     assert len(runner._graphs) == len(CAPTURE_BS)
     # Same kernels, same inputs; batch-size-dependent launch choices (split
     # counts of the padded batch) may reorder sums: bf16 tolerance on logits.
@@ -270,7 +270,7 @@ def _fills_of(backend, monkeypatch) -> list:
 
 def test_without_cuda_no_graph_holds_the_fill_and_the_hook_fills(monkeypatch):
     eager, graphs, runner = _runners("torch")
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     assert not graphs.backend._caller_graph_fills
     fills = _fills_of(graphs.backend, monkeypatch)
     _check_fresh_batches(eager, graphs, random.Random("cpu-fill"), (2, 4), 1e-4)
@@ -285,7 +285,7 @@ def test_gpu_decode_graphs_hold_the_metadata_fill(name, monkeypatch):
     batches still equal eager, and the replay hook given tensors other than
     the graph's inputs fills as before."""
     eager, graphs, runner = _runners(name, "cuda", torch.bfloat16, GPU_CONFIG, max_reqs=24)
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     backend = graphs.backend
     assert set(backend._caller_graph_fills) == {("graph", ForwardMode.DECODE, bs) for bs in CAPTURE_BS}
     fills = _fills_of(backend, monkeypatch)
@@ -308,12 +308,12 @@ def test_gpu_a_second_runner_over_the_backend_leaves_the_first_holding_its_fill(
     graph). Both replay fresh batches as eager does, with no fill outside
     their graphs."""
     eager, graphs, first = _runners("triton", "cuda", torch.bfloat16, GPU_CONFIG, max_reqs=24)
-    first.capture(progress=False)
+    graphs.use_graphs(first, progress=False)
     second = CudaGraphRunner(graphs, CAPTURE_BS)
     second.capture(progress=False)
     fills = _fills_of(graphs.backend, monkeypatch)
     for runner in (first, second):
-        graphs.step_graphs = runner
+        graphs.use_graphs(runner)
         _check_fresh_batches(eager, graphs, random.Random("two-runners"), (4, 1, 3), 5e-2)
     assert fills == []
 
@@ -341,7 +341,7 @@ def _pools_of_blocks_freed_by_clearing_cublas_workspaces() -> list:
 @pytest.mark.gpu
 def test_gpu_decode_graphs_keep_their_cublas_workspace_in_their_pool():
     eager, graphs, runner = _runners("torch", "cuda", torch.bfloat16, GPU_CONFIG, max_reqs=24)
-    runner.capture(progress=False)  # no eager matmul has run: every workspace is a capture's
+    graphs.use_graphs(runner, progress=False)  # no eager matmul has run: every workspace is a capture's
     freed = _pools_of_blocks_freed_by_clearing_cublas_workspaces()
     assert freed, "expected the captures' cuBLAS workspace, got no block freed"
     assert all(pool != (0, 0) for pool in freed), freed
@@ -360,12 +360,12 @@ def _second_runner_then_first_again(name, device="cpu", dtype=torch.float32, con
     capture runner B (larger sizes, same ModelRunner) and give A the steps
     back. Returns (eager, graphs, A, B, addresses before, addresses after)."""
     eager, graphs, first = _runners(name, device, dtype, config, max_reqs=24)
-    first.capture(progress=False)
+    graphs.use_graphs(first, progress=False)
     _check_fresh_batches(eager, graphs, random.Random("first"), (2,), 1e-4 if dtype == torch.float32 else 5e-2)
     before = _metadata_addresses(graphs.backend)
     second = CudaGraphRunner(graphs, (1, 2, 8), forward=graphs.model)  # a larger size: more static buffers
     second.capture(progress=False)
-    graphs.step_graphs = first
+    graphs.use_graphs(first)
     _check_fresh_batches(eager, graphs, random.Random("first-again"), (2,), 1e-4 if dtype == torch.float32 else 5e-2)
     return eager, graphs, first, second, before, _metadata_addresses(graphs.backend)
 
@@ -378,7 +378,7 @@ def test_a_second_runner_on_the_same_model_runner_moves_no_buffer_the_first_one_
     4.6 with no error)."""
     eager, graphs, first, second, before, after = _second_runner_then_first_again(name)
     assert after == before
-    graphs.step_graphs = second
+    graphs.use_graphs(second)
     _check_fresh_batches(eager, graphs, random.Random("second"), (8, 5, 1), 1e-4)
 
 
@@ -392,7 +392,7 @@ def test_gpu_two_runners_on_one_model_runner_both_replay_like_eager(name):
     )
     assert after == before
     _check_fresh_batches(eager, graphs, random.Random("gpu-first"), (4, 1, 3), 5e-2)
-    graphs.step_graphs = second
+    graphs.use_graphs(second)
     _check_fresh_batches(eager, graphs, random.Random("gpu-second"), (8, 5, 2), 5e-2)
 
 
@@ -404,7 +404,7 @@ def test_gpu_a_new_runner_captures_after_every_earlier_graph_is_gone():
 
     for seed in ("first", "second"):
         eager, graphs, runner = _runners("torch", "cuda", torch.bfloat16, GPU_CONFIG, max_reqs=24)
-        runner.capture(progress=False)
+        graphs.use_graphs(runner, progress=False)
         _check_fresh_batches(eager, graphs, random.Random(seed), (2,), 5e-2)
         del eager, graphs, runner
         gc.collect()

@@ -115,7 +115,7 @@ def _distance_to_reference(reference, batch, want, eager) -> float:
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_replay_equals_eager_on_fresh_ragged_batches_of_every_size(name, mode):
     eager, graphs, runner = _runners(name, [mode])
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     # Every captured size, and 3 padded to 4 (the graph of 4 replayed twice,
     # for a full and a padded batch); sizes go down and up.
     _check_fresh_batches(eager, graphs, mode, (4, 1, 3, 2), f"spec-graphs-{name}-{mode.name}", 1e-4)
@@ -123,7 +123,7 @@ def test_replay_equals_eager_on_fresh_ragged_batches_of_every_size(name, mode):
 
 def test_tree_masked_verify_replays_like_eager():
     eager, graphs, runner = _runners("torch", [ForwardMode.TARGET_VERIFY], tree_mask=True)
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     _check_fresh_batches(eager, graphs, ForwardMode.TARGET_VERIFY, (2, 3, 1, 4), "tree", 1e-4, masked=True)
 
 
@@ -133,7 +133,7 @@ def test_one_runner_serves_decode_verify_and_draft_extend_side_by_side():
     modes = [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2]
     eager, graphs, runner = _runners("torch", modes)
     counters.reset()
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     assert counters.graphs_captured == 9  # 3 modes x 3 sizes
     for i, mode in enumerate([ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2, ForwardMode.TARGET_VERIFY]):
         _check_fresh_batches(eager, graphs, mode, (3, 1), f"mixed-{i}", 1e-4)
@@ -202,7 +202,7 @@ def test_an_idle_replay_writes_exactly_what_its_capture_wrote(name):
     """An idle step is the capture's own batch (every request padding): its
     replay must leave every registry view and backend buffer as the capture did."""
     _, graphs, runner = _runners(name, [ForwardMode.IDLE], capture_bs=(4,), attn_tp_size=2, attn_tp_rank=1)
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     registry, backend = _registry_views(runner, ForwardMode.IDLE, 4), _clone(graphs.backend.cuda_graph_buffers())
     idle = random_batch(ForwardMode.IDLE, graphs.req_to_token_pool, graphs.kv_pool, [], [])
     counters.reset()
@@ -223,7 +223,7 @@ def test_num_token_non_padded_is_the_attention_tp_local_count_at_capture_and_rep
     Width w = 1 (DECODE) or 3; capture sizes 2 and 4 (bs * w even)."""
     w = 1 if mode.is_decode() else W
     _, graphs, runner = _runners("torch", [mode], capture_bs=(2, 4), attn_tp_size=2, attn_tp_rank=rank)
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     # Capture batches are all padding: 0 real tokens on either rank.
     assert int(runner.registries[mode].get_slot("num_token_non_padded").buffer) == 0
     seen = []  # what the forward reads at replay
@@ -265,7 +265,7 @@ def test_draft_extend_graph_attends_to_new_rows_only_in_the_cache(monkeypatch):
     (keys = seq_lens, the prefix) is far off, so the test can see it."""
     mode = ForwardMode.DRAFT_EXTEND_V2
     eager, graphs, runner = _runners("torch", [mode])
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     rng = random.Random("pr26512")
     prefix = [50, 2, 9]  # skewed: max(prefix) + max(new) overstates the largest extent
     spec, seed = _spec(mode, prefix, rng), 5
@@ -284,7 +284,7 @@ def test_draft_extend_graph_attends_to_new_rows_only_in_the_cache(monkeypatch):
 def test_batches_no_graph_fits_run_eagerly_and_are_counted_with_the_reason():
     modes = [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2]
     eager, graphs, runner = _runners("torch", modes, capture_bs=(1, 2))
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     rng = random.Random("fallbacks")
     counters.reset()
     cases = [
@@ -309,7 +309,7 @@ def test_batches_no_graph_fits_run_eagerly_and_are_counted_with_the_reason():
 
 def test_steps_of_modes_not_captured_run_eagerly_uncounted():
     eager, graphs, runner = _runners("torch", [ForwardMode.DRAFT_EXTEND_V2])
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     counters.reset()
     prefix = [4, 9]
     spec = SpecInfo(num_tokens_per_req=W)
@@ -349,7 +349,7 @@ def test_gpu_verify_and_draft_extend_graphs_equal_eager(name, mode):
     if name == "flashinfer":
         pytest.importorskip("flashinfer")
     eager, graphs, runner = _runners(name, [mode], (1, 2, 4), "cuda", torch.bfloat16, GPU_CONFIG)
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     assert len(runner._graphs) == 3
     # Same kernels, same inputs; launch choices of the padded batch may
     # reorder sums: bf16 tolerance on logits. FlashInfer plans a graph's
@@ -371,7 +371,7 @@ def test_gpu_idle_graph_replays(name):
     if name == "flashinfer":
         pytest.importorskip("flashinfer")
     _, graphs, runner = _runners(name, [ForwardMode.IDLE], (1, 2), "cuda", torch.bfloat16, GPU_CONFIG)
-    runner.capture(progress=False)
+    graphs.use_graphs(runner, progress=False)
     counters.reset()
     idle = random_batch(ForwardMode.IDLE, graphs.req_to_token_pool, graphs.kv_pool, [], [])
     assert graphs.forward_step(idle).shape == (0, VOCAB) and counters.replays == 1

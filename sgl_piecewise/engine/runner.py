@@ -30,7 +30,7 @@ from sgl_piecewise.graphs.counters import counters
 from sgl_piecewise.memory import KVPool, ReqToTokenPool, allocate_requests
 from sgl_piecewise.runners.dispatch import CaptureReport, capture_graphs, check_policy, graph_step
 from sgl_piecewise.runners.eager import run_model
-from sgl_piecewise.runners.protocols import StepGraphs, TokenGraphs
+from sgl_piecewise.runners.protocols import Graphs, StepGraphs, TokenGraphs
 
 BackendFactory = Callable[[ReqToTokenPool, KVPool], AttentionBackend]
 logger = logging.getLogger("sgl_piecewise")
@@ -62,7 +62,7 @@ class ModelRunner:
     ``DEFAULT_KV_FREE_FRACTION`` of a CUDA device's free memory,
     ``DEFAULT_CPU_KV_GIB`` on the CPU), capped at ``max_reqs * max_context_len``.
     ``graphs``: the graph policy (``runners.dispatch.POLICIES``), captured by
-    ``capture_graphs()``.
+    ``capture_graphs()``; ``use_graphs`` installs graph runners built by hand.
     """
 
     def __init__(
@@ -106,13 +106,50 @@ class ModelRunner:
         self.backend = _make_backend(backend, self.num_heads, self.req_to_token_pool, self.kv_pool)
         self.debug_checks = bool(debug_checks)
         self.model_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = model
-        self.step_graphs: Optional[StepGraphs] = None  # whole-model graphs
-        self.token_graphs: Optional[TokenGraphs] = None  # piecewise or breakable graphs
+        self._step_graphs: Optional[StepGraphs] = None
+        self._token_graphs: Optional[TokenGraphs] = None
         self.step_stats: Deque[StepStat] = collections.deque(maxlen=STEP_STATS_MAXLEN)
 
     @property
     def max_context_len(self) -> int:
         return self.req_to_token_pool.max_context_len
+
+    @property
+    def step_graphs(self) -> Optional[StepGraphs]:
+        """The whole-model graphs every step asks first, or None (see ``use_graphs``)."""
+        return self._step_graphs
+
+    @property
+    def token_graphs(self) -> Optional[TokenGraphs]:
+        """The piecewise or breakable graphs, or None (see ``use_graphs``)."""
+        return self._token_graphs
+
+    def use_graphs(self, graphs: Graphs, *, progress: bool = True) -> Graphs:
+        """Capture ``graphs`` (unless captured already) and serve later steps from
+        them, in place of the graphs of their kind; return them.
+
+        ``graphs``: a runner built for this ModelRunner, whole-model (``axis``
+        "batch", becomes ``step_graphs``) or token-axis (piecewise or breakable,
+        ``axis`` "tokens", becomes ``token_graphs``). A capture that raises
+        installs nothing.
+        """
+        axis = getattr(graphs, "axis", None)
+        if axis not in ("batch", "tokens"):
+            raise InvalidInputError(
+                f"graphs: expected a graph runner (CudaGraphRunner, PiecewiseCudaGraphRunner or "
+                f"BreakableCudaGraphRunner), got {type(graphs).__name__}"
+            )
+        if graphs.model_runner is not self:
+            raise InvalidInputError(
+                f"graphs: expected a {type(graphs).__name__} built for this ModelRunner, got one built for another"
+            )
+        if not graphs.captured:
+            graphs.capture(progress=progress)
+        if axis == "batch":
+            self._step_graphs = graphs
+        else:
+            self._token_graphs = graphs
+        return graphs
 
     @property
     def kv_bytes_per_slot(self) -> int:

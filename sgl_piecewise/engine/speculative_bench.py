@@ -53,12 +53,12 @@ def compare_greedy_and_speculative(
     if graphs:
         n = len(prompts)  # the batch itself is a size too: no step falls back
         capture_bs = capture_bs or sorted({*default_capture_sizes(n), n})
-        CudaGraphRunner(
-            target, capture_bs, modes=[ForwardMode.DECODE, ForwardMode.TARGET_VERIFY], num_tokens_per_req=k + 1
-        ).capture(progress)
-        CudaGraphRunner(
-            draft, capture_bs, modes=[ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND_V2], num_tokens_per_req=k + 1
-        ).capture(progress)
+        verify = [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY]
+        target.use_graphs(
+            CudaGraphRunner(target, capture_bs, modes=verify, num_tokens_per_req=k + 1), progress=progress
+        )
+        extend = [ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND_V2]
+        draft.use_graphs(CudaGraphRunner(draft, capture_bs, modes=extend, num_tokens_per_req=k + 1), progress=progress)
     target.generate(prompts, min(new_tokens, 2))  # warm-up, untimed
     speculative_generate(target, draft, prompts, min(new_tokens, k + 2), k)
     counters.reset()

@@ -133,11 +133,13 @@ class _EagerChecker:
 
 
 class BreakableCudaGraphRunner:
-    """Breakable graphs for a ``ModelRunner`` (any backend); installs itself as
-    its ``token_graphs``. ``capture_sizes``: token counts (default: the
-    piecewise schedule); ``capture``: the capture core (default: the device's shared one)."""
+    """Breakable graphs for a ``ModelRunner`` (any backend), which serves steps
+    from them once handed to its ``use_graphs`` (as its ``token_graphs``).
+    ``capture_sizes``: token counts (default: the piecewise schedule);
+    ``capture``: the capture core (default: the device's shared one)."""
 
     name = "breakable"
+    axis = "tokens"  # use_graphs installs it as token_graphs
 
     def __init__(
         self,
@@ -160,8 +162,8 @@ class BreakableCudaGraphRunner:
         reserve_eager_bindings(model_runner.backend, model_runner.req_to_token_pool.max_reqs, self.max_size)
         self.graphs: Dict[int, SizeGraphs] = {}
         self.capture_seconds = 0.0
+        self.captured = False
         self._weights: Optional[WeightGuard] = None
-        model_runner.token_graphs = self
 
     def capture(self, progress: bool = True) -> float:
         """Capture every size, largest first; return the seconds it took."""
@@ -172,6 +174,7 @@ class BreakableCudaGraphRunner:
             for size in sizes:
                 self.graphs[size] = self._capture_one(size)
         self.capture_seconds = time.perf_counter() - start
+        self.captured = True
         return self.capture_seconds
 
     def _capture_one(self, size: int) -> SizeGraphs:

@@ -102,14 +102,15 @@ class CaptureReport:
 
 
 def capture_graphs(
-    model_runner,
+    model_runner: GraphHost,
     *,
     progress: bool = True,
     capture_bs: Optional[Sequence[int]] = None,
     capture_sizes: Optional[Sequence[int]] = None,
     piece_compiler: str = "inductor",
 ) -> CaptureReport:
-    """Build and capture the runners the policy ``model_runner.graphs`` needs."""
+    """Build the runners the policy ``model_runner.graphs`` needs and hand each
+    to ``model_runner.use_graphs``, which captures and installs it."""
     policy = model_runner.graphs
     report = CaptureReport(policy)
     start = time.perf_counter()
@@ -145,10 +146,9 @@ def _try_piecewise(
     graph and ``required`` is off (auto then takes breakable graphs)."""
     options = CompileOptions(cudagraphs=True, capture_sizes=sizes, piece_compiler=piece_compiler)
     runner = PiecewiseCudaGraphRunner(model_runner, options)
-    try:
-        runner.capture(progress=progress)
+    try:  # a refused capture installs nothing
+        model_runner.use_graphs(runner, progress=progress)
     except UnsupportedModeError as exc:
-        model_runner.token_graphs = None
         if required:
             raise
         report.paths["piecewise"] = f"refused: {exc}"
@@ -159,7 +159,7 @@ def _try_piecewise(
 
 
 def _capture_breakable(model_runner: GraphHost, sizes, progress: bool, report) -> None:
-    BreakableCudaGraphRunner(model_runner, sizes).capture(progress=progress)
+    model_runner.use_graphs(BreakableCudaGraphRunner(model_runner, sizes), progress=progress)
     report.paths["breakable"] = _describe(sizes, "tokens")
 
 
@@ -179,7 +179,7 @@ def _capture_whole_model(
     rank = tensor_parallel().rank if split > 1 else 0
     bs = capture_bs or None  # None: default_capture_bs, whose sizes split over the ranks
     runner = CudaGraphRunner(model_runner, bs, forward=forward, attn_tp_size=split, attn_tp_rank=rank)
-    runner.capture(progress=progress)
+    model_runner.use_graphs(runner, progress=progress)
     what = "compiled" if forward is not None else "eager"
     report.paths["whole_model"] = f"{_describe(runner.capture_bs, 'bs')}, the {what} model"
 

@@ -24,9 +24,11 @@ from sgl_piecewise.runners.protocols import GraphHost
 
 
 class PiecewiseCudaGraphRunner:
-    """The compiled model's piecewise graphs; installs itself as ``model_runner.token_graphs``."""
+    """The compiled model's piecewise graphs, which a ``ModelRunner`` serves
+    steps from once handed to its ``use_graphs`` (as its ``token_graphs``)."""
 
     name = "piecewise"
+    axis = "tokens"  # use_graphs installs it as token_graphs
 
     def __init__(self, model_runner: GraphHost, options: Optional[CompileOptions] = None):
         self.model_runner = model_runner
@@ -38,7 +40,6 @@ class PiecewiseCudaGraphRunner:
         self.captured = False
         self.first_size_seconds = 0.0  # the largest size's share, the trace and compiles included
         reserve_eager_bindings(model_runner.backend, model_runner.req_to_token_pool.max_reqs, self.max_size)
-        model_runner.token_graphs = self
 
     def capture(self, progress: bool = True, sizes: Optional[Sequence[int]] = None) -> float:
         """Compile and capture ``sizes`` (default: every capture size), largest

@@ -1,10 +1,10 @@
 """What the graph runners, the dispatcher and the engine above them declare to
-each other: a runner reads a :class:`GraphHost` and installs itself in one of
-its two slots, :class:`StepGraphs` or :class:`TokenGraphs`."""
+each other: a runner reads a :class:`GraphHost`, which installs it (``use_graphs``)
+in one of its two slots, :class:`StepGraphs` or :class:`TokenGraphs`, by its ``axis``."""
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Tuple
+from typing import Optional, Protocol, Tuple, TypeVar, Union
 
 import torch
 
@@ -16,7 +16,13 @@ from sgl_piecewise.memory import ReqToTokenPool
 class StepGraphs(Protocol):
     """Whole-model graphs along the batch axis, asked first for every step."""
 
+    axis: str  # "batch": use_graphs installs it as step_graphs
+    model_runner: "GraphHost"  # the host it was built for
+    captured: bool  # capture() has run to the end
     max_bs: int  # the largest captured batch size
+
+    def capture(self, progress: bool = True) -> float:
+        """Capture every graph; the seconds it took."""
 
     @property
     def modes(self) -> Tuple[ForwardMode, ...]:
@@ -32,8 +38,14 @@ class StepGraphs(Protocol):
 class TokenGraphs(Protocol):
     """Graphs along the token axis (piecewise or breakable), for any mode."""
 
+    axis: str  # "tokens": use_graphs installs it as token_graphs
+    model_runner: "GraphHost"  # the host it was built for
+    captured: bool  # capture() has run to the end
     name: str  # the path counted in counters.step_paths
     max_size: int  # the largest token count it serves
+
+    def capture(self, progress: bool = True) -> float:
+        """Capture the graphs; the seconds it took."""
 
     def padded_size(self, num_tokens: int) -> Optional[int]:
         """The captured token count a step of ``num_tokens`` replays at, or None."""
@@ -42,8 +54,12 @@ class TokenGraphs(Protocol):
         """Hidden states ``[num_tokens, H]`` through the graphs of ``padded`` tokens."""
 
 
+Graphs = TypeVar("Graphs", bound=Union[StepGraphs, TokenGraphs])
+
+
 class GraphHost(Protocol):
-    """What a graph runner reads of a ``ModelRunner``, and the slots it installs itself in."""
+    """What a graph runner and the dispatcher read of a ``ModelRunner``, and its
+    one route to install graphs (``use_graphs``)."""
 
     model: torch.nn.Module
     backend: AttentionBackend
@@ -51,9 +67,18 @@ class GraphHost(Protocol):
     device: torch.device
     graphs: str  # the graph policy (dispatch.POLICIES)
     debug_checks: bool
-    step_graphs: Optional[StepGraphs]
-    token_graphs: Optional[TokenGraphs]
+
+    @property
+    def step_graphs(self) -> Optional[StepGraphs]:
+        """The whole-model graphs every step asks first, or None."""
+
+    @property
+    def token_graphs(self) -> Optional[TokenGraphs]:
+        """The piecewise or breakable graphs, or None."""
 
     @property
     def max_context_len(self) -> int:
         """The most tokens one request holds."""
+
+    def use_graphs(self, graphs: Graphs, *, progress: bool = True) -> Graphs:
+        """Capture ``graphs`` unless captured, then serve later steps from them."""

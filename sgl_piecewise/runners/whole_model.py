@@ -45,7 +45,8 @@ GraphKey = Tuple[ForwardMode, int]  # (mode, padded batch size)
 
 
 class CudaGraphRunner:
-    """Whole-model graphs for a ``ModelRunner``; installs itself as its ``step_graphs``.
+    """Whole-model graphs for a ``ModelRunner``, which serves steps from them
+    once handed to its ``use_graphs`` (as its ``step_graphs``).
 
     Args:
         capture_bs: batch sizes (default: ``default_capture_bs(max_reqs)``).
@@ -58,6 +59,8 @@ class CudaGraphRunner:
         attn_tp_size, attn_tp_rank: the attention tensor-parallel split whose
             local ``num_token_non_padded`` the graphs read.
     """
+
+    axis = "batch"  # use_graphs installs it as step_graphs
 
     def __init__(
         self,
@@ -100,8 +103,8 @@ class CudaGraphRunner:
         self._fill_contexts: Dict[Tuple[ForwardMode, int, int], FillContext] = {}
         self.capture_core = capture if capture is not None else shared_capture(model_runner.device)
         self.capture_seconds = 0.0
+        self.captured = False
         self._weights: Optional[WeightGuard] = None
-        model_runner.step_graphs = self
 
     @property
     def modes(self) -> Tuple[ForwardMode, ...]:
@@ -139,6 +142,7 @@ class CudaGraphRunner:
                 for bs in self.capture_core.largest_first(self.capture_bs, desc, "bs", progress):
                     self._capture_one(layout, bs)
         self.capture_seconds = time.perf_counter() - start
+        self.captured = True
         return self.capture_seconds
 
     def _capture_one(self, layout: ModeLayout, bs: int) -> None:
