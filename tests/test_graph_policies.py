@@ -14,12 +14,12 @@ from test_breakable import CONFIG, VOCAB, BranchingModel
 
 import sgl_piecewise as sp
 from sgl_piecewise.backends import ReferenceBackend, create_backend
-from sgl_piecewise.compile import counters
+from sgl_piecewise.compile import CompileOptions, counters
 from sgl_piecewise.engine.runner import ModelRunner
 from sgl_piecewise.engine.testing import random_batch, release_batch
 from sgl_piecewise.errors import InvalidInputError, UnsupportedModeError
 from sgl_piecewise.models import ModelConfig, build_random_model
-from sgl_piecewise.runners import CudaGraphRunner
+from sgl_piecewise.runners import BreakableCudaGraphRunner, CudaGraphRunner, PiecewiseCudaGraphRunner
 
 POLICIES = ("auto", "full", "piecewise", "breakable", "none")
 CAPTURE = dict(capture_bs=(1, 2, 4), capture_sizes=(1, 2, 4, 8, 16, 32), piece_compiler="eager")
@@ -220,9 +220,6 @@ def test_an_unknown_policy_is_refused_naming_the_valid_ones():
 
 
 def test_a_piecewise_runner_without_graphs_is_refused():
-    from sgl_piecewise.compile import CompileOptions
-    from sgl_piecewise.runners import PiecewiseCudaGraphRunner
-
     with pytest.raises(InvalidInputError, match="options.cudagraphs: expected True"):
         PiecewiseCudaGraphRunner(_runner(_model()), CompileOptions(cudagraphs=False))
 
@@ -243,10 +240,79 @@ def test_a_replaced_model_forward_is_counted_as_its_own_path():
 
 def test_a_runner_handed_to_use_graphs_serves_without_a_policy():
     runner = _runner(_model())
-    runner.use_graphs(CudaGraphRunner(runner, (1, 2, 4)), progress=False)
+    graphs = CudaGraphRunner(runner, (1, 2, 4))
+    assert runner.use_graphs(graphs, progress=False) is graphs and runner.step_graphs is graphs
     runner.generate(PROMPTS, 3)
     assert counters.step_paths == {("eager", "EXTEND: no whole-model graph for this mode"): 1,
                                    ("whole_model", "DECODE bs 3 -> 4"): 2}  # fmt: skip
+
+
+def test_use_graphs_installs_graphs_captured_already_as_they_are():
+    runner = _runner(_model())
+    graphs = CudaGraphRunner(runner, (1, 2, 4))
+    graphs.capture(progress=False)
+    captured = counters.graphs_captured
+    runner.use_graphs(graphs, progress=False)
+    assert counters.graphs_captured == captured  # no second capture
+    runner.generate(PROMPTS, 3)
+    assert counters.step_paths[("whole_model", "DECODE bs 3 -> 4")] == 2
+
+
+@pytest.mark.parametrize("kind", ["whole_model", "piecewise", "breakable"])
+def test_a_runner_built_and_captured_but_not_handed_to_use_graphs_serves_no_step(kind):
+    """Building a runner installs nothing in the ModelRunner it reads; only
+    ``use_graphs`` does."""
+    runner = _runner(_model())
+    _build(kind, runner).capture(progress=False)
+    assert runner.step_graphs is None and runner.token_graphs is None
+    counters.reset()
+    runner.generate(PROMPTS, 3)
+    assert counters.step_paths == {("eager", "graphs='none'"): 3}
+    assert [s.path for s in runner.step_stats] == ["eager"] * 3
+
+
+def _build(kind, runner):
+    if kind == "whole_model":
+        return CudaGraphRunner(runner, (1, 2, 4))
+    if kind == "piecewise":
+        options = CompileOptions(cudagraphs=True, capture_sizes=CAPTURE["capture_sizes"], piece_compiler="eager")
+        return PiecewiseCudaGraphRunner(runner, options)
+    return BreakableCudaGraphRunner(runner, CAPTURE["capture_sizes"])
+
+
+@pytest.mark.parametrize("kind", ["whole_model", "piecewise", "breakable"])
+def test_use_graphs_refuses_graphs_built_for_another_model_runner(kind):
+    model = _model()
+    runner, other = _runner(model), _runner(model)
+    graphs = _build(kind, other)
+    with pytest.raises(InvalidInputError, match=r"graphs: expected a \w+ built for this ModelRunner, got one built "
+                                                r"for another"):  # fmt: skip
+        runner.use_graphs(graphs, progress=False)
+    assert runner.step_graphs is None and runner.token_graphs is None
+    assert not graphs.captured  # refused before its capture
+
+
+def test_use_graphs_refuses_what_is_no_graph_runner():
+    runner = _runner(_model())
+    with pytest.raises(InvalidInputError, match=r"graphs: expected a graph runner \(CudaGraphRunner, .*\), got dict"):
+        runner.use_graphs({"model_runner": runner})
+    with pytest.raises(AttributeError):  # read-only: use_graphs is the one way in
+        runner.step_graphs = CudaGraphRunner(runner, (1, 2, 4))
+
+
+def test_a_capture_that_fails_leaves_the_installed_graphs_serving():
+    """A model Dynamo cannot trace keeps its breakable graphs when a
+    piecewise capture is refused: nothing of the failed runner is installed."""
+    inner = _model()
+    runner = _runner(BranchingModel(inner))
+    breakable = runner.use_graphs(_build("breakable", runner), progress=False)
+    with pytest.raises(UnsupportedModeError, match="piecewise graphs: .*graph break"):
+        runner.use_graphs(_build("piecewise", runner), progress=False)
+    assert runner.token_graphs is breakable
+    want = _runner(inner).generate(PROMPTS, 3)
+    counters.reset()
+    assert runner.generate(PROMPTS, 3) == want
+    assert counters.step_paths == {("breakable", "EXTEND 12 -> 16 tokens"): 1, ("breakable", "DECODE 3 -> 4 tokens"): 2}
 
 
 def test_whole_model_batch_sizes_default_alike_under_a_policy_and_by_hand():

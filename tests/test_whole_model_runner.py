@@ -168,11 +168,15 @@ def test_other_modes_run_eagerly_without_counting_a_fallback():
     assert counters.replays == 0 and not counters.eager_fallbacks
 
 
-def test_replay_before_capture_runs_eagerly():
-    eager, graphs, _ = _runners("torch")
+def test_a_runner_not_handed_to_use_graphs_serves_no_step():
+    """Built and captured, but never handed to ``use_graphs``: steps run eagerly."""
+    eager, graphs, runner = _runners("torch")
+    runner.capture(progress=False)
     counters.reset()
     want, got, _ = _same_step(eager, graphs, [4, 7], seed=1)
     torch.testing.assert_close(got, want)
+    assert graphs.step_graphs is None and graphs.step_stats[-1].path == "eager"
+    assert counters.step_paths == {("eager", "graphs='none'"): 2}  # the eager twin's step and this one
     assert counters.replays == 0 and not counters.eager_fallbacks
 
 
