@@ -321,7 +321,7 @@ def test_a_step_of_the_same_sizes_over_bound_metadata_takes_the_last_steps_plan(
         assert all(torch.equal(a, b) for a, b in zip(outs[:2], outs[2:]))
         kv, kv2 = pool.k_buffers + pool.v_buffers, pool2.k_buffers + pool2.v_buffers
         assert all(torch.equal(a, b) for a, b in zip(kv, kv2))
-        plans.append(bound.forward_metadata.step_plan[2])
+        plans.append(bound.forward_metadata.step_plan.plan)
         release_batch(table, pool, batch)
         release_batch(table2, pool2, batch2)
     assert plans[0] is plans[1] is plans[2]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, NamedTuple, Optional
 
 import torch
 
@@ -45,10 +45,28 @@ class TritonMetadata(LengthMetadata):
     attn_lse: Optional[torch.Tensor]  # [bs, Hq, S] f32 scratch
     merge_counts: Optional[torch.Tensor]  # [bs, Hq] int32 split arrival counts, zero between launches
     custom_mask: Optional[torch.Tensor]  # [M] bool flat [q_len, kv_len] blocks (tree mask only)
-    # The step's launches, built at its first layer: (key, out_cache_loc, plan); cleared by every fill.
-    step_plan: Optional[tuple] = None
+    # The step's launches, built at its first layer; cleared by every fill.
+    step_plan: Optional["StepPlan"] = None
     # Plans built over this metadata: a step of the same sizes reuses its last one.
-    plans: Dict[tuple, Any] = field(default_factory=dict)
+    plans: Dict["PlanKey", Any] = field(default_factory=dict)
+
+
+class PlanKey(NamedTuple):
+    """What a plan was built for (a tuple underneath: compared at every layer)."""
+
+    mode: ForwardMode
+    num_tokens: int
+    scale: float
+    rows: int  # q's rows, padding included
+    max_q_len: Optional[int]
+
+
+class StepPlan(NamedTuple):
+    """The plan a step's first layer built, and the slots it writes."""
+
+    key: PlanKey
+    out_cache_loc: torch.Tensor
+    plan: Any  # a decode or extend plan: ``launch(q, k_cache, v_cache, out, k, v, layer_id)``
 
 
 # Plans one binding keeps: decode needs one per logit scale; a ragged extend's sizes vary.
@@ -192,9 +210,9 @@ class TritonBackend(StaticGraphBackend):
         meta = self.forward_metadata
         cached = meta.step_plan if meta is not None else None
         kc, vc = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        key = (mode, num_tokens, scale, q.shape[0], meta.max_q_len if meta is not None else None)
-        if cached is not None and cached[0] == key and cached[1] is out_cache_loc:
-            if cached[2].launch(q, kc, vc, out, k, v, layer_id):
+        key = PlanKey(mode, num_tokens, scale, q.shape[0], meta.max_q_len if meta is not None else None)
+        if cached is not None and cached.key == key and cached.out_cache_loc is out_cache_loc:
+            if cached.plan.launch(q, kc, vc, out, k, v, layer_id):
                 return True
         self.check_supported(mode)
         meta = self._current_metadata(q[:num_tokens], batch)
@@ -204,7 +222,7 @@ class TritonBackend(StaticGraphBackend):
             if len(meta.plans) >= _MAX_PLANS:  # a ragged step's sizes vary: keep the table small
                 meta.plans.clear()
             meta.plans[key] = plan
-        meta.step_plan = (key, out_cache_loc, plan)
+        meta.step_plan = StepPlan(key, out_cache_loc, plan)
         return True
 
     def _new_plan(self, q, k, v, out, kc, vc, meta, mode, scale, num_tokens, out_cache_loc):
@@ -281,10 +299,9 @@ class _LayerAttend:
 
     __slots__ = ("backend", "meta", "entry", "plan", "scale", "k_buffers", "v_buffers")
 
-    def __init__(self, backend: TritonBackend, meta: TritonMetadata, entry: tuple):
-        key, _, self.plan = entry
-        self.backend, self.meta, self.entry = backend, meta, entry
-        self.scale = key[2]
+    def __init__(self, backend: TritonBackend, meta: TritonMetadata, entry: StepPlan):
+        self.backend, self.meta, self.entry, self.plan = backend, meta, entry, entry.plan
+        self.scale = entry.key.scale
         self.k_buffers, self.v_buffers = backend.kv_pool.k_buffers, backend.kv_pool.v_buffers
 
     def __call__(self, q, k, v, out, layer_id, scale: float) -> bool:
