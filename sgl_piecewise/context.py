@@ -25,17 +25,6 @@ class ContextBackend(Protocol):
     req_to_token_pool: ReqToTokenPool
     kv_pool: KVPool
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        layer_id: int,
-        batch: ForwardBatch,
-        scale: float,
-    ) -> None: ...
-
     def write_kv_and_attend(
         self,
         q: torch.Tensor,

@@ -164,9 +164,20 @@ class AttentionBackend(ABC):
         num_tokens: int,
         out_cache_loc: torch.Tensor,
     ) -> bool:
-        """Write the K/V of the ``num_tokens`` real rows, attend, and zero
-        ``out``'s padded rows, in one kernel; False where the backend has none
-        (the op then writes K/V and calls :meth:`forward`)."""
+        """The attention op's one way into a backend: write the K/V of the
+        ``num_tokens`` real rows, attend, zero ``out``'s padded rows. True where
+        the call built a per-step plan that :meth:`layer_attend` gives later
+        layers. This default writes K/V and calls :meth:`forward`."""
+        # Slices and zeroing only where rows are padded (a launch each, per layer per step).
+        padded = q.shape[0] > num_tokens
+        if num_tokens:
+            o = out
+            if padded:
+                q, k, v, o = q[:num_tokens], k[:num_tokens], v[:num_tokens], out[:num_tokens]
+            self.kv_pool.set_kv(layer_id, out_cache_loc, k, v)
+            self.forward(q, k, v, o, layer_id, batch, scale)
+        if padded:
+            out[num_tokens:].zero_()
         return False
 
     def layer_attend(self) -> Optional[Callable[..., bool]]:

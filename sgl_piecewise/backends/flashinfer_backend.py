@@ -232,12 +232,14 @@ class FlashInferBackend(StaticGraphBackend):
     def write_kv_and_attend(self, q, k, v, out, layer_id, batch, scale, num_tokens, out_cache_loc) -> bool:
         """The step's first layer builds its plan and attends through it."""
         mode = batch.forward_mode
-        if mode.is_idle() or num_tokens == 0:  # nothing to write or attend: the op zeroes the rows
-            return False
+        if mode.is_idle() or num_tokens == 0:  # nothing to write or attend: zero the rows
+            return super().write_kv_and_attend(q, k, v, out, layer_id, batch, scale, num_tokens, out_cache_loc)
         self.check_supported(mode)
         meta = self._current_metadata(q[:num_tokens], batch)
         meta.step = _FlashInferStep(self, meta, q, k, v, out, layer_id, scale, num_tokens, out_cache_loc)
-        return meta.step(q, k, v, out, layer_id, scale)  # built from these very tensors: it takes them
+        if meta.step(q, k, v, out, layer_id, scale):  # built from these very tensors: it takes them
+            return True
+        return super().write_kv_and_attend(q, k, v, out, layer_id, batch, scale, num_tokens, out_cache_loc)
 
     def layer_attend(self) -> Optional["_FlashInferStep"]:
         meta = self.forward_metadata

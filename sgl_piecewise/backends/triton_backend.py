@@ -205,8 +205,8 @@ class TritonBackend(StaticGraphBackend):
     def write_kv_and_attend(self, q, k, v, out, layer_id, batch, scale, num_tokens, out_cache_loc) -> bool:
         """One layer's K/V write and attention through the step's plan, built at its first layer."""
         mode = batch.forward_mode
-        if mode.is_idle() or num_tokens == 0:  # nothing to write or attend: the op zeroes the rows
-            return False
+        if mode.is_idle() or num_tokens == 0:  # nothing to write or attend: zero the rows
+            return super().write_kv_and_attend(q, k, v, out, layer_id, batch, scale, num_tokens, out_cache_loc)
         meta = self.forward_metadata
         cached = meta.step_plan if meta is not None else None
         kc, vc = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]

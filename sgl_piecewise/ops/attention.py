@@ -55,20 +55,8 @@ def _attention_into(
     if not ctx.args_checked or ctx.debug_checks:
         _check_against_pool(q, k, v, pool, n)
     scale = _resolved_scale(q, scale)
-    if backend.write_kv_and_attend(q, k, v, out, layer_id, batch, scale, n, ctx.out_cache_loc):
-        if not ctx.debug_checks:
-            ctx.layer_attend = backend.layer_attend()
-        return
-    # Slices and zeroing only where rows are padded (a launch each, per layer per step).
-    padded = q.shape[0] > n
-    if n:
-        o = out
-        if padded:
-            q, k, v, o = q[:n], k[:n], v[:n], out[:n]
-        pool.set_kv(layer_id, ctx.out_cache_loc, k, v)
-        backend.forward(q, k, v, o, layer_id, batch, scale)
-    if padded:
-        out[n:].zero_()
+    if backend.write_kv_and_attend(q, k, v, out, layer_id, batch, scale, n, ctx.out_cache_loc) and not ctx.debug_checks:
+        ctx.layer_attend = backend.layer_attend()
 
 
 def _resolved_scale(q: torch.Tensor, scale: Optional[float]) -> float:
