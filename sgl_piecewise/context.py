@@ -49,8 +49,6 @@ class ForwardContext:
     num_tokens: int = 0  # the batch's real tokens, summed once per step
     args_checked: bool = False  # an attention call of this step has had its arguments checked
     out_cache_loc: Optional[torch.Tensor] = None  # the real tokens' slots, sliced once per step
-    # Set by the breakable runner (runners/breakable.py): the ops hand each call to it.
-    breakable: Optional[Callable[..., None]] = None
     # Set once a layer attended through the backend's per-step plan (``layer_attend``).
     layer_attend: Optional[Callable[..., bool]] = None
 

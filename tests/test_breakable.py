@@ -297,15 +297,6 @@ def test_a_forward_that_waits_for_the_device_while_captured_gets_the_cause():
     assert explain_capture_failure(ValueError("is capturing"), "x") is None
 
 
-def test_the_attention_hook_is_off_in_every_context_a_caller_enters():
-    model = _model()
-    runner = ModelRunner(model, max_reqs=2, max_context_len=96, backend=_backend("torch"))
-    batch = _batch(runner, E, [0], [2], seed=0)
-    runner.backend.init_forward_metadata(batch)
-    with sp.forward_context(batch, runner.backend) as ctx:
-        assert ctx.breakable is None
-
-
 # ---- GPU: real CUDA graphs ----------------------------------------------------
 GPU_CONFIG = ModelConfig(**{**CONFIG.__dict__, "head_dim": 64, "hidden_size": 256})
 GPU_SIZES = (1, 2, 4, 8, 16, 24, 32)

@@ -45,9 +45,6 @@ def _attention_into(
 ) -> None:
     ctx = get_forward_context() if ctx is None else ctx
     _check_scale(scale)
-    if ctx.breakable is not None:  # a breakable capture ends its graph segment here (runners/breakable.py)
-        ctx.breakable(q, k, v, out, layer_id, scale, ctx)
-        return
     batch, backend = ctx.batch, ctx.backend
     pool = backend.kv_pool
     pool.check_layer(layer_id)

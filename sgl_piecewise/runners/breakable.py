@@ -21,7 +21,7 @@ import torch
 
 from sgl_piecewise.checks import check_positive_int
 from sgl_piecewise.compile.options import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
-from sgl_piecewise.context import ForwardContext, forward_context
+from sgl_piecewise.context import forward_context
 from sgl_piecewise.errors import InvalidInputError, SglPiecewiseError
 from sgl_piecewise.forward import ForwardBatch, ForwardMode
 from sgl_piecewise.graphs.buffer_registry import FillContext
@@ -60,19 +60,30 @@ class SizeGraphs:
     output: Optional[torch.Tensor] = None  # alias of the forward's output (CUDA)
 
 
-def _attend_outside_capture(ctx: ForwardContext, q, k, v, out, layer_id: int, scale) -> None:
-    """Run the op's attention with the hook off."""
-    hook, ctx.breakable = ctx.breakable, None
-    try:
-        attention_with_output_direct(q, k, v, out, layer_id, scale)
-    finally:
-        ctx.breakable = hook
+class _Segmenting:
+    """The step's backend as a breakable capture, or a replay without CUDA,
+    shows it to the attention op: the ``watcher`` (a ``_Recorder`` or an
+    ``_EagerChecker``) sees each call before and after the backend itself
+    attends, and no per-step plan is built (every layer must come back here)."""
+
+    def __init__(self, backend: Any, watcher: Union["_Recorder", "_EagerChecker"]):
+        self.backend, self.watcher = backend, watcher
+        self.req_to_token_pool, self.kv_pool = backend.req_to_token_pool, backend.kv_pool
+
+    def write_kv_and_attend(self, q, k, v, out, layer_id, batch, scale, num_tokens, out_cache_loc) -> bool:
+        self.watcher.attention(layer_id, scale, (q, k, v, out))
+        self.backend.write_kv_and_attend(q, k, v, out, layer_id, batch, scale, num_tokens, out_cache_loc)
+        self.watcher.after_attention()
+        return False
+
+    def layer_attend(self) -> None:
+        return None
 
 
 @dataclass
 class _Recorder:
-    """``ForwardContext.breakable`` while one size is captured: each attention
-    call ends the open segment, is recorded, and the next segment begins."""
+    """Records one size: each attention call ends the open segment and is
+    recorded; it runs outside any graph, and the next segment begins."""
 
     core: Optional[GraphCapture]  # None: no CUDA, nothing to capture
     segments: List[Optional[torch.cuda.CUDAGraph]] = field(default_factory=list)
@@ -94,30 +105,33 @@ class _Recorder:
         if graph is not None:
             self.core.abort_graph(graph)
 
-    def __call__(self, q, k, v, out, layer_id: int, scale, ctx: ForwardContext) -> None:
+    def attention(self, layer_id: int, scale: Optional[float], tensors: Tuple[torch.Tensor, ...]) -> None:
+        """Before the backend attends (zero real tokens: it zeroes the output)."""
         self.end()
-        tensors = tuple(_non_owning_alias(t) for t in (q, k, v, out)) if self.core is not None else ()
-        self.breaks.append(Break(layer_id, scale, tensors))
-        # Outside any graph: zero real tokens, so it checks the arguments and zeroes the output.
-        _attend_outside_capture(ctx, q, k, v, out, layer_id, scale)
+        aliases = tuple(_non_owning_alias(t) for t in tensors) if self.core is not None else ()
+        self.breaks.append(Break(layer_id, scale, aliases))
+
+    def after_attention(self) -> None:
         self.begin()
 
 
 @dataclass
 class _EagerChecker:
-    """``ForwardContext.breakable`` of a replay without CUDA: the model runs
-    eagerly, and each attention call must be the break captured at its place."""
+    """A replay without CUDA: the model runs eagerly, and each attention call
+    must be the break captured at its place."""
 
     size: int
     breaks: List[Break]
     seen: int = 0
 
-    def __call__(self, q, k, v, out, layer_id: int, scale, ctx: ForwardContext) -> None:
+    def attention(self, layer_id: int, scale: Optional[float], tensors: Tuple[torch.Tensor, ...]) -> None:
         want = self.breaks[self.seen].layer_id if self.seen < len(self.breaks) else None
         if want != layer_id:
             self._mismatch(f"layer {layer_id}")
         self.seen += 1
-        _attend_outside_capture(ctx, q, k, v, out, layer_id, scale)
+
+    def after_attention(self) -> None:
+        pass
 
     def finish(self) -> None:
         if self.seen != len(self.breaks):
@@ -206,10 +220,10 @@ class BreakableCudaGraphRunner:
             raise
         return output
 
-    def _forward(self, batch: ForwardBatch, hook: Optional[_Recorder]) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, recorder: Optional[_Recorder]) -> torch.Tensor:
         mr = self.model_runner
-        with forward_context(batch, mr.backend, check=False) as ctx:
-            ctx.breakable = hook
+        backend = mr.backend if recorder is None else _Segmenting(mr.backend, recorder)
+        with forward_context(batch, backend, check=False):
             return mr.model(batch.input_ids, batch.positions)
 
     def _no_rows(self) -> Dict[str, torch.Tensor]:
@@ -249,11 +263,11 @@ class BreakableCudaGraphRunner:
         self.registry.fill_from(_sources(batch, n), FillContext(batch.batch_size, batch.batch_size, n, padded))
         mr.backend.init_forward_metadata(batch, check=False)
         counters.replays += len(graphs.segments)
-        with forward_context(batch, mr.backend, check=False, debug_checks=mr.debug_checks) as ctx:
-            if graphs.output is None:
-                out = self._replay_eagerly(graphs, padded, ctx)[:n]
-                self._weights.check()
-                return out
+        if graphs.output is None:
+            out = self._replay_eagerly(graphs, batch, padded)[:n]
+            self._weights.check()
+            return out
+        with forward_context(batch, mr.backend, check=False, debug_checks=mr.debug_checks):
             for segment, brk in zip(graphs.segments, graphs.breaks):
                 segment.replay()
                 brk.run()
@@ -262,11 +276,12 @@ class BreakableCudaGraphRunner:
         # A copy: the next replay (of any size: one pool) rewrites the output.
         return graphs.output[:n].clone()
 
-    def _replay_eagerly(self, graphs: SizeGraphs, padded: int, ctx: ForwardContext) -> torch.Tensor:
+    def _replay_eagerly(self, graphs: SizeGraphs, batch: ForwardBatch, padded: int) -> torch.Tensor:
         """Without CUDA: the model on the padded inputs, each attention call checked."""
+        mr = self.model_runner
         checker = _EagerChecker(padded, graphs.breaks)
-        ctx.breakable = checker
-        out = self.model_runner.model(*graphs.inputs)
+        with forward_context(batch, _Segmenting(mr.backend, checker), check=False, debug_checks=mr.debug_checks):
+            out = mr.model(*graphs.inputs)
         checker.finish()
         return out
 
