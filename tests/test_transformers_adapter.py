@@ -117,18 +117,7 @@ def test_one_dynamo_graph_for_every_token_count(expected, arch):
         explained = _explain(model, backend, [0, 3], [4, 2])
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
     compiled = CompiledModel(model, CompileOptions(piece_compiler="eager"))
-    for i, n in enumerate([7, 1, 3, 12]):
-        if i == 1:  # the first call compiles; no later size may
-            torch.compiler.set_stance("fail_on_recompile")
-        try:
-            batch = random_batch(sp.ForwardMode.EXTEND, table, pool, [i], [n], vocab_size=VOCAB)
-            backend.init_forward_metadata(batch)
-            with torch.no_grad(), sp.forward_context(batch, backend):
-                got = compiled(batch.input_ids, batch.positions)
-                want = model(batch.input_ids, batch.positions)
-        finally:
-            torch.compiler.set_stance("default")
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    _each_size_compiles_once_and_matches_eager(compiled, model, backend, [7, 1, 3, 12])
 
 
 @pytest.mark.parametrize("arch", ["Phi3ForCausalLM", "MistralForCausalLM"])
@@ -137,12 +126,19 @@ def test_torch_compile_with_the_backend_has_no_graph_break_and_no_recompile(expe
     model, _ = expected[arch]
     compiled = torch.compile(model, backend="sgl_piecewise", fullgraph=True)
     table = sp.ReqToTokenPool(max_reqs=8, max_context_len=64)
-    pool = sp.KVPool(1024, 2, 2, 16)
-    backend = sp.backends.ReferenceBackend(table, pool)
-    for i, n in enumerate([6, 1, 9]):
+    backend = sp.backends.ReferenceBackend(table, sp.KVPool(1024, 2, 2, 16))
+    _each_size_compiles_once_and_matches_eager(compiled, model, backend, [6, 1, 9], mark=True)
+
+
+def _each_size_compiles_once_and_matches_eager(compiled, model, backend, sizes, mark=False):
+    """One request of each size in turn: the first call compiles, no later one
+    may (``fail_on_recompile``), and each gives eager's output."""
+    table, pool = backend.req_to_token_pool, backend.kv_pool
+    for i, n in enumerate(sizes):
         batch = random_batch(sp.ForwardMode.EXTEND, table, pool, [i], [n], vocab_size=VOCAB)
         backend.init_forward_metadata(batch)
-        mark_token_axis(batch.input_ids, batch.positions)
+        if mark:  # torch.compile's own entry: the token axis marked dynamic by the caller
+            mark_token_axis(batch.input_ids, batch.positions)
         if i == 1:
             torch.compiler.set_stance("fail_on_recompile")
         try:
