@@ -270,6 +270,20 @@ def test_source_dtype_is_cast_when_safe_and_rejected_otherwise():
         reg.fill_from({"x": torch.rand(3)}, ctx_(3, 3))
 
 
+def test_one_size_filled_from_sources_of_changing_kinds_writes_each_as_given():
+    # A plan is kept per set of sizes and source kinds: an exact source, a
+    # cast one and a missing one alternate at one size, each written as given.
+    reg = reg_()
+    slot = slot_(reg, policy=P.FILL_SENTINEL, dtype=I64, when_missing=MissingSource.PAD)
+    for src in (rand(3), rand(3, I32), None, rand(3), None, rand(3, I32)):
+        scramble(slot)
+        reg.fill_from({"x": src}, ctx_(3, 5))
+        want = [-7] * 5 if src is None else src.tolist() + [-7, -7]
+        assert slot.buffer[:5].tolist() == want
+    with bad("casts safely to torch.int64.*got torch.float32"):
+        reg.fill_from({"x": torch.rand(3)}, ctx_(3, 5))
+
+
 def test_int64_source_is_refused_by_an_int32_slot_rather_than_wrapped():
     reg = reg_()
     slot = slot_(reg, dtype=I32)
@@ -346,28 +360,22 @@ def test_rejected_fill_of_planned_sizes_leaves_every_buffer_unchanged():
     poison=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_property_a_planned_fill_writes_what_the_checked_fill_writes(sizes, poison, seed):
-    # The same values reach two registries: as they are (the planned fill),
-    # and with input_ids as int32, whose cast sends every fill of the second
-    # down the checked path. Sizes repeat and change, so plans are reused.
+def test_property_a_fill_with_a_cast_source_writes_what_an_exact_fill_writes(sizes, poison, seed):
+    # The same values reach two registries: as they are, and with input_ids
+    # as int32, which a plan of its own casts. Sizes repeat and change, so
+    # both registries reuse plans.
     torch.manual_seed(seed)
-    planned, checked = decode_(poison_tails=poison), decode_(poison_tails=poison)
-    for a, b in zip(planned, checked):
+    exact, cast = decode_(poison_tails=poison), decode_(poison_tails=poison)
+    for a, b in zip(exact, cast):
         a.buffer.copy_(torch.randint(1, 1000, a.buffer.shape, dtype=a.buffer.dtype))
         b.buffer.copy_(a.buffer)
-    calls = []
-    real = CudaGraphBufferRegistry._fill_checked
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(CudaGraphBufferRegistry, "_fill_checked", lambda r, *a: (calls.append(r), real(r, *a)))
-        for x, y in sizes:
-            raw, padded = min(x, y), max(x, y)
-            sources = _decode_sources(raw)
-            cast = {**sources, "input_ids": sources["input_ids"].to(I32)}
-            planned.fill_from(sources, FillContext.uniform(raw, padded))
-            checked.fill_from(cast, FillContext.uniform(raw, padded))
-            for a, b in zip(planned, checked):
-                assert torch.equal(a.buffer, b.buffer), (a.name, raw, padded)
-    assert calls == [checked] * len(sizes)
+    for x, y in sizes:
+        raw, padded = min(x, y), max(x, y)
+        sources = _decode_sources(raw)
+        exact.fill_from(sources, FillContext.uniform(raw, padded))
+        cast.fill_from({**sources, "input_ids": sources["input_ids"].to(I32)}, FillContext.uniform(raw, padded))
+        for a, b in zip(exact, cast):
+            assert torch.equal(a.buffer, b.buffer), (a.name, raw, padded)
 
 
 # ---- grouped copy ------------------------------------------------------------

@@ -10,10 +10,11 @@ One ``fill_from(batch, ctx)``:
    (device, dtype) group and writes the ``value_from_sizes`` slots;
 4. runs the ``post_fill`` hooks in registration order.
 
-Steps 2-3 are planned once per set of sizes (:class:`_FillPlan`): tails and
-sized values copy from registry-owned constants within the heads' grouped
-copies, so a fill is one copy per (device, dtype). Sources that need a cast,
-or are missing, take a checked path that writes the same values.
+Steps 2-3 are planned once per set of sizes and source dtypes
+(:class:`_FillPlan`): tails and sized values copy from registry-owned
+constants within the heads' grouped copies, so a fill is one copy per
+(device, dtype); a later fill of the same kinds only checks each source's
+shape and device.
 """
 
 from __future__ import annotations
@@ -60,15 +61,6 @@ class RegistryStats:
     last_fallback_reason: Optional[str] = None
 
 
-class _Fill(NamedTuple):
-    """A slot's part in one fill; ``src is None``: every row is padding."""
-
-    slot: GraphSlot
-    src: Optional[torch.Tensor]
-    raw: int
-    padded: int
-
-
 class _CopyGroup(NamedTuple):
     """One grouped copy of a plan: sources into heads, then constants."""
 
@@ -78,9 +70,9 @@ class _CopyGroup(NamedTuple):
 
 
 class _FillPlan(NamedTuple):
-    """A fill of one set of sizes whose sources copy as they are."""
+    """A fill of one set of sizes and source kinds (:func:`_source_kind`)."""
 
-    sources: Tuple[Tuple[GraphSlot, Tuple[int, ...]], ...]  # copied slot, its source's shape
+    sources: Tuple[Tuple[int, GraphSlot, Tuple[int, ...]], ...]  # source index, its slot, its shape
     groups: Tuple[_CopyGroup, ...]
     fills: Tuple[Tuple[torch.Tensor, PadValue], ...]  # writes no constant serves: view, value
 
@@ -101,19 +93,11 @@ def _source(slot: GraphSlot, batch: Any, mapping: bool) -> Any:
     return batch.get(slot.name) if mapping else getattr(batch, slot.name, None)
 
 
-def copies_as_is(src: object, dtype: torch.dtype, device: torch.device, shape: Tuple[int, ...]) -> bool:
-    """Is ``src`` a tensor of exactly this dtype, device and shape (no cast, no broadcast)?"""
-    return type(src) is torch.Tensor and src.dtype == dtype and src.shape == shape and src.device == device
-
-
-def _check_source(slot: GraphSlot, src: object, raw: int) -> None:
+def _check_source(slot: GraphSlot, src: object, want: Tuple[int, ...]) -> None:
+    """Refuse a source that is no tensor, or has another device or shape than
+    ``want``, or a dtype that would narrow into the slot's."""
     buf = slot.buffer
-    if slot.axis == "none":
-        want, why = tuple(buf.shape), "the whole buffer"
-    else:
-        want, why = (raw, *buf.shape[1:]), f"raw {slot.axis} count {raw}"
-    if copies_as_is(src, buf.dtype, buf.device, want):
-        return
+    why = "the whole buffer" if slot.axis == "none" else f"raw {slot.axis} count {want[0]}"
     where = f"slot {slot.name!r}: source"
     if not isinstance(src, torch.Tensor):
         raise InvalidTypeError(f"{where}: expected a torch.Tensor, got {type(src).__name__}")
@@ -128,7 +112,7 @@ def _check_source(slot: GraphSlot, src: object, raw: int) -> None:
             f"{where}: expected a dtype that casts safely to {buf.dtype} (the same or a narrower "
             f"one of its kind), got {src.dtype}"
         )
-    if tuple(src.shape) != want:
+    if tuple(src.shape) != tuple(want):
         raise InvalidInputError(f"{where}: expected shape {list(want)} ({why}), got {list(src.shape)}")
 
 
@@ -144,16 +128,21 @@ def _tail_value(slot: GraphSlot, poison_tails: bool) -> Optional[PadValue]:
     return None
 
 
-def _usual_sources(plan: _FillPlan, batch: Any) -> Optional[List[torch.Tensor]]:
-    """Every copied slot's source if each copies as it is; else None."""
-    sources = []
-    mapping = isinstance(batch, Mapping)
-    for slot, shape in plan.sources:
-        src = _source(slot, batch, mapping)
-        if not copies_as_is(src, slot.dtype, slot.device, shape):
-            return None
-        sources.append(src)
-    return sources
+def _missing_is_padding(slot: GraphSlot) -> bool:
+    """A missing source: raise (ERROR), or whether its whole view is padding (PAD) or left (SKIP)."""
+    if slot.when_missing is MissingSource.ERROR:
+        raise InvalidInputError(
+            f"slot {slot.name!r}: expected a source tensor, got None (field missing or "
+            f"None); declare when_missing=SKIP or PAD if the field is optional"
+        )
+    return slot.when_missing is MissingSource.PAD
+
+
+def _source_kind(src: object) -> object:
+    """What a plan depends on in a source: None (missing), its dtype, or its type."""
+    if src is None:
+        return None
+    return src.dtype if isinstance(src, torch.Tensor) else type(src)
 
 
 def _sized_value(slot: GraphSlot, ctx: FillContext) -> PadValue:
@@ -196,7 +185,8 @@ class CudaGraphBufferRegistry:
         self.poison_tails = bool(poison_tails)
         self.stats = RegistryStats()
         self._slots: Dict[str, GraphSlot] = {}
-        self._plans: Dict[Tuple[int, int, int, int], _FillPlan] = {}  # by the sizes of a FillContext
+        self._copied: Tuple[GraphSlot, ...] = ()  # the slots a fill copies a source into
+        self._plans: Dict[tuple, _FillPlan] = {}  # by a FillContext's sizes and the sources' kinds
         # By (device, dtype, value): flat tensors of one pad value each.
         self._constants: Dict[Tuple[torch.device, torch.dtype, Tuple[type, Any]], torch.Tensor] = {}
 
@@ -247,6 +237,7 @@ class CudaGraphBufferRegistry:
         buffer = self._allocate(slot, device) if slot.buffer is None else self._adopt(slot, device)
         slot = dataclasses.replace(slot, device=device, buffer=buffer)
         self._slots[slot.name] = slot
+        self._copied = tuple(s for s in self._slots.values() if s.copy_from_fb)
         self._plans.clear()
         return slot
 
@@ -329,77 +320,70 @@ class CudaGraphBufferRegistry:
         ``batch_or_sources``: an object with the slot names as attributes, or a
         mapping name -> tensor."""
         self._check_ctx(ctx)
-        plan = self._fill_plan(ctx)
-        sources = _usual_sources(plan, batch_or_sources)
-        if sources is None:
-            self._fill_checked(batch_or_sources, ctx)
-        else:
-            for view, value in plan.fills:
-                view.fill_(value)
-            for group in plan.groups:
-                self._copy_group(group.dsts, [sources[i] for i in group.which] + group.constants)
+        mapping = isinstance(batch_or_sources, Mapping)
+        sources = [_source(slot, batch_or_sources, mapping) for slot in self._copied]
+        plan = self._fill_plan(ctx, sources)
+        # Every source is checked before the first write: a rejected fill leaves no half step.
+        for i, slot, shape in plan.sources:
+            src = sources[i]
+            if type(src) is not torch.Tensor or src.shape != shape or src.device != slot.device:
+                _check_source(slot, src, shape)
+        for view, value in plan.fills:
+            view.fill_(value)
+        for group in plan.groups:
+            self._copy_group(group.dsts, [sources[i] for i in group.which] + group.constants)
         for slot in self._slots.values():
             if slot.post_fill is not None:
                 slot.post_fill(slot, batch_or_sources, ctx)
         self.stats.fills += 1
 
-    def _fill_checked(self, batch_or_sources: Any, ctx: FillContext) -> None:
-        """Steps 1-3 for any sources. Everything is checked first: a rejected
-        fill must not leave half a step behind."""
-        mapping = isinstance(batch_or_sources, Mapping)
-        plans = (self._plan(slot, batch_or_sources, mapping, ctx) for slot in self._slots.values())
-        fills = [f for f in plans if f is not None]
-        values = [(slot, _sized_value(slot, ctx)) for slot in self._slots.values() if slot.value_from_sizes is not None]
-        dsts: List[torch.Tensor] = []
-        srcs: List[torch.Tensor] = []
-        for f in fills:
-            self._write_padding(f)
-            if f.src is not None and f.src.numel():
-                dsts.append(f.slot.buffer if f.slot.axis == "none" else f.slot.buffer[: f.raw])
-                srcs.append(f.src)
-        self._copy_grouped(dsts, srcs)
-        for slot, value in values:
-            slot.buffer.fill_(value)
-
-    def _fill_plan(self, ctx: FillContext) -> _FillPlan:
-        """Steps 2-3 for sources that copy as they are, planned once per set of sizes."""
-        key = (ctx.raw_bs, ctx.padded_bs, ctx.raw_num_tokens, ctx.padded_num_tokens)
+    def _fill_plan(self, ctx: FillContext, sources: List[Any]) -> _FillPlan:
+        """Steps 2-3, planned once per set of sizes and source kinds."""
+        kinds = tuple([src.dtype if type(src) is torch.Tensor else _source_kind(src) for src in sources])
+        key = (ctx.raw_bs, ctx.padded_bs, ctx.raw_num_tokens, ctx.padded_num_tokens, kinds)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        sources, fills = [], []
-        # Per (device, dtype): heads, their sources' indexes, constants' destinations, constants.
-        groups: Dict[Tuple[torch.device, torch.dtype], Tuple[list, list, list, list]] = {}
+        copied, fills = [], []
+        # Per (device, dtype, source dtype): heads, their sources' indexes, constants' destinations, constants.
+        groups: Dict[Tuple[torch.device, torch.dtype, Any], Tuple[list, list, list, list]] = {}
 
-        def group(dst: torch.Tensor) -> Tuple[list, list, list, list]:
-            return groups.setdefault((dst.device, dst.dtype), ([], [], [], []))
+        def group(dst: torch.Tensor, src_dtype: Any) -> Tuple[list, list, list, list]:
+            return groups.setdefault((dst.device, dst.dtype, src_dtype), ([], [], [], []))
 
         def write(view: torch.Tensor, value: PadValue) -> None:
             constant = self._constant_like(view, value)
             if constant is None:
                 fills.append((view, value))
             else:
-                _, _, dsts, constants = group(view)
+                _, _, dsts, constants = group(view, view.dtype)
                 dsts.append(view)
                 constants.append(constant)
 
+        index = {slot.name: i for i, slot in enumerate(self._copied)}
         for slot in self._slots.values():
             if slot.value_from_sizes is not None:
                 write(slot.buffer, _sized_value(slot, ctx))
-            if not slot.copy_from_fb:
-                continue
+            i = index.get(slot.name)
+            if i is None:
+                continue  # written only by its hook; its source is never read
             raw, padded = (None, None) if slot.axis == "none" else ctx.counts(slot.axis)
+            if kinds[i] is None:
+                if _missing_is_padding(slot):
+                    write(slot.buffer if raw is None else slot.buffer[:padded], slot.pad_value)
+                continue
             dst = slot.buffer if raw is None else slot.buffer[:raw]
+            _check_source(slot, sources[i], tuple(dst.shape))
             if dst.numel():
-                heads, which, _, _ = group(dst)
+                heads, which, _, _ = group(dst, kinds[i])
                 heads.append(dst)
-                which.append(len(sources))
-            sources.append((slot, dst.shape))
+                which.append(i)
+            copied.append((i, slot, dst.shape))
             tail = _tail_value(slot, self.poison_tails) if raw is not None and raw < padded else None
             if tail is not None:
                 write(slot.buffer[raw:padded], tail)
         planned = tuple(_CopyGroup(h + d, tuple(w), c) for h, w, d, c in groups.values())
-        plan = _FillPlan(tuple(sources), planned, tuple(fills))
+        plan = _FillPlan(tuple(copied), planned, tuple(fills))
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[key] = plan
@@ -432,44 +416,6 @@ class CudaGraphBufferRegistry:
                     f"FillContext.{field}: expected at most {limit} (the registry's maximum), "
                     f"got {size}; run this batch eagerly or build a larger registry"
                 )
-
-    def _plan(self, slot: GraphSlot, batch: Any, mapping: bool, ctx: FillContext) -> Optional[_Fill]:
-        if not slot.copy_from_fb:
-            return None  # written only by its hook; its source is never read
-        raw, padded = (0, 0) if slot.axis == "none" else ctx.counts(slot.axis)
-        src = _source(slot, batch, mapping)
-        if src is None:
-            if slot.when_missing is MissingSource.ERROR:
-                raise InvalidInputError(
-                    f"slot {slot.name!r}: expected a source tensor, got None (field missing or "
-                    f"None); declare when_missing=SKIP or PAD if the field is optional"
-                )
-            if slot.when_missing is MissingSource.SKIP:
-                return None
-            return _Fill(slot, None, raw, padded)
-        _check_source(slot, src, raw)
-        return _Fill(slot, src, raw, padded)
-
-    def _write_padding(self, f: _Fill) -> None:
-        slot, buf = f.slot, f.slot.buffer
-        if f.src is None:  # MissingSource.PAD: every row is padding
-            (buf if slot.axis == "none" else buf[: f.padded]).fill_(slot.pad_value)
-            return
-        if slot.axis == "none" or f.raw == f.padded:
-            return
-        value = _tail_value(slot, self.poison_tails)
-        if value is not None:
-            buf[f.raw : f.padded].fill_(value)
-
-    def _copy_grouped(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
-        # One foreach call takes one device, its fast path one (dst, src) dtype pair.
-        groups: Dict[Tuple[torch.device, torch.dtype, torch.dtype], Tuple[list, list]] = {}
-        for dst, src in zip(dsts, srcs):
-            group = groups.setdefault((dst.device, dst.dtype, src.dtype), ([], []))
-            group[0].append(dst)
-            group[1].append(src)
-        for group_dsts, group_srcs in groups.values():
-            self._copy_group(group_dsts, group_srcs)
 
     def _copy_group(self, dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
         # CUDA's _foreach_copy_ has no kernel for some dtypes (uint16/32/64, float8_e8m0fnu); copy_ has.
