@@ -107,16 +107,23 @@ def write_json(folder: str, name: str, result: object) -> str:
     return path
 
 
-def step_times_ms(fn: Callable[[], object], iters: int, cuda: Optional[bool] = None) -> List[float]:
+def step_times_ms(
+    fn: Callable[[], object], iters: int, cuda: Optional[bool] = None, host: Optional[List[float]] = None
+) -> List[float]:
     """``iters`` timings of ``fn`` in ms: CUDA events on a GPU (``cuda``; by
-    default wherever CUDA is available), wall time otherwise."""
+    default wherever CUDA is available), wall time otherwise. On a GPU,
+    ``host`` gets each call's host time: the wall time until ``fn`` returns,
+    its launches queued (the device has finished the step before)."""
     times = []
     cuda = torch.cuda.is_available() if cuda is None else cuda
     for _ in range(iters):
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
+            start = time.perf_counter()
             fn()
+            if host is not None:
+                host.append(1e3 * (time.perf_counter() - start))
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b))
@@ -168,8 +175,9 @@ def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> flo
 def time_paths(
     paths: Dict[str, Callable[[], Callable]], rounds: int = 6, iters: int = 5, warm_up: Callable = keep_busy
 ) -> dict:
-    """Median ms of each path (a factory of its step), and its max |logit
-    difference| to the first path; a failing path records its error.
+    """Median ms of each path (a factory of its step), its max |logit
+    difference| to the first path, and on a GPU its median host time
+    (``<path>_host_ms``, :func:`step_times_ms`); a failing path records its error.
 
     The paths' steps are timed in ``rounds`` interleaved rounds of ``iters``
     each, not one path after the other: the host's load drifts over seconds,
@@ -200,16 +208,19 @@ def time_paths(
             ref = logits if ref is None else ref
             runs[name] = run
         samples: Dict[str, List[float]] = {name: [] for name in runs}
+        host: Dict[str, List[float]] = {name: [] for name in runs}
         for _ in range(rounds):
             for name in list(runs):
                 try:
                     warm_up(runs[name])
-                    samples[name] += step_times_ms(runs[name], iters)
+                    samples[name] += step_times_ms(runs[name], iters, host=host[name])
                 except Exception as e:
                     failed(name, e)
                     del runs[name], samples[name]
         for name, times in samples.items():
             result[name] = statistics.median(times)
+            if host[name]:
+                result[name + "_host_ms"] = statistics.median(host[name])
     return result
 
 
