@@ -1,5 +1,5 @@
 """Regressions of drift bugs fixed upstream in SGLang, on every graph-capable
-backend (docs/ARCHITECTURE.md, "Bugs the tests guard against"):
+backend (docs/ARCHITECTURE.md, "Upstream drift bugs"):
 
 * PR 26512 — DRAFT_EXTEND_V2 attends over prefix + new rows, the new rows
   being only in the cache;
