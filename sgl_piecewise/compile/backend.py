@@ -192,7 +192,11 @@ class _CompilePieces(torch.fx.Interpreter):
         if shared is not None and shared in self._outputs:
             result = self._outputs[shared]
         else:
-            result = super().call_module(target, args, kwargs)  # a splitting piece's fake run needs the dispatcher
+            # A splitting piece's fake run needs the dispatcher; every piece runs
+            # under Dynamo's Python dispatcher, as the trace did: a C++ composite
+            # (a 3-D float32 matmul on CUDA) would otherwise fix the token count.
+            with dynamo_backend.python_dispatcher():
+                result = super().call_module(target, args, kwargs)
             if shared is not None:
                 self._outputs[shared] = result
         if not piece.is_splitting_op:

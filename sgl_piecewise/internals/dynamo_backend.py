@@ -1,6 +1,7 @@
 """What a custom Dynamo backend needs and torch 2.11-2.13 offers only
-privately: the trace's fake mode (``torch._guards``), another backend by
-name (Dynamo's backend registry) and the graph-break exception. They bypass
+privately: the trace's fake mode (``torch._guards``), the Python dispatcher
+Dynamo traces under (``torch._dispatch.python``), another backend by name
+(Dynamo's backend registry) and the graph-break exception. They bypass
 nothing: they are how a backend plugs in. No fallback: a clear error.
 """
 
@@ -16,10 +17,11 @@ from sgl_piecewise.errors import SglPiecewiseError
 TORCH_VERSIONS = ("2.11", "2.13")  # written against; others are only checked for what is used
 
 
-def _find() -> Tuple[Any, Any, Any, str]:
+def _find() -> Tuple[Any, Any, Any, Any, str]:
     missing, found = [], []
     for module, name in (
         ("torch._guards", "detect_fake_mode"),
+        ("torch._dispatch.python", "enable_python_dispatcher"),
         ("torch._dynamo.backends.registry", "lookup_backend"),
         ("torch._dynamo.exc", "Unsupported"),
     ):
@@ -33,7 +35,7 @@ def _find() -> Tuple[Any, Any, Any, str]:
     return (*found, reason)
 
 
-_detect_fake_mode, _lookup_backend, _unsupported, UNAVAILABLE_REASON = _find()
+_detect_fake_mode, _python_dispatcher, _lookup_backend, _unsupported, UNAVAILABLE_REASON = _find()
 AVAILABLE: bool = not UNAVAILABLE_REASON
 
 # What a fullgraph trace raises at a graph break (an empty tuple catches nothing).
@@ -50,6 +52,13 @@ def _require(fn: Any, what: str) -> Callable:
 
 def detect_fake_mode() -> Any:
     return _require(_detect_fake_mode, "the tracing context's fake mode")()
+
+
+def python_dispatcher() -> Any:
+    """A context in which composite ops decompose as in Dynamo's trace,
+    reading symbolic sizes as symbols (some C++ ones read ints, which fixes
+    a dynamic size to the traced value)."""
+    return _require(_python_dispatcher, "the Python dispatcher")()
 
 
 def lookup_backend(name: str) -> Callable:
