@@ -158,6 +158,36 @@ def test_the_compile_fake_runs_each_distinct_piece_once(monkeypatch, skip_connec
     torch.testing.assert_close(out, want)
 
 
+@torch.library.custom_op("sgl_piecewise_test::dispatch_probe", mutates_args=())
+def _dispatch_probe(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+_PROBED: list = []  # per fake call: was the Python dispatcher on?
+
+
+@_dispatch_probe.register_fake
+def _dispatch_probe_fake(x):
+    _PROBED.append(torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher))
+    return torch.empty_like(x)
+
+
+class _Probed(torch.nn.Module):
+    def forward(self, input_ids, positions):
+        return torch.ops.sgl_piecewise_test.dispatch_probe(input_ids.float()[:, None] * 2) + positions[:, None]
+
+
+def test_the_compile_fake_runs_the_pieces_under_the_python_dispatcher_as_dynamo_traced_them():
+    """Without it, a C++ composite reading a size as an int (on CUDA: the
+    float32 matmul of transformers' rotary embedding) fixes the token count
+    the trace left symbolic, and the compile fails its own dynamic axis."""
+    _PROBED.clear()
+    compiled = CompiledModel(_Probed(), CompileOptions(piece_compiler="eager", cudagraphs=False))
+    out = compiled(torch.arange(5), torch.arange(5))
+    assert out.shape == (5, 1)
+    assert _PROBED == [True, True]  # Dynamo's trace, then the compile's fake run
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("piece_compiler", ["eager", "inductor"])
 def test_graphed_generation_equals_eager_over_changing_batches(arch, piece_compiler):
