@@ -192,9 +192,10 @@ class _CompilePieces(torch.fx.Interpreter):
         if shared is not None and shared in self._outputs:
             result = self._outputs[shared]
         else:
-            # A splitting piece's fake run needs the dispatcher; every piece runs
-            # under Dynamo's Python dispatcher, as the trace did: a C++ composite
-            # (a 3-D float32 matmul on CUDA) would otherwise fix the token count.
+            # Through the module call, so a splitting op reaches its fake
+            # implementation; under Dynamo's Python dispatcher, as the trace ran:
+            # a C++ composite (a 3-D float32 matmul on CUDA) would otherwise fix
+            # the token count the trace left symbolic.
             with dynamo_backend.python_dispatcher():
                 result = super().call_module(target, args, kwargs)
             if shared is not None:
