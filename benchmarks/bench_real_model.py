@@ -108,7 +108,10 @@ def hf_side(args, dtype, device, compiled: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     path = model_source(args.model)
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
+    if os.path.isdir(path):  # a checkpoint directory
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
     hf = hf.to(device).eval()
     tokenizer = load_tokenizer(path)
     tokenizer.padding_side = "left"
