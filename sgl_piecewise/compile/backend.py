@@ -21,6 +21,7 @@ from sgl_piecewise.compile.options import CompileOptions
 from sgl_piecewise.compile.piece_compiler import PieceCompiler
 from sgl_piecewise.compile.piece_graphs import Phase, PieceGraphs, StaticInputsMoved, StepState, pointer_getter
 from sgl_piecewise.compile.split import bypass_dispatcher, split_graph, split_items, to_out_variant
+from sgl_piecewise.compile.stacked_linears import stack_linears
 from sgl_piecewise.compile.token_axis import TokenAxis, find_token_axis
 from sgl_piecewise.compile.token_guards import TokenShapeGuards
 from sgl_piecewise.errors import InvalidInputError, StaleGraphError
@@ -76,6 +77,7 @@ class SglPiecewiseBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         if self.token_guards is not None:
             self.token_guards.begin_compile(*_fake_inputs(list(example_inputs)))
+        stack_linears(gm, example_inputs)
         if not self.options.split_graph:
             return compile_whole(gm, list(example_inputs), self.options)
         module = PiecewiseModule.compile(gm, list(example_inputs), self.options, self._call)

@@ -104,6 +104,7 @@ def adapt(hf_model: nn.Module) -> TransformersModel:
     _refuse_tensor_parallel(config)
     register_attention()
     hf_model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
+    lay_out_stacked_projections(hf_model)
     if config.max_position_embeddings < hf_model.config.max_position_embeddings:
         logger.info(
             "%s: context bounded to %d tokens, where its attention is what the op computes",
@@ -111,6 +112,48 @@ def adapt(hf_model: nn.Module) -> TransformersModel:
             config.max_position_embeddings,
         )
     return TransformersModel(hf_model.eval(), config)
+
+
+# Linears of one input in a transformers layer: their weights (and biases)
+# laid back to back, the compiled model reads them with one matmul
+# (compile/stacked_linears.py), as the native models' merged projections do.
+STACKED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def lay_out_stacked_projections(model: nn.Module) -> int:
+    """Put each group of ``STACKED_PROJECTIONS`` of ``model`` in one block of
+    memory, values and parameter objects unchanged; the number of groups."""
+    laid = 0
+    for module in model.modules():
+        for names in STACKED_PROJECTIONS:
+            linears = [getattr(module, name, None) for name in names]
+            if _stackable(linears):
+                _back_to_back([linear.weight for linear in linears])
+                if linears[0].bias is not None:
+                    _back_to_back([linear.bias for linear in linears])
+                laid += 1
+    return laid
+
+
+def _stackable(linears: list) -> bool:
+    if not all(type(linear) is nn.Linear for linear in linears):  # a subclass may compute otherwise
+        return False
+    first = linears[0].weight
+    return all(
+        linear.in_features == linears[0].in_features
+        and (linear.bias is None) == (linears[0].bias is None)
+        and linear.weight.dtype == first.dtype
+        and linear.weight.device == first.device
+        and not linear.weight.is_meta
+        for linear in linears
+    )
+
+
+def _back_to_back(params: list) -> None:
+    block = torch.cat([param.detach() for param in params])
+    with torch.no_grad():
+        for param, part in zip(params, block.split([param.shape[0] for param in params])):
+            param.set_(part)
 
 
 def _refuse_tensor_parallel(config: AdaptedConfig) -> None:
