@@ -212,3 +212,63 @@ def test_two_whole_model_runners_on_one_model_runner_both_replay_weights_updated
         runner.use_graphs(graphs)
         with pytest.raises(SglPiecewiseError, match=r"down_proj\.weight"):
             _generate(runner)
+
+
+# ---- an adapted transformers model's stacked projections ----------------------------
+def _adapted(device: str, seed: int) -> torch.nn.Module:
+    """q/k/v and gate/up laid out as one block each: the compiled paths read them with one matmul."""
+    transformers = pytest.importorskip("transformers")
+    from sgl_piecewise.models import from_config
+
+    head_dim = 64 if device == "cuda" else 8  # the head size the device backends take
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=4 * head_dim, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=64,
+        initializer_range=0.2,
+    )  # fmt: skip
+    return from_config(config, torch.float32, device, seed=seed)
+
+
+def _k_proj(model) -> torch.nn.Module:
+    return model.hf_model.model.layers[0].self_attn.k_proj  # the middle of its block
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_adapted_models_stacked_weights_updated_in_place_are_read_by_every_policy(device, policy):
+    model, other = _adapted(device, seed=1), _adapted(device, seed=2)
+    runner = _captured(model, policy)
+    before = _generate(runner)
+    assert before == _eager_tokens(model)
+    _update_in_place(model, other, "load_state_dict")
+    want = _eager_tokens(model)
+    assert want != before
+    with counters.expect(**SAME_GRAPHS):
+        assert _generate(runner) == want
+
+
+@pytest.mark.parametrize("how", ["parameter assigned", ".data rebound"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_stacked_projection_replaced_after_capture_is_refused_loudly_or_served_correctly(
+    device, policy, how, request
+):
+    model, other = _adapted(device, seed=1), _adapted(device, seed=2)
+    runner = _captured(model, policy)
+    before = _generate(runner)
+    new = _k_proj(other).weight.detach().clone()  # out of the block
+    if how == "parameter assigned":
+        _k_proj(model).weight = torch.nn.Parameter(new)
+    else:
+        _k_proj(model).weight.data = new
+    want = _eager_tokens(model)
+    assert want != before
+    try:
+        got = _generate(runner)
+    except SglPiecewiseError as exc:
+        _record(request, f"refused: {type(exc).__name__}: {exc}")
+        runner.capture_graphs(**CAPTURE)
+        assert _generate(runner) == want
+        return
+    _record(request, "served")
+    assert got == want, "a silent wrong answer after the replacement"

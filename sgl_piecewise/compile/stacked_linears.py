@@ -100,7 +100,7 @@ def _views_still_hold(run: List[torch.fx.Node]) -> bool:
             args, kwargs = torch.fx.node.map_arg((user.args[1:], user.kwargs), _example_value)
             try:
                 getattr(part, user.target)(*args, **kwargs)
-            except RuntimeError:
+            except (RuntimeError, ValueError):  # torch's refs raise ValueError
                 return False
     return True
 
@@ -119,12 +119,14 @@ def _stack(graph: torch.fx.Graph, run: List[torch.fx.Node], inputs: dict) -> Non
         stacked = graph.call_function(_STACKED, (x, weights, biases))
         stacked.meta.update(first.meta)
         stacked.meta["example_value"] = _STACKED(*torch.fx.node.map_arg((x, weights, biases), _example_value))
-        start = 0
+        parts, start = [], 0
         for node in run:
             width = node.meta["example_value"].shape[-1]
             part = graph.call_function(torch.narrow, (stacked, -1, start, width))
             part.meta.update(node.meta)
             part.meta["example_value"] = torch.narrow(stacked.meta["example_value"], -1, start, width)
-            node.replace_all_uses_with(part)
-            graph.erase_node(node)
+            parts.append(part)
             start += width
+    for node, part in zip(run, parts):  # after the inserts: the first linear was their place
+        node.replace_all_uses_with(part)
+        graph.erase_node(node)
