@@ -22,6 +22,7 @@ logger = logging.getLogger("sgl_piecewise.compile")
 _STACKED = torch.ops.sgl_piecewise.stacked_linear.default
 # Uses of a linear's output that need its old (contiguous) strides.
 _VIEWS = ("view", "view_as")
+_REAL = (torch.Tensor, torch.nn.Parameter)
 
 
 def stack_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
@@ -48,9 +49,8 @@ def _weights_are_inputs(node: torch.fx.Node, inputs: dict) -> bool:
     args = (*node.args, *node.kwargs.values())
     if len(args) not in (2, 3) or not isinstance(args[0], torch.fx.Node):
         return False
-    return all(
-        arg is None or (isinstance(inputs.get(arg), torch.Tensor) and not inputs[arg].is_meta) for arg in args[1:]
-    )
+    # Plain tensors only: a fake or meta input has no memory layout to read.
+    return all(arg is None or (type(inputs.get(arg)) in _REAL and not inputs[arg].is_meta) for arg in args[1:])
 
 
 def _params(node: torch.fx.Node, inputs: dict) -> tuple:
