@@ -12,7 +12,7 @@ from torch import nn
 from sgl_piecewise.compile.stacked_linears import stack_linears
 from sgl_piecewise.errors import SglPiecewiseError
 from sgl_piecewise.models.transformers_adapter import lay_out_stacked_projections
-from sgl_piecewise.ops.stacked_linear import one_block, stacked_linear
+from sgl_piecewise.ops.linear_stack import one_block, stacked_linear
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from sgl_piecewise.ops.stacked_linear import one_block
+from sgl_piecewise.ops.linear_stack import one_block
 
 logger = logging.getLogger("sgl_piecewise.compile")
 

@@ -3,8 +3,8 @@ attention, a decoder layer's fused projections, and linears of one input
 as one matmul."""
 
 from sgl_piecewise.ops.attention import unified_attention, unified_attention_with_output
+from sgl_piecewise.ops.linear_stack import stacked_linear
 from sgl_piecewise.ops.projections import gate_up_silu, linear, qkv_rope
-from sgl_piecewise.ops.stacked_linear import stacked_linear
 
 __all__ = [
     "gate_up_silu",
