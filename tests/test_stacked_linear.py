@@ -104,46 +104,43 @@ def _compiled_with_the_pass(module):
     return torch.compile(module, backend=backend, fullgraph=True), made
 
 
-@pytest.mark.parametrize("laid_out", [True, False])
-def test_the_pass_stacks_only_linears_whose_weights_are_one_block_and_keeps_the_result(laid_out):
-    torch.manual_seed(0)
-    module = _ThreeOfOneInput()
-    if laid_out:
-        assert lay_out_stacked_projections(module) == 1
-    compiled, made = _compiled_with_the_pass(module)
-    x = torch.randn(5, 8)
+def _assert_same_outputs(compiled, module, x) -> None:
     with torch.no_grad():
         for got, want in zip(compiled(x), module(x)):
             torch.testing.assert_close(got, want)
+
+
+def _laid_out_and_compiled(laid_out: bool = True, view: str = "heads"):
+    torch.manual_seed(0)
+    module = _ThreeOfOneInput(view)
+    if laid_out:
+        assert lay_out_stacked_projections(module) == 1
+    compiled, made = _compiled_with_the_pass(module)
+    return module, compiled, made
+
+
+@pytest.mark.parametrize("laid_out", [True, False])
+def test_the_pass_stacks_only_linears_whose_weights_are_one_block_and_keeps_the_result(laid_out):
+    module, compiled, made = _laid_out_and_compiled(laid_out)
+    _assert_same_outputs(compiled, module, torch.randn(5, 8))
     assert made == [1 if laid_out else 0]
 
 
 def test_the_pass_leaves_linears_whose_output_a_slice_could_not_be_viewed_as():
-    torch.manual_seed(0)
-    module = _ThreeOfOneInput(view="flat")
-    lay_out_stacked_projections(module)
-    compiled, made = _compiled_with_the_pass(module)
-    x = torch.randn(5, 8)
-    with torch.no_grad():
-        for got, want in zip(compiled(x), module(x)):
-            torch.testing.assert_close(got, want)
+    module, compiled, made = _laid_out_and_compiled(view="flat")
+    _assert_same_outputs(compiled, module, torch.randn(5, 8))
     assert made == [0]
 
 
 def test_a_weight_moved_after_the_compile_gives_the_result_of_one_matmul_each():
-    torch.manual_seed(0)
-    module = _ThreeOfOneInput()
-    lay_out_stacked_projections(module)
-    compiled, made = _compiled_with_the_pass(module)
+    module, compiled, made = _laid_out_and_compiled()
     x = torch.randn(5, 8)
+    _assert_same_outputs(compiled, module, x)
     with torch.no_grad():
-        compiled(x)
         module.k_proj.weight.copy_(torch.randn(4, 8))  # in place: still one block
-        for got, want in zip(compiled(x), module(x)):
-            torch.testing.assert_close(got, want)
-        module.v_proj.weight.data = torch.randn(4, 8)  # out of the block
-        for got, want in zip(compiled(x), module(x)):
-            torch.testing.assert_close(got, want)
+    _assert_same_outputs(compiled, module, x)
+    module.v_proj.weight.data = torch.randn(4, 8)  # out of the block
+    _assert_same_outputs(compiled, module, x)
     assert made == [1]
 
 
