@@ -9,7 +9,7 @@ moves later gives the same result through one matmul each.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx
@@ -44,20 +44,27 @@ def stack_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> in
     return made
 
 
+def _operands(node: torch.fx.Node) -> Optional[tuple]:
+    """``(x, weight, bias or None)`` of ``linear(x, weight[, bias])``, or None for another spelling."""
+    if len(node.args) not in (2, 3) or set(node.kwargs) - {"bias"}:
+        return None
+    x, weight, *rest = node.args
+    return x, weight, rest[0] if rest else node.kwargs.get("bias")
+
+
 def _weights_are_inputs(node: torch.fx.Node, inputs: dict) -> bool:
     """``linear(x, weight[, bias])`` with a real tensor input as weight and bias."""
-    args = (*node.args, *node.kwargs.values())
-    if len(args) not in (2, 3) or not isinstance(args[0], torch.fx.Node):
+    operands = _operands(node)
+    if operands is None or not isinstance(operands[0], torch.fx.Node):
         return False
     # Plain tensors only: a fake or meta input has no memory layout to read.
-    return all(arg is None or (type(inputs.get(arg)) in _REAL and not inputs[arg].is_meta) for arg in args[1:])
+    return all(arg is None or (type(inputs.get(arg)) in _REAL and not inputs[arg].is_meta) for arg in operands[1:])
 
 
 def _params(node: torch.fx.Node, inputs: dict) -> tuple:
     """``(weight, bias or None)`` of a linear node, as the real tensors."""
-    args = (*node.args, *node.kwargs.values())
-    bias = args[2] if len(args) == 3 else None
-    return inputs[args[1]], (inputs[bias] if bias is not None else None)
+    _, weight, bias = _operands(node)
+    return inputs[weight], (inputs[bias] if bias is not None else None)
 
 
 def _back_to_back_runs(linears: List[torch.fx.Node], inputs: dict) -> List[List[torch.fx.Node]]:
@@ -113,8 +120,9 @@ def _stack(graph: torch.fx.Graph, run: List[torch.fx.Node], inputs: dict) -> Non
     members = set(run)
     first = next(node for node in graph.nodes if node in members)  # the stack goes before its first use
     x = first.args[0]
-    weights = [(*n.args, *n.kwargs.values())[1] for n in run]
-    biases = [(*n.args, *n.kwargs.values())[2] for n in run] if _params(run[0], inputs)[1] is not None else []
+    operands = [_operands(node) for node in run]
+    weights = [weight for _, weight, _ in operands]
+    biases = [bias for _, _, bias in operands] if operands[0][2] is not None else []
     with graph.inserting_before(first):
         stacked = graph.call_function(_STACKED, (x, weights, biases))
         stacked.meta.update(first.meta)
