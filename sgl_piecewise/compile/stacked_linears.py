@@ -36,7 +36,7 @@ def stack_linears(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> in
     for linears in by_input.values():
         for run in _back_to_back_runs(linears, inputs):
             if _views_still_hold(run):
-                _stack(gm.graph, run, inputs)
+                _stack(gm.graph, run)
                 made += 1
     if made:
         gm.recompile()
@@ -116,7 +116,7 @@ def _example_value(node: torch.fx.Node) -> Any:
     return node.meta["example_value"]
 
 
-def _stack(graph: torch.fx.Graph, run: List[torch.fx.Node], inputs: dict) -> None:
+def _stack(graph: torch.fx.Graph, run: List[torch.fx.Node]) -> None:
     members = set(run)
     first = next(node for node in graph.nodes if node in members)  # the stack goes before its first use
     x = first.args[0]
