@@ -18,6 +18,18 @@ def _fmt_shape(spec: ShapeSpec) -> str:
     return "[" + ", ".join("*" if s is None else str(s) for s in spec) + "]"
 
 
+def _size_matches(want: Optional[int], got: int, message) -> bool:
+    """``want`` is None or equals ``got``. Traced sizes are asserted equal, not
+    compared: two token counts marked unbacked (a first call of one token) are
+    separate symbols, and comparing them would guard on data."""
+    if want is None:
+        return True
+    if isinstance(want, torch.SymInt) or isinstance(got, torch.SymInt):
+        torch._check(want == got, message)
+        return True
+    return want == got
+
+
 def check_tensor(
     name: str,
     value: object,
@@ -30,9 +42,10 @@ def check_tensor(
     if not isinstance(value, torch.Tensor):
         raise InvalidTypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     if shape is not None:
-        ok = value.dim() == len(shape) and all(want is None or want == got for want, got in zip(shape, value.shape))
+        message = lambda: f"{name}: expected shape {_fmt_shape(shape)}, got {list(value.shape)}"  # noqa: E731
+        ok = value.dim() == len(shape) and all(_size_matches(w, g, message) for w, g in zip(shape, value.shape))
         if not ok:
-            raise InvalidInputError(f"{name}: expected shape {_fmt_shape(shape)}, got {list(value.shape)}")
+            raise InvalidInputError(message())
     if dtype is not None:
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if value.dtype not in allowed:

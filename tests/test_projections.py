@@ -18,6 +18,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="the fused kernels need the `triton` package")
 
 import sgl_piecewise as sp  # noqa: E402
+from sgl_piecewise.compile import mark_token_axis  # noqa: E402
 from sgl_piecewise.errors import InvalidInputError, InvalidTypeError  # noqa: E402
 from sgl_piecewise.internals import pdl  # noqa: E402
 from sgl_piecewise.ops import projections  # noqa: E402
@@ -161,7 +162,13 @@ def test_the_ops_refuse_a_wrong_dtype_shape_or_device_by_name():
         sp.ops.linear([[1.0]], w)
 
 
-def test_the_ops_trace_with_no_graph_break_and_no_recompile_across_token_counts(fresh_dynamo):
+@pytest.mark.parametrize(
+    "mark, counts",
+    [(lambda *ts: [torch._dynamo.mark_dynamic(t, 0) for t in ts], (5, 2, 9)), (mark_token_axis, (1, 5, 2))],
+    ids=["backed", "unbacked-from-one-token"],
+)
+def test_the_ops_trace_with_no_graph_break_and_no_recompile_across_token_counts(fresh_dynamo, mark, counts):
+    # Unbacked, x's and positions' token counts are two symbols the ops must not guard on.
     _, w, norm = _inputs(1, 64, 48)
     w_down = torch.randn(64, 24)
     positions_cache = torch.randn(30, 8)
@@ -173,10 +180,9 @@ def test_the_ops_trace_with_no_graph_break_and_no_recompile_across_token_counts(
 
     compiled = torch.compile(step, backend="eager", fullgraph=True)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for rows in (5, 2, 9):
+    for rows in counts:
         x, positions = torch.randn(rows, 64), torch.randint(0, 30, (rows,))
-        torch._dynamo.mark_dynamic(x, 0)
-        torch._dynamo.mark_dynamic(positions, 0)
+        mark(x, positions)
         for got, want in zip(compiled(x, positions), step(x, positions)):
             torch.testing.assert_close(got, want)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1  # one trace serves every count
