@@ -32,7 +32,7 @@ from common import SHAPES, copy_rate, write_json  # noqa: E402 (benchmarks/ is t
 
 from sgl_piecewise.internals import pdl
 from sgl_piecewise.ops.kernels import projection as P
-from sgl_piecewise.ops.kernels.tilings import Tiling, table_path
+from sgl_piecewise.ops.kernels.tilings import Tiling, default_tiling, table_path, tiling_for
 
 ROTATE_BYTES = 256 * 2**20  # weight copies per timing: past any L2
 
@@ -61,8 +61,20 @@ def weight_rows(kind: str, n) -> int:
     return 2 * n if kind == "silu" else n
 
 
+def kernel_tiling(kind: str, n, k: int, rows: int) -> Tiling:
+    """The card's tiling of the projection, or the rule's where its table prefers cuBLAS (the kernel still runs)."""
+    if kind == "qkv":
+        hq, hkv, d = n
+        table_kind, cols = f"rotary{d}", (hq + 2 * hkv) * (d // 2)
+    else:
+        table_kind, cols = kind, n
+    device = torch.device("cuda", torch.cuda.current_device())
+    return tiling_for(table_kind, rows, cols, k, device) or default_tiling(rows, cols, k, device)
+
+
 def make_call(kind, n, k, rows, tiling, copies, x, positions, cos_sin, norm, residual):
-    """A function of the copy index that runs one fused call."""
+    """A function of the copy index that runs one fused call (``tiling`` None: :func:`kernel_tiling`)."""
+    tiling = tiling or kernel_tiling(kind, n, k, rows)
     if kind == "linear":
         return lambda i: P.linear(x, copies[i], residual=residual, tiling=tiling)
     if kind == "silu":
@@ -228,19 +240,26 @@ def precompile(calls: dict) -> None:
 
 def chain(shape: str, rows: int, layers: int = 16) -> dict:
     """A decode layer's projections ``layers`` times in one graph (distinct
-    weights), with and without PDL: µs a layer."""
+    weights), with and without PDL and the weights' prefetch: µs a layer;
+    and each projection alone (µs, share of the copy rate), both on."""
     out = {}
     projs = projections(shape)
-    per_layer = []
+    per_layer, alone = [], {}
     for name in ("qkv", "o", "gate_up", "down"):
         kind, n, k = projs[name]
         copies, x, positions, cos_sin, norm, residual = inputs(kind, n, k, rows)
         copies = [torch.randn_like(copies[0]) for _ in range(layers)]
         per_layer.append(make_call(kind, n, k, rows, None, copies, x, positions, cos_sin, norm, residual))
-    for flag in ("1", "0"):
-        os.environ[pdl.ENV_SWITCH] = flag
-        out["pdl" if flag == "1" else "no_pdl"] = graph_time_us(lambda i: [c(i) for c in per_layer], layers, 2)
-    os.environ.pop(pdl.ENV_SWITCH)
+        alone[name] = (per_layer[-1], copies[0].numel() * copies[0].element_size())
+    for pdl_flag, prefetch in (("1", "1"), ("0", "1"), ("1", "0"), ("0", "0")):
+        os.environ[pdl.ENV_SWITCH], os.environ[P.PREFETCH_SWITCH] = pdl_flag, prefetch
+        key = ("pdl" if pdl_flag == "1" else "no_pdl") + ("" if prefetch == "1" else "_no_prefetch")
+        out[key] = graph_time_us(lambda i: [c(i) for c in per_layer], layers, 2)
+    os.environ.pop(pdl.ENV_SWITCH), os.environ.pop(P.PREFETCH_SWITCH)
+    rate = copy_rate()
+    for name, (call, size) in alone.items():
+        us = graph_time_us(call, layers)
+        out[f"{name}_alone"] = {"us": us, "share_of_copy_rate": size / (us * 1e-6) / rate}
     return out
 
 

@@ -200,8 +200,8 @@ def decode_rows(args, model, runner, piecewise, whole, ceilings, hf) -> dict:
 
 def add_kernel_counts(args, model, runner, whole, rows: dict) -> None:
     """Each decode row's CUDA kernels per layer in one replay of each
-    whole-model graph, and where its time goes (torch.profiler,
-    ``suite_profile.replay_profile``). Run after every timing: once a
+    whole-model graph, and where its time and its whole step's go
+    (torch.profiler, ``suite_profile.replay_profile``). Run after every timing: once a
     profiler has run, later launches in the process are slower."""
     if args.device != "cuda":
         return
@@ -213,6 +213,8 @@ def add_kernel_counts(args, model, runner, whole, rows: dict) -> None:
             layers = model.config.num_hidden_layers
             row[f"{name}_kernels_per_layer"] = profile["kernels"] / layers
             row[f"{name}_profile"] = profile
+            # The whole step as timed: input copies, the replay, the LM head (and the host's gaps).
+            row[f"{name}_step_profile"] = replay_profile(graph_step_fn(runner, graphs, batch))
         free_batch(runner, batch)
 
 

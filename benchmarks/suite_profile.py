@@ -37,8 +37,9 @@ def kernels_per_replay(replay: Callable[[], object]) -> int:
 def replay_profile(replay: Callable[[], object], top: int = 12) -> dict:
     """One call of ``replay`` through torch.profiler, which lists a replayed
     graph's kernels one by one: the kernels (copies and fills excluded), their
-    µs by class, the ``top`` longest, the kernels' summed µs and the µs
-    between the first start and the last end that no kernel covers."""
+    µs by class (and each class's own µs, no earlier kernel running), the
+    ``top`` longest, the kernels' summed µs, the span from the first start to
+    the last end and the µs of it that no kernel covers."""
     from torch.profiler import ProfilerActivity, profile
 
     replay()  # warm
@@ -49,15 +50,24 @@ def replay_profile(replay: Callable[[], object], top: int = 12) -> dict:
     cuda = torch.autograd.DeviceType.CUDA
     events = [e for e in prof.events() if e.device_type == cuda]
     kernels = [e for e in events if not _is_copy_or_fill(e.name)]
-    by_class, by_name = {}, {}
-    for e in kernels:
+    by_class, by_name, own_by_class = {}, {}, {}
+    reach = None
+    for e in sorted(kernels, key=lambda e: e.time_range.start):
         us = e.time_range.elapsed_us()
         kind = kernel_class(e.name)
         by_class[kind] = by_class.get(kind, 0.0) + us
         by_name[e.name[:100]] = by_name.get(e.name[:100], 0.0) + us
+        # Under PDL a kernel starts while the one before runs: its own share
+        # is the part of its run no earlier kernel covers.
+        start, end = e.time_range.start, e.time_range.end
+        own = end - max(start, reach) if reach is not None else end - start
+        own_by_class[kind] = own_by_class.get(kind, 0.0) + max(own, 0.0)
+        reach = end if reach is None else max(reach, end)
     spans = [(e.time_range.start, e.time_range.end) for e in events]
     return {"kernels": len(kernels), "kernel_us": sum(by_class.values()), "us_by_class": by_class,
+            "own_us_by_class": own_by_class,
             "top_kernels_us": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:top]),
+            "span_us": max(end for _, end in spans) - min(start for start, _ in spans) if spans else 0.0,
             "idle_us": idle_us(spans)}  # fmt: skip
 
 
