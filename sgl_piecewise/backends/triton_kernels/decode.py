@@ -159,52 +159,6 @@ def _merge_splits(
 
 
 @triton.jit
-def _pool_tile(
-    indices_ptr, k_base, v_base, stride_kt, stride_vt, end, new_key, n0, offs_n, offs_d, offs_dv, mask_d, mask_dv
-):
-    """Keys ``n0 + offs_n`` before ``end``: their mask and K, V rows from the
-    pool (zeros for the new key, which comes from new_k / new_v)."""
-    keys = n0 + offs_n
-    mask_n = keys < end
-    from_pool = mask_n & (keys != new_key)
-    # int64: slot * row stride can pass 2**31 in a large pool.
-    slots = tl.load(indices_ptr + keys, mask=from_pool, other=0).to(tl.int64)
-    k = load_rows(k_base, slots, stride_kt, offs_d, from_pool, mask_d)
-    v = load_rows(v_base, slots, stride_vt, offs_dv, from_pool, mask_dv)
-    return keys, mask_n, k, v
-
-
-@triton.jit
-def _attend_tile(
-    q,
-    keys,
-    mask_n,
-    k,
-    v,
-    m_i,
-    l_i,
-    acc,
-    new_key,
-    new_k,
-    new_v,
-    qk_scale,
-    NEW_KV: tl.constexpr,
-    F32X3: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """The online softmax over one tile of keys: ``(m_i, l_i, acc)`` updated."""
-    if NEW_KV:
-        k = tl.where((keys == new_key)[:, None], new_k[None, :], k)
-        v = tl.where((keys == new_key)[:, None], new_v[None, :], v)
-    # Logits in the exp2 domain (qk_scale = sm_scale * log2(e)).
-    s = mm(q, tl.trans(k), F32X3, UPCAST) * qk_scale
-    s = tl.where(mask_n[None, :], s, float("-inf"))
-    p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-    acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, F32X3, UPCAST)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -256,9 +210,9 @@ def _decode_kernel(
     PDL: tl.constexpr,
 ):
     # Grid: (rows, num_kv_heads * HEAD_BLOCKS, max_splits). Under PDL, the
-    # metadata and the first tile of pool rows are read before the wait for
-    # the kernel that made q, k, v: earlier kernels wrote them, and those have
-    # finished once the one before this kernel let it start. Stores come after.
+    # step's metadata is read before the wait for the kernel that made q, k,
+    # v: earlier kernels wrote it, and those have finished once the kernel
+    # before this one let it start. Every store comes after the wait.
     req = tl.program_id(0)
     head_program = tl.program_id(1)
     kv_head = head_program // HEAD_BLOCKS
@@ -291,14 +245,8 @@ def _decode_kernel(
     # The new token is the last key; with NEW_KV it comes from new_k/new_v,
     # never the pool, so no program reads a row another is writing.
     new_key = kv_len - 1 if NEW_KV else -1
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
-    tile = (kv_indices_ptr + kv_start, k_base, v_base, stride_kt, stride_vt, end, new_key)
-    keys, mask_n, k, v = _pool_tile(*tile, start, offs_n, offs_d, offs_dv, mask_d, mask_dv)
     if PDL:
         pdl.gdc_wait()
-    new_k = tl.zeros([BLOCK_D], dtype=q_ptr.dtype.element_ty)  # unread without NEW_KV
-    new_v = tl.zeros([BLOCK_DV], dtype=q_ptr.dtype.element_ty)
     if NEW_KV:
         new_k = tl.load(new_k_ptr + req * stride_nkb + kv_head * stride_nkh + offs_d, mask=mask_d, other=0.0)
         new_v = tl.load(new_v_ptr + req * stride_nvb + kv_head * stride_nvh + offs_dv, mask=mask_dv, other=0.0)
@@ -315,12 +263,25 @@ def _decode_kernel(
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    # The first tile (all masked in an empty split: it changes nothing), then the rest.
-    state = (new_key, new_k, new_v, qk_scale)
-    m_i, l_i, acc = _attend_tile(q, keys, mask_n, k, v, m_i, l_i, acc, *state, NEW_KV, F32X3, UPCAST)
-    for n0 in range(start + BLOCK_N, end, BLOCK_N):
-        keys, mask_n, k, v = _pool_tile(*tile, n0, offs_n, offs_d, offs_dv, mask_d, mask_dv)
-        m_i, l_i, acc = _attend_tile(q, keys, mask_n, k, v, m_i, l_i, acc, *state, NEW_KV, F32X3, UPCAST)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        keys = n0 + offs_n
+        mask_n = keys < end
+        from_pool = mask_n & (keys != new_key)
+        # int64: slot * row stride can pass 2**31 in a large pool.
+        slots = tl.load(kv_indices_ptr + kv_start + keys, mask=from_pool, other=0).to(tl.int64)
+        k = load_rows(k_base, slots, stride_kt, offs_d, from_pool, mask_d)
+        if NEW_KV:
+            k = tl.where((keys == new_key)[:, None], new_k[None, :], k)
+        # Logits in the exp2 domain (qk_scale = sm_scale * log2(e)).
+        s = mm(q, tl.trans(k), F32X3, UPCAST) * qk_scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+        v = load_rows(v_base, slots, stride_vt, offs_dv, from_pool, mask_dv)
+        if NEW_KV:
+            v = tl.where((keys == new_key)[:, None], new_v[None, :], v)
+        acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, F32X3, UPCAST)
     if PDL:
         pdl.gdc_launch_dependents()
 
