@@ -240,8 +240,8 @@ def precompile(calls: dict) -> None:
 
 def chain(shape: str, rows: int, layers: int = 16) -> dict:
     """A decode layer's projections ``layers`` times in one graph (distinct
-    weights), with and without PDL and the weights' prefetch: µs a layer;
-    and each projection alone (µs, share of the copy rate), both on."""
+    weights), with and without PDL: µs a layer; and each projection alone
+    (µs, share of the copy rate)."""
     out = {}
     projs = projections(shape)
     per_layer, alone = [], {}
@@ -251,11 +251,10 @@ def chain(shape: str, rows: int, layers: int = 16) -> dict:
         copies = [torch.randn_like(copies[0]) for _ in range(layers)]
         per_layer.append(make_call(kind, n, k, rows, None, copies, x, positions, cos_sin, norm, residual))
         alone[name] = (per_layer[-1], copies[0].numel() * copies[0].element_size())
-    for pdl_flag, prefetch in (("1", "1"), ("0", "1"), ("1", "0"), ("0", "0")):
-        os.environ[pdl.ENV_SWITCH], os.environ[P.PREFETCH_SWITCH] = pdl_flag, prefetch
-        key = ("pdl" if pdl_flag == "1" else "no_pdl") + ("" if prefetch == "1" else "_no_prefetch")
-        out[key] = graph_time_us(lambda i: [c(i) for c in per_layer], layers, 2)
-    os.environ.pop(pdl.ENV_SWITCH), os.environ.pop(P.PREFETCH_SWITCH)
+    for flag in ("1", "0"):
+        os.environ[pdl.ENV_SWITCH] = flag
+        out["pdl" if flag == "1" else "no_pdl"] = graph_time_us(lambda i: [c(i) for c in per_layer], layers, 2)
+    os.environ.pop(pdl.ENV_SWITCH)
     rate = copy_rate()
     for name, (call, size) in alone.items():
         us = graph_time_us(call, layers)

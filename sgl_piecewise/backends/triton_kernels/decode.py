@@ -209,10 +209,10 @@ def _decode_kernel(
     NEW_KV: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Grid: (rows, num_kv_heads * HEAD_BLOCKS, max_splits). Under PDL, the
-    # step's metadata is read before the wait for the kernel that made q, k,
-    # v: earlier kernels wrote it, and those have finished once the kernel
-    # before this one let it start. Every store comes after the wait.
+    # Grid: (rows, num_kv_heads * HEAD_BLOCKS, max_splits). Under PDL, wait
+    # for the kernel that made q, k, v before touching memory.
+    if PDL:
+        pdl.gdc_wait()
     req = tl.program_id(0)
     head_program = tl.program_id(1)
     kv_head = head_program // HEAD_BLOCKS
@@ -230,8 +230,6 @@ def _decode_kernel(
     mask_out = mask_h[:, None] & mask_dv[None, :]
 
     if req >= num_rows:  # a padded row (a graph's): zeros, no K/V, no metadata read
-        if PDL:
-            pdl.gdc_wait()
         if split_id == 0:
             tl.store(out_rows, tl.zeros([BLOCK_H, BLOCK_DV], dtype=out_ptr.dtype.element_ty), mask=mask_out)
         return
@@ -245,8 +243,6 @@ def _decode_kernel(
     # The new token is the last key; with NEW_KV it comes from new_k/new_v,
     # never the pool, so no program reads a row another is writing.
     new_key = kv_len - 1 if NEW_KV else -1
-    if PDL:
-        pdl.gdc_wait()
     if NEW_KV:
         new_k = tl.load(new_k_ptr + req * stride_nkb + kv_head * stride_nkh + offs_d, mask=mask_d, other=0.0)
         new_v = tl.load(new_v_ptr + req * stride_nvb + kv_head * stride_nvh + offs_dv, mask=mask_dv, other=0.0)

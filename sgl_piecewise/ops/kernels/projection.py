@@ -11,7 +11,6 @@ order (deterministic) and runs the epilogue.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -28,7 +27,6 @@ except ImportError:  # pragma: no cover - the ops take their plain formulas with
     triton = None
 
 MAX_ROWS = 64  # rows one launch serves; more go to cuBLAS
-PREFETCH_SWITCH = "SGL_PIECEWISE_PREFETCH"  # "0": weights loaded in the step that uses them
 
 
 if triton is not None:
@@ -60,12 +58,6 @@ if triton is not None:
         else:
             w = tl.load(rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         return w
-
-    @triton.jit
-    def _w_ahead(rows, k0, hi, mask_n, BLOCK_K: tl.constexpr):
-        """The weight chunk at ``k0``, loaded ahead of its use (zeros past ``hi``)."""
-        offs_k, mask_k = _k_offsets(k0, hi, BLOCK_K)
-        return _w_chunk(rows, offs_k, mask_n, mask_k, False)
 
     @triton.jit
     def _k_offsets(k0, hi, BLOCK_K: tl.constexpr):
@@ -216,7 +208,6 @@ if triton is not None:
         UPCAST: tl.constexpr,
         LIBDEVICE: tl.constexpr,
         PDL: tl.constexpr,
-        PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -230,20 +221,14 @@ if triton is not None:
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m, mask_n = offs_m < M, offs_n < N
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-        lo, hi = _k_range(K, split, SPLIT_K, BLOCK_K)
-        if PREFETCH:  # weights are never written by the kernel before: load them before the wait
-            w_next = _w_ahead(w_rows, lo, hi, mask_n, BLOCK_K)
         _chain_wait(PDL)
+        lo, hi = _k_range(K, split, SPLIT_K, BLOCK_K)
         acc = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K)
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(lo, hi, BLOCK_K):
             offs_k, mask_k = _k_offsets(k0, hi, BLOCK_K)
-            if PREFETCH:
-                w = w_next
-                w_next = _w_ahead(w_rows, k0 + BLOCK_K, hi, mask_n, BLOCK_K)
-            else:
-                w = _w_chunk(w_rows, offs_k, mask_n, mask_k, EVEN_K)
             x, sq = _x_chunk(x_ptr, nw_ptr, offs_m, mask_m, offs_k, mask_k, stride_xm, NORM, EVEN_K)
+            w = _w_chunk(w_rows, offs_k, mask_n, mask_k, EVEN_K)
             acc = _mac(x, w, acc, F32X3, UPCAST, BLOCK_M)
             squares += sq
         acc = _acc_done(acc, BLOCK_M)
@@ -314,7 +299,6 @@ if triton is not None:
         UPCAST: tl.constexpr,
         LIBDEVICE: tl.constexpr,
         PDL: tl.constexpr,
-        PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -343,24 +327,16 @@ if triton is not None:
         mask_n = within < HALF_ROWS
         a_rows = w_ptr + rows_a.to(tl.int64)[:, None] * stride_wn
         b_rows = a_rows + HALF_ROWS * stride_wn
-        lo, hi = _k_range(K, split, SPLIT_K, BLOCK_K)
-        if PREFETCH:
-            wa_next = _w_ahead(a_rows, lo, hi, mask_n, BLOCK_K)
-            wb_next = _w_ahead(b_rows, lo, hi, mask_n, BLOCK_K)
         _chain_wait(PDL)
+        lo, hi = _k_range(K, split, SPLIT_K, BLOCK_K)
         acc_a = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K)
         acc_b = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K)
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(lo, hi, BLOCK_K):
             offs_k, mask_k = _k_offsets(k0, hi, BLOCK_K)
-            if PREFETCH:
-                wa, wb = wa_next, wb_next
-                wa_next = _w_ahead(a_rows, k0 + BLOCK_K, hi, mask_n, BLOCK_K)
-                wb_next = _w_ahead(b_rows, k0 + BLOCK_K, hi, mask_n, BLOCK_K)
-            else:
-                wa = _w_chunk(a_rows, offs_k, mask_n, mask_k, EVEN_K)
-                wb = _w_chunk(b_rows, offs_k, mask_n, mask_k, EVEN_K)
             x, sq = _x_chunk(x_ptr, nw_ptr, offs_m, mask_m, offs_k, mask_k, stride_xm, NORM, EVEN_K)
+            wa = _w_chunk(a_rows, offs_k, mask_n, mask_k, EVEN_K)
+            wb = _w_chunk(b_rows, offs_k, mask_n, mask_k, EVEN_K)
             acc_a = _mac(x, wa, acc_a, F32X3, UPCAST, BLOCK_M)
             acc_b = _mac(x, wb, acc_b, F32X3, UPCAST, BLOCK_M)
             squares += sq
@@ -455,16 +431,13 @@ def _split(tiling: Tiling, tiles: int, rows_blk: int, num_acc: int, device: torc
     return tiling.split_k, part, counts
 
 
-def _flags(x: torch.Tensor, tiling: Tiling, block_m: int) -> dict:
+def _flags(x: torch.Tensor) -> dict:
     interpreted = not _LIBDEVICE
     return dict(
         F32X3=x.dtype == torch.float32,
         UPCAST=interpreted and x.dtype == torch.bfloat16,
         LIBDEVICE=_LIBDEVICE,
         PDL=pdl.enabled(x.device),
-        # One row on the CUDA cores: the next weight chunk is loaded a step ahead,
-        # the first before the PDL wait (tl.dot's loads are pipelined by Triton).
-        PREFETCH=block_m == 1 and os.environ.get(PREFETCH_SWITCH, "1") != "0",
     )
 
 
@@ -518,7 +491,7 @@ def linear(
         HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None,
         EVEN_K=k % (tiling.block_k * split_k) == 0,
-        **_flags(x, tiling, block_m),
+        **_flags(x),
         BLOCK_M=block_m,
         BLOCK_N=tiling.block_n,
         BLOCK_K=tiling.block_k,
@@ -567,7 +540,7 @@ def _paired(
         NORM=norm_weight is not None,
         HAS_BIAS=bias is not None,
         EVEN_K=k % (tiling.block_k * split_k) == 0,
-        **_flags(x, tiling, block_m),
+        **_flags(x),
         BLOCK_M=block_m,
         BLOCK_N=tiling.block_n,
         BLOCK_K=tiling.block_k,
