@@ -54,6 +54,24 @@ def profile_lines(run: dict) -> List[str]:
     return lines
 
 
+def time_lines(run: dict) -> List[str]:
+    """Where a whole-model replay's time goes: each kernel class's own µs per
+    layer (``suite_profile.replay_profile``) and the replay's span, per batch."""
+    layers = run.get("config", {}).get("num_hidden_layers")
+    profiles = {bs: r["whole_model_profile"] for bs, r in run["decode"].items()
+                if "own_us_by_class" in r.get("whole_model_profile", {})}  # fmt: skip
+    if not layers or not profiles:
+        return []
+    classes = sorted({kind for profile in profiles.values() for kind in profile["own_us_by_class"]})
+    lines = ["| own µs per layer, whole-model replay | " + " | ".join(f"bs {bs}" for bs in profiles) + " |"]
+    lines.append("|---" * (len(profiles) + 1) + "|")
+    for kind in classes:
+        cells = [f"{profile['own_us_by_class'].get(kind, 0.0) / layers:.1f}" for profile in profiles.values()]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    lines.append("| replay span, µs a step | " + " | ".join(f"{p['span_us']:.0f}" for p in profiles.values()) + " |")
+    return lines
+
+
 def startup_lines(run: dict) -> List[str]:
     cold, warm = run["startup"], run.get("warm_startup")
     lines = ["| capture | sizes | seconds | of which the first size | reserved memory added |", "|---|---|---|---|---|"]
@@ -73,7 +91,7 @@ def markdown(runs: Dict[str, dict]) -> str:
         out += [f"### {shape}: {run['card']}, torch {run['torch']}, backend {run['backend']}, {run['date']}", ""]
         out += table(run["decode"], DECODE_COLUMNS, "decode bs") + [""]
         out += table(run["extend"], EXTEND_COLUMNS, "extend tokens") + [""]
-        out += profile_lines(run) + [""] + startup_lines(run) + [""]
+        out += profile_lines(run) + [""] + time_lines(run) + [""] + startup_lines(run) + [""]
     return "\n".join(out)
 
 
