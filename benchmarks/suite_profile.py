@@ -51,7 +51,7 @@ def replay_profile(replay: Callable[[], object], top: int = 12) -> dict:
     events = [e for e in prof.events() if e.device_type == cuda]
     kernels = [e for e in events if not _is_copy_or_fill(e.name)]
     by_class, by_name, own_by_class = {}, {}, {}
-    reach = None
+    reach = float("-inf")  # the latest end of the kernels before
     for e in sorted(kernels, key=lambda e: e.time_range.start):
         us = e.time_range.elapsed_us()
         kind = kernel_class(e.name)
@@ -60,9 +60,8 @@ def replay_profile(replay: Callable[[], object], top: int = 12) -> dict:
         # Under PDL a kernel starts while the one before runs: its own share
         # is the part of its run no earlier kernel covers.
         start, end = e.time_range.start, e.time_range.end
-        own = end - max(start, reach) if reach is not None else end - start
-        own_by_class[kind] = own_by_class.get(kind, 0.0) + max(own, 0.0)
-        reach = end if reach is None else max(reach, end)
+        own_by_class[kind] = own_by_class.get(kind, 0.0) + max(end - max(start, reach), 0.0)
+        reach = max(reach, end)
     spans = [(e.time_range.start, e.time_range.end) for e in events]
     return {"kernels": len(kernels), "kernel_us": sum(by_class.values()), "us_by_class": by_class,
             "own_us_by_class": own_by_class,
