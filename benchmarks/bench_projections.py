@@ -118,6 +118,9 @@ def candidates(rows: int) -> list:
     if rows == 1:
         for bn, bk, sk in ((8, 512, 1), (16, 256, 1), (8, 256, 2), (4, 512, 1), (32, 128, 1), (8, 512, 4)):
             out.append(Tiling(block_n=bn, block_k=bk, split_k=sk, fma=True))
+        # Whole rows of a small K in one chunk: every weight load in flight before the PDL wait.
+        for bn, bk, warps in ((1, 2048, 4), (2, 1024, 4), (2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (1, 8192, 8)):
+            out.append(Tiling(block_n=bn, block_k=bk, num_warps=warps, fma=True))
     return out
 
 

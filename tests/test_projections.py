@@ -26,9 +26,9 @@ from sgl_piecewise.ops.kernels import projection as kernels  # noqa: E402
 from sgl_piecewise.ops.kernels.tilings import Tiling  # noqa: E402
 
 EPS = 1e-6
-# Tilings the CPU tests run: tensor-core tiles with and without split K,
-# and a single row on the CUDA cores.
-TILINGS = [Tiling(16, 64), Tiling(16, 32, split_k=4), Tiling(8, 64, split_k=2, fma=True)]
+# Tilings the CPU tests run: tensor-core tiles with and without split K, a
+# single row on the CUDA cores, and whole rows in one chunk (block_k > K).
+TILINGS = [Tiling(16, 64), Tiling(16, 32, split_k=4), Tiling(8, 64, split_k=2, fma=True), Tiling(2, 256, fma=True)]
 GQA = [(14, 2), (32, 8), (9, 3), (4, 4)]
 
 

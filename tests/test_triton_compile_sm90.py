@@ -1,6 +1,7 @@
 """The Triton kernels compiled offline for Hopper (sm_90): no register
 spills and shared memory within an H100's limit, for every launch setting
-the library uses. Needs Triton's bundled ptxas/cuobjdump, not a GPU."""
+the library uses (the projection kernels: every tiling of the shipped
+tables). Needs Triton's bundled ptxas/cuobjdump, not a GPU."""
 
 from __future__ import annotations
 
@@ -56,6 +57,31 @@ for dtype, hq, hkv, d in [(torch.bfloat16, 32, 8, 128), (torch.bfloat16, 8, 1, 2
         t.update({"mask_ptr": "*i1", "loc_ptr": "*i64", "qk_scale": "fp32"})
         name = f"extend {dtype} {hq}/{hkv} d{d} q{max_q} mask={use_mask} new_kv={new_kv}"
         print(json.dumps({"kernel": name, **build(ext._extend_kernel, meta, t)}))
+
+# The projection kernels under every tiling of every shipped table (the "1"
+# band at one row, "many" at 32), bf16, chained by PDL as on a Hopper card.
+from sgl_piecewise.ops.kernels import projection as proj
+from sgl_piecewise.ops.kernels.tilings import TABLE_DIR, Tiling
+t = {n: "*bf16" for n in ("x_ptr", "nw_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "out2_ptr", "cs_ptr")}
+t.update({"part_ptr": "*fp32", "pos_ptr": "*i64", "eps": "fp32"})
+for table in sorted(TABLE_DIR.glob("*.json")):
+    for key, bands in sorted(json.loads(table.read_text())["tilings"].items()):
+        kind, n, k = key.split(":")
+        for band, entry in sorted(bands.items()):
+            if entry is None:
+                continue
+            tiling = Tiling(**entry)
+            rows = 1 if band == "1" else 32
+            if kind == "linear":
+                fn, epilogue = proj._linear_kernel, dict(NORM=False, HAS_BIAS=False, RESIDUAL=True)
+            else:
+                rotary = kind.startswith("rotary")
+                fn = proj._paired_kernel
+                epilogue = dict(HEAD_DIM=int(kind[6:]) if rotary else 0, ROTATED_HEADS=2 if rotary else 0,
+                                ROTARY=rotary, NORM=True, HAS_BIAS=False)
+            meta = proj.kernel_meta(tiling, rows, int(k), tiling.split_k, torch.bfloat16, True, **epilogue)
+            name = f"projection {table.stem} {key} rows {rows} {tiling}"
+            print(json.dumps({"kernel": name, **build(fn, meta, t)}))
 """
 
 
@@ -82,8 +108,10 @@ def test_kernels_compile_for_sm90_without_spills_or_smem_overflow():
     if proc.stdout.startswith("SKIP"):
         pytest.skip(proc.stdout[5:].strip())
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    # 5 shapes x (decode with and without the K/V write, 3 extend variants and the one writing K/V)
-    assert len(rows) == 5 * 6
+    # 5 shapes x (decode with and without the K/V write, 3 extend variants and
+    # the one writing K/V), then the projection kernels' tilings
+    assert len([r for r in rows if not r["kernel"].startswith("projection")]) == 5 * 6
+    assert len([r for r in rows if r["kernel"].startswith("projection")]) >= 30
     # H100: 227 KiB of shared memory per block at most; any spill is a tile
     # choice to revisit.
     bad = [r for r in rows if r["spill"] > 0 or r["smem"] > 227 * 1024]

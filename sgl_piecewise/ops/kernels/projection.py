@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover - the ops take their plain formulas with
     triton = None
 
 MAX_ROWS = 64  # rows one launch serves; more go to cuBLAS
+_EARLY = __import__("os").environ.get("SGL_PIECEWISE_EARLY_RELEASE", "1") != "0"  # experiment switch
 
 
 if triton is not None:
@@ -104,8 +105,9 @@ if triton is not None:
 
     @triton.jit
     def _chain_release(PDL: tl.constexpr):
-        """Let the next kernel be scheduled, only after the main loop, so it
-        holds no slots while this one streams its weight."""
+        """Let the next kernel be scheduled (once every program of this one has
+        started) so that its programs load their first weight chunk while this
+        one's last programs run."""
         if PDL:
             pdl.gdc_launch_dependents()
 
@@ -208,6 +210,7 @@ if triton is not None:
         UPCAST: tl.constexpr,
         LIBDEVICE: tl.constexpr,
         PDL: tl.constexpr,
+        EARLY: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -221,18 +224,24 @@ if triton is not None:
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m, mask_n = offs_m < M, offs_n < N
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-        _chain_wait(PDL)
+        if EARLY:
+            _chain_release(PDL)
         lo, hi = _k_range(K, split, SPLIT_K, BLOCK_K)
-        acc = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K)
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(lo, hi, BLOCK_K):
+        # The first chunk's weights before the wait: no kernel of the chain writes them.
+        offs_k, mask_k = _k_offsets(lo, hi, BLOCK_K)
+        w = _w_chunk(w_rows, offs_k, mask_n, mask_k, EVEN_K)
+        _chain_wait(PDL)
+        x, squares = _x_chunk(x_ptr, nw_ptr, offs_m, mask_m, offs_k, mask_k, stride_xm, NORM, EVEN_K)
+        acc = _mac(x, w, _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K), F32X3, UPCAST, BLOCK_M)
+        for k0 in range(lo + BLOCK_K, hi, BLOCK_K):
             offs_k, mask_k = _k_offsets(k0, hi, BLOCK_K)
             x, sq = _x_chunk(x_ptr, nw_ptr, offs_m, mask_m, offs_k, mask_k, stride_xm, NORM, EVEN_K)
             w = _w_chunk(w_rows, offs_k, mask_n, mask_k, EVEN_K)
             acc = _mac(x, w, acc, F32X3, UPCAST, BLOCK_M)
             squares += sq
         acc = _acc_done(acc, BLOCK_M)
-        _chain_release(PDL)
+        if not EARLY:
+            _chain_release(PDL)
         last = True
         if SPLIT_K > 1:
             _arrive_last(
@@ -299,6 +308,7 @@ if triton is not None:
         UPCAST: tl.constexpr,
         LIBDEVICE: tl.constexpr,
         PDL: tl.constexpr,
+        EARLY: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -327,12 +337,17 @@ if triton is not None:
         mask_n = within < HALF_ROWS
         a_rows = w_ptr + rows_a.to(tl.int64)[:, None] * stride_wn
         b_rows = a_rows + HALF_ROWS * stride_wn
-        _chain_wait(PDL)
+        if EARLY:
+            _chain_release(PDL)
         lo, hi = _k_range(K, split, SPLIT_K, BLOCK_K)
-        acc_a = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K)
-        acc_b = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K)
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(lo, hi, BLOCK_K):
+        offs_k, mask_k = _k_offsets(lo, hi, BLOCK_K)
+        wa = _w_chunk(a_rows, offs_k, mask_n, mask_k, EVEN_K)
+        wb = _w_chunk(b_rows, offs_k, mask_n, mask_k, EVEN_K)
+        _chain_wait(PDL)
+        x, squares = _x_chunk(x_ptr, nw_ptr, offs_m, mask_m, offs_k, mask_k, stride_xm, NORM, EVEN_K)
+        acc_a = _mac(x, wa, _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K), F32X3, UPCAST, BLOCK_M)
+        acc_b = _mac(x, wb, _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K), F32X3, UPCAST, BLOCK_M)
+        for k0 in range(lo + BLOCK_K, hi, BLOCK_K):
             offs_k, mask_k = _k_offsets(k0, hi, BLOCK_K)
             x, sq = _x_chunk(x_ptr, nw_ptr, offs_m, mask_m, offs_k, mask_k, stride_xm, NORM, EVEN_K)
             wa = _w_chunk(a_rows, offs_k, mask_n, mask_k, EVEN_K)
@@ -341,7 +356,8 @@ if triton is not None:
             acc_b = _mac(x, wb, acc_b, F32X3, UPCAST, BLOCK_M)
             squares += sq
         acc_a, acc_b = _acc_done(acc_a, BLOCK_M), _acc_done(acc_b, BLOCK_M)
-        _chain_release(PDL)
+        if not EARLY:
+            _chain_release(PDL)
         last = True
         if SPLIT_K > 1:
             _arrive_last(
@@ -431,13 +447,22 @@ def _split(tiling: Tiling, tiles: int, rows_blk: int, num_acc: int, device: torc
     return tiling.split_k, part, counts
 
 
-def _flags(x: torch.Tensor) -> dict:
-    interpreted = not _LIBDEVICE
+def kernel_meta(tiling: Tiling, rows: int, k: int, split_k: int, dtype: torch.dtype, chained: bool, **epilogue) -> dict:
+    """A launch's compile-time arguments (shared by the launchers and the sm_90 compile test)."""
     return dict(
-        F32X3=x.dtype == torch.float32,
-        UPCAST=interpreted and x.dtype == torch.bfloat16,
+        epilogue,
+        EVEN_K=k % (tiling.block_k * split_k) == 0,
+        F32X3=dtype == torch.float32,
+        UPCAST=not _LIBDEVICE and dtype == torch.bfloat16,  # the interpreter's dot
         LIBDEVICE=_LIBDEVICE,
-        PDL=pdl.enabled(x.device),
+        PDL=chained,
+        EARLY=_EARLY,
+        BLOCK_M=tiling.block_m(rows),
+        BLOCK_N=tiling.block_n,
+        BLOCK_K=tiling.block_k,
+        SPLIT_K=split_k,
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
     )
 
 
@@ -486,18 +511,16 @@ def linear(
         res.stride(0),
         out.stride(0),
     )
-    meta = dict(
+    meta = kernel_meta(
+        tiling,
+        rows,
+        k,
+        split_k,
+        x.dtype,
+        pdl.enabled(x.device),
         NORM=norm_weight is not None,
         HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None,
-        EVEN_K=k % (tiling.block_k * split_k) == 0,
-        **_flags(x),
-        BLOCK_M=block_m,
-        BLOCK_N=tiling.block_n,
-        BLOCK_K=tiling.block_k,
-        SPLIT_K=split_k,
-        num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages,
     )
     _launch(_linear_kernel, (tiles, split_k), args, meta)
     return out
@@ -533,20 +556,18 @@ def _paired(
         out2.stride(1) if out2 is not None else 0,
         cos_sin.stride(0) if cos_sin is not None else 0,
     )
-    meta = dict(
+    meta = kernel_meta(
+        tiling,
+        rows,
+        k,
+        split_k,
+        x.dtype,
+        pdl.enabled(x.device),
         HEAD_DIM=rotary.get("head_dim", 0),
         ROTATED_HEADS=rotary.get("rotated", 0),
         ROTARY=bool(rotary),
         NORM=norm_weight is not None,
         HAS_BIAS=bias is not None,
-        EVEN_K=k % (tiling.block_k * split_k) == 0,
-        **_flags(x),
-        BLOCK_M=block_m,
-        BLOCK_N=tiling.block_n,
-        BLOCK_K=tiling.block_k,
-        SPLIT_K=split_k,
-        num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages,
     )
     _launch(_paired_kernel, (tiles, split_k), args, meta)
 
