@@ -242,3 +242,19 @@ def test_a_differing_token_is_reported_with_eager_logit_gap():
     assert f"{first} vs {second}" in note
     assert gap == pytest.approx(float(logits[first] - logits[second]), rel=1e-3) and gap >= 0
     assert "ends there" in logit_gap_note(model, prompt, [first], [], 0)
+
+
+def test_verify_with_the_fused_projection_ops(capsys):
+    from sgl_piecewise.engine.bench import load_model
+    from sgl_piecewise.engine.cli import build_parser
+
+    args = build_parser().parse_args(["verify", "--device", "cpu", "--fused-projections"])
+    _, _, model = load_model(args)
+    flags = [m.fused_projections for m in model.modules() if hasattr(m, "fused_projections")]
+    assert len(flags) > model.config.num_hidden_layers and all(flags)
+    argv = ["verify", "--device", "cpu", "--fused-projections", "--graphs", "piecewise", "--steps", "3",
+            "--max-bs", "2", "--piece-compiler", "eager"]  # fmt: skip
+    assert main(argv) == 0
+    assert "MISMATCH" not in capsys.readouterr().out
+    assert main(["verify", "--device", "cpu", "--fused-projections", "--tp", "2"]) == 2
+    assert "--fused-projections: expected one rank, got 2" in capsys.readouterr().out

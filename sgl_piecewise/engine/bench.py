@@ -28,7 +28,7 @@ from sgl_piecewise.engine.testing import prefill_logits
 from sgl_piecewise.engine.text import SMOLLM2, chat_prompt_ids, eos_ids, has_tokenizer, load_tokenizer, smollm2_path
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.graphs.counters import counters
-from sgl_piecewise.models import gguf
+from sgl_piecewise.models import gguf, set_fused_projections
 from sgl_piecewise.models.config import ModelConfig
 from sgl_piecewise.models.loader import ADAPTER_ONLY, checkpoint_architecture, default_config, load_model_or_default
 from sgl_piecewise.models.parallel import tp_layout
@@ -110,7 +110,10 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
 def load_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, Any]:
     """``--device``, ``--dtype`` resolved, and ``--model`` loaded with them."""
     device, dtype = resolve_device_dtype(args.device, args.dtype)
-    return device, dtype, load_model_or_default(model_source(args.model), dtype, device, seed=args.seed)
+    model = load_model_or_default(model_source(args.model), dtype, device, seed=args.seed)
+    if getattr(args, "fused_projections", False) and not set_fused_projections(model, True):
+        raise InvalidInputError(f"--fused-projections: expected a model with fused projection ops, got {args.model}")
+    return device, dtype, model
 
 
 def model_source(name: Optional[str]) -> Optional[str]:

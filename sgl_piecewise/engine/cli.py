@@ -93,6 +93,11 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str) -> None:
         "(the oracle; no graph hooks: not for --graphs full)",
     )
     p.add_argument("--piece-compiler", default="inductor", choices=["inductor", "eager", "tensorrt"])
+    p.add_argument(
+        "--fused-projections",
+        action="store_true",
+        help="the model's projections through the fused ops (RMSNorm + QKV + rotary, SiLU, residual; one rank)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--tp",
@@ -178,6 +183,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         ranks = _ranks(args)
         check_flags(args)
+        if ranks > 1 and args.fused_projections:
+            raise InvalidInputError(f"--fused-projections: expected one rank, got {ranks}")
         if ranks > 1:
             check_tensor_parallel(args.model, ranks)
         sp, device = args.sequence_parallel, _launch_device(args)
