@@ -208,13 +208,12 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     NEW_KV: tl.constexpr,
     PDL: tl.constexpr,
-    EARLY: tl.constexpr,
 ):
-    # Grid: (rows, num_kv_heads * HEAD_BLOCKS, max_splits). Under PDL, wait
-    # for the kernel that made q, k, v before touching memory.
-    if PDL and EARLY:
-        pdl.gdc_launch_dependents()
+    # Grid: (rows, num_kv_heads * HEAD_BLOCKS, max_splits). Under PDL, let the
+    # next kernel start (before its own wait it reads only its weights), and
+    # wait for the kernel that made q, k, v before touching memory.
     if PDL:
+        pdl.gdc_launch_dependents()
         pdl.gdc_wait()
     req = tl.program_id(0)
     head_program = tl.program_id(1)
@@ -281,8 +280,6 @@ def _decode_kernel(
         if NEW_KV:
             v = tl.where((keys == new_key)[:, None], new_v[None, :], v)
         acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, F32X3, UPCAST)
-    if PDL and not EARLY:
-        pdl.gdc_launch_dependents()
 
     # All-weightless keys give 0, not 0/0: the merge's 0 * NaN would still be NaN.
     part = tl.where(l_i[:, None] == 0, 0.0, acc / l_i[:, None])
@@ -441,7 +438,6 @@ def decode_kernel_meta(
         UPCAST=INTERPRETED and dtype == torch.bfloat16,
         NEW_KV=new_kv,
         PDL=chained,
-        EARLY=__import__("os").environ.get("SGL_PIECEWISE_EARLY_RELEASE_ATTN", "1") != "0",
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         **({"launch_pdl": True} if chained else {}),

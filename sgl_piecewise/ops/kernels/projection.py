@@ -27,7 +27,6 @@ except ImportError:  # pragma: no cover - the ops take their plain formulas with
     triton = None
 
 MAX_ROWS = 64  # rows one launch serves; more go to cuBLAS
-_EARLY = __import__("os").environ.get("SGL_PIECEWISE_EARLY_RELEASE", "1") != "0"  # experiment switch
 
 
 if triton is not None:
@@ -210,7 +209,6 @@ if triton is not None:
         UPCAST: tl.constexpr,
         LIBDEVICE: tl.constexpr,
         PDL: tl.constexpr,
-        EARLY: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -224,8 +222,7 @@ if triton is not None:
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m, mask_n = offs_m < M, offs_n < N
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-        if EARLY:
-            _chain_release(PDL)
+        _chain_release(PDL)
         lo, hi = _k_range(K, split, SPLIT_K, BLOCK_K)
         # The first chunk's weights before the wait: no kernel of the chain writes them.
         offs_k, mask_k = _k_offsets(lo, hi, BLOCK_K)
@@ -240,8 +237,6 @@ if triton is not None:
             acc = _mac(x, w, acc, F32X3, UPCAST, BLOCK_M)
             squares += sq
         acc = _acc_done(acc, BLOCK_M)
-        if not EARLY:
-            _chain_release(PDL)
         last = True
         if SPLIT_K > 1:
             _arrive_last(
@@ -308,7 +303,6 @@ if triton is not None:
         UPCAST: tl.constexpr,
         LIBDEVICE: tl.constexpr,
         PDL: tl.constexpr,
-        EARLY: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -337,8 +331,7 @@ if triton is not None:
         mask_n = within < HALF_ROWS
         a_rows = w_ptr + rows_a.to(tl.int64)[:, None] * stride_wn
         b_rows = a_rows + HALF_ROWS * stride_wn
-        if EARLY:
-            _chain_release(PDL)
+        _chain_release(PDL)
         lo, hi = _k_range(K, split, SPLIT_K, BLOCK_K)
         offs_k, mask_k = _k_offsets(lo, hi, BLOCK_K)
         wa = _w_chunk(a_rows, offs_k, mask_n, mask_k, EVEN_K)
@@ -356,8 +349,6 @@ if triton is not None:
             acc_b = _mac(x, wb, acc_b, F32X3, UPCAST, BLOCK_M)
             squares += sq
         acc_a, acc_b = _acc_done(acc_a, BLOCK_M), _acc_done(acc_b, BLOCK_M)
-        if not EARLY:
-            _chain_release(PDL)
         last = True
         if SPLIT_K > 1:
             _arrive_last(
@@ -456,7 +447,6 @@ def kernel_meta(tiling: Tiling, rows: int, k: int, split_k: int, dtype: torch.dt
         UPCAST=not _LIBDEVICE and dtype == torch.bfloat16,  # the interpreter's dot
         LIBDEVICE=_LIBDEVICE,
         PDL=chained,
-        EARLY=_EARLY,
         BLOCK_M=tiling.block_m(rows),
         BLOCK_N=tiling.block_n,
         BLOCK_K=tiling.block_k,
