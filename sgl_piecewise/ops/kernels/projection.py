@@ -501,17 +501,8 @@ def linear(
         res.stride(0),
         out.stride(0),
     )
-    meta = kernel_meta(
-        tiling,
-        rows,
-        k,
-        split_k,
-        x.dtype,
-        pdl.enabled(x.device),
-        NORM=norm_weight is not None,
-        HAS_BIAS=bias is not None,
-        RESIDUAL=residual is not None,
-    )
+    epilogue = dict(NORM=norm_weight is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None)
+    meta = kernel_meta(tiling, rows, k, split_k, x.dtype, pdl.enabled(x.device), **epilogue)
     _launch(_linear_kernel, (tiles, split_k), args, meta)
     return out
 
@@ -546,19 +537,14 @@ def _paired(
         out2.stride(1) if out2 is not None else 0,
         cos_sin.stride(0) if cos_sin is not None else 0,
     )
-    meta = kernel_meta(
-        tiling,
-        rows,
-        k,
-        split_k,
-        x.dtype,
-        pdl.enabled(x.device),
+    epilogue = dict(
         HEAD_DIM=rotary.get("head_dim", 0),
         ROTATED_HEADS=rotary.get("rotated", 0),
         ROTARY=bool(rotary),
         NORM=norm_weight is not None,
         HAS_BIAS=bias is not None,
     )
+    meta = kernel_meta(tiling, rows, k, split_k, x.dtype, pdl.enabled(x.device), **epilogue)
     _launch(_paired_kernel, (tiles, split_k), args, meta)
 
 
