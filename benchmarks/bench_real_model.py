@@ -9,9 +9,11 @@ every side does the same work: tokens per second = batch size x new tokens /
 wall time of the whole generate call, prefill included, median of
 ``--repeats`` runs after an untimed one.
 
-``--routes``: the model as the library's native Llama (``native``), and as
-transformers' own model through the adapter (``adapter``,
-``sgl_piecewise.models.adapt``), each under every policy.
+``--routes``: the model as the library's native Llama (``native``), the same
+with its projections through the fused ops (``fused``,
+``sgl_piecewise.models.set_fused_projections``), and as transformers' own
+model through the adapter (``adapter``, ``sgl_piecewise.models.adapt``), each
+under every policy.
 
 ``transformers`` runs with its default (dynamic) cache; with
 ``--hf-static-compile`` also with a static cache and its forward under
@@ -41,7 +43,7 @@ from sgl_piecewise.compile.options import default_capture_sizes  # noqa: E402
 from sgl_piecewise.engine.bench import CHAT_PROMPTS, DTYPES, backend_factory, model_source  # noqa: E402
 from sgl_piecewise.engine.runner import ModelRunner  # noqa: E402
 from sgl_piecewise.engine.text import SMOLLM2, chat_prompt_ids, load_tokenizer  # noqa: E402
-from sgl_piecewise.models import load_model  # noqa: E402
+from sgl_piecewise.models import load_model, set_fused_projections  # noqa: E402
 from sgl_piecewise.runners.dispatch import POLICIES  # noqa: E402
 
 
@@ -92,12 +94,14 @@ def ours(args, model, tokenizer, device) -> Dict[str, dict]:
 
 
 # A route's key in real_model.json.
-ROUTES = {"native": "policies", "adapter": "adapter_policies"}
+ROUTES = {"native": "policies", "fused": "fused_policies", "adapter": "adapter_policies"}
 
 
 def route_side(args, route: str, path: str, tokenizer) -> Dict[str, dict]:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     model = load_model(path, dtype, device, adapter=route == "adapter")
+    if route == "fused":
+        set_fused_projections(model, True)
     print("route", route, type(model).__name__, flush=True)
     return ours(args, model, tokenizer, device)
 
@@ -150,7 +154,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--routes", nargs="+", default=["native"], choices=list(ROUTES),
-                   help="native: the library's own model; adapter: transformers' model, adapted")  # fmt: skip
+                   help="native: the library's own model; fused: it with the fused projection ops; "
+                        "adapter: transformers' model, adapted")  # fmt: skip
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--hf-static-compile", action="store_true",
                    help="also transformers with a static cache and torch.compile(mode='reduce-overhead')")  # fmt: skip
