@@ -61,13 +61,17 @@ def weight_rows(kind: str, n) -> int:
     return 2 * n if kind == "silu" else n
 
 
-def kernel_tiling(kind: str, n, k: int, rows: int) -> Tiling:
-    """The card's tiling of the projection, or the rule's where its table prefers cuBLAS (the kernel still runs)."""
+def table_kind_cols(kind: str, n) -> tuple:
+    """The projection's kind and output columns as a tilings table names them (``tilings.py``)."""
     if kind == "qkv":
         hq, hkv, d = n
-        table_kind, cols = f"rotary{d}", (hq + 2 * hkv) * (d // 2)
-    else:
-        table_kind, cols = kind, n
+        return f"rotary{d}", (hq + 2 * hkv) * (d // 2)
+    return kind, n
+
+
+def kernel_tiling(kind: str, n, k: int, rows: int) -> Tiling:
+    """The card's tiling of the projection, or the rule's where its table prefers cuBLAS (the kernel still runs)."""
+    table_kind, cols = table_kind_cols(kind, n)
     device = torch.device("cuda", torch.cuda.current_device())
     return tiling_for(table_kind, rows, cols, k, device) or default_tiling(rows, cols, k, device)
 
@@ -126,10 +130,8 @@ def candidates(rows: int) -> list:
 
 def table_key(kind, n, k) -> str:
     """The projection's key in a tilings table (``tilings.py``)."""
-    if kind == "qkv":
-        hq, hkv, d = n
-        return f"rotary{d}:{(hq + 2 * hkv) * (d // 2)}:{k}"
-    return f"{kind}:{n}:{k}"
+    table_kind, cols = table_kind_cols(kind, n)
+    return f"{table_kind}:{cols}:{k}"
 
 
 def inputs(kind, n, k, rows, dtype=torch.bfloat16):

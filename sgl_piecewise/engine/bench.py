@@ -111,7 +111,7 @@ def load_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, Any
     """``--device``, ``--dtype`` resolved, and ``--model`` loaded with them."""
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     model = load_model_or_default(model_source(args.model), dtype, device, seed=args.seed)
-    if getattr(args, "fused_projections", False) and not set_fused_projections(model, True):
+    if args.fused_projections and not set_fused_projections(model, True):
         raise InvalidInputError(f"--fused-projections: expected a model with fused projection ops, got {args.model}")
     return device, dtype, model
 

@@ -183,9 +183,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         ranks = _ranks(args)
         check_flags(args)
-        if ranks > 1 and args.fused_projections:
-            raise InvalidInputError(f"--fused-projections: expected one rank, got {ranks}")
         if ranks > 1:
+            if args.fused_projections:
+                raise InvalidInputError(f"--fused-projections: expected one rank, got {ranks}")
             check_tensor_parallel(args.model, ranks)
         sp, device = args.sequence_parallel, _launch_device(args)
         if ranks > 1 and "WORLD_SIZE" not in os.environ:
