@@ -176,8 +176,10 @@ def time_paths(
     paths: Dict[str, Callable[[], Callable]], rounds: int = 6, iters: int = 5, warm_up: Callable = keep_busy
 ) -> dict:
     """Median ms of each path (a factory of its step), its max |logit
-    difference| to the first path, and on a GPU its median host time
-    (``<path>_host_ms``, :func:`step_times_ms`); a failing path records its error.
+    difference| to the first path, and on a GPU its median and least host
+    time (``<path>_host_ms``, ``<path>_host_min_ms``, :func:`step_times_ms`;
+    the host's other load only adds to a call's, so the least is the steadier
+    figure between processes); a failing path records its error.
 
     The paths' steps are timed in ``rounds`` interleaved rounds of ``iters``
     each, not one path after the other: the host's load drifts over seconds,
@@ -221,6 +223,7 @@ def time_paths(
             result[name] = statistics.median(times)
             if host[name]:
                 result[name + "_host_ms"] = statistics.median(host[name])
+                result[name + "_host_min_ms"] = min(host[name])
     return result
 
 
