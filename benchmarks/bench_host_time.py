@@ -1,0 +1,105 @@
+"""Host time per step of the graph paths (a script, not a test): the wall
+time until a step's launches are queued, for the whole-model decode graphs
+and the piecewise graphs, decode and extend.
+
+    python benchmarks/bench_host_time.py --shape 0.5b --out results/
+
+Host time between two processes moves with the host's other load far more
+than a change to the library does, so the figure to compare is the least
+of many steps (that load only adds to a step's) and a comparison of two
+library trees alternates their processes on one machine. The step paths
+and the model are the suite's (``suite.py``); the timed steps run pinned to
+one core (``--core``), in ``--rounds`` interleaved rounds. Writes
+``host_<shape>.json``: per row and path the least, the 10th percentile and
+the median host time in ms, and the median step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import free_batch, keep_busy, step_times_ms, write_json  # noqa: E402
+from suite import build, start_up, step_batch, step_paths, whole_model_runners  # noqa: E402
+
+import sgl_piecewise as sp  # noqa: E402,F401 (the library the suite's helpers run)
+
+
+def host_row(paths: dict, rounds: int, iters: int) -> dict:
+    """Each path's host and step times over ``rounds`` interleaved rounds."""
+    runs = {name: make() for name, make in paths.items()}
+    host = {name: [] for name in runs}
+    steps = {name: [] for name in runs}
+    with torch.no_grad():
+        for run in runs.values():
+            for _ in range(5):
+                run()
+        for _ in range(rounds):
+            for name, run in runs.items():
+                keep_busy(run)
+                steps[name] += step_times_ms(run, iters, host=host[name])
+    row = {}
+    for name, times in host.items():
+        times = sorted(times)
+        row[name] = {
+            "host_min_ms": times[0],
+            "host_p10_ms": times[len(times) // 10],
+            "host_median_ms": statistics.median(times),
+            "step_ms": statistics.median(steps[name]),
+            "samples": len(times),
+        }
+    return row
+
+
+def run(args) -> dict:
+    suite_args = argparse.Namespace(
+        shape=args.shape,
+        device="cuda",
+        backend=None,
+        context=args.context,
+        decode_bs=args.decode_bs,
+        extend=args.extend,
+        fused_projections=False,
+    )
+    _, runner = build(suite_args)
+    piecewise, _ = start_up(runner)
+    whole, _ = whole_model_runners(runner, max(args.decode_bs))
+    os.sched_setaffinity(0, {args.core})
+    rows = {}
+    for kind, sizes in (("decode", args.decode_bs), ("extend", args.extend)):
+        for size in sizes:
+            batch = step_batch(suite_args, runner, kind, size)
+            paths = step_paths(runner, batch, piecewise.compiled, whole if kind == "decode" else {}, False)
+            del paths["eager"]
+            paths.pop("whole_model_pieces", None)
+            rows[f"{kind} {size}"] = row = host_row(paths, args.rounds, args.iters)
+            print(kind, size, json.dumps(row), flush=True)
+            free_batch(runner, batch)
+    return {"shape": args.shape, "card": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "library": os.path.dirname(sp.__file__), "core": args.core, "rows": rows}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="0.5b")
+    p.add_argument("--out", required=True)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--extend", type=int, nargs="+", default=[16, 512])
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--core", type=int, default=2, help="the core the timed steps run on")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_host_time: expected a CUDA device (host time is the time to queue a step's launches)")
+    print("wrote", write_json(args.out, f"host_{args.shape}.json", run(args)))
+
+
+if __name__ == "__main__":
+    main()
