@@ -11,7 +11,8 @@ library trees alternates their processes on one machine. The step paths
 and the model are the suite's (``suite.py``); the timed steps run pinned to
 one core (``--core``), in ``--rounds`` interleaved rounds. Writes
 ``host_<shape>.json``: per row and path the least, the 10th percentile and
-the median host time in ms, and the median step time.
+the median host time in ms, and the median step time. ``--device cpu``
+runs the logic (a step's host time is then its wall time).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import sgl_piecewise as sp  # noqa: E402,F401 (the library the suite's helpers r
 def host_row(paths: dict, rounds: int, iters: int) -> dict:
     """Each path's host and step times over ``rounds`` interleaved rounds."""
     runs = {name: make() for name, make in paths.items()}
+    cuda = torch.cuda.is_available()
     host = {name: [] for name in runs}
     steps = {name: [] for name in runs}
     with torch.no_grad():
@@ -43,7 +45,10 @@ def host_row(paths: dict, rounds: int, iters: int) -> dict:
         for _ in range(rounds):
             for name, run in runs.items():
                 keep_busy(run)
-                steps[name] += step_times_ms(run, iters, host=host[name])
+                times = step_times_ms(run, iters, host=host[name])
+                steps[name] += times
+                if not cuda:  # no launches to queue: the host's time is the step's
+                    host[name] += times
     row = {}
     for name, times in host.items():
         times = sorted(times)
@@ -60,8 +65,8 @@ def host_row(paths: dict, rounds: int, iters: int) -> dict:
 def run(args) -> dict:
     suite_args = argparse.Namespace(
         shape=args.shape,
-        device="cuda",
-        backend=None,
+        device=args.device,
+        backend="triton" if args.device == "cuda" else "torch",
         context=args.context,
         decode_bs=args.decode_bs,
         extend=args.extend,
@@ -81,13 +86,15 @@ def run(args) -> dict:
             rows[f"{kind} {size}"] = row = host_row(paths, args.rounds, args.iters)
             print(kind, size, json.dumps(row), flush=True)
             free_batch(runner, batch)
-    return {"shape": args.shape, "card": torch.cuda.get_device_name(), "torch": torch.__version__,
+    card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    return {"shape": args.shape, "card": card, "torch": torch.__version__,
             "library": os.path.dirname(sp.__file__), "core": args.core, "rows": rows}  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="0.5b")
+    p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 32])
@@ -96,8 +103,6 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--core", type=int, default=2, help="the core the timed steps run on")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_host_time: expected a CUDA device (host time is the time to queue a step's launches)")
     print("wrote", write_json(args.out, f"host_{args.shape}.json", run(args)))
 
 
