@@ -18,16 +18,25 @@ def _fmt_shape(spec: ShapeSpec) -> str:
     return "[" + ", ".join("*" if s is None else str(s) for s in spec) + "]"
 
 
-def _size_matches(want: Optional[int], got: int, message) -> bool:
-    """``want`` is None or equals ``got``. Traced sizes are asserted equal, not
-    compared: two token counts marked unbacked (a first call of one token) are
-    separate symbols, and comparing them would guard on data."""
-    if want is None:
-        return True
-    if isinstance(want, torch.SymInt) or isinstance(got, torch.SymInt):
-        torch._check(want == got, message)
-        return True
-    return want == got
+def _shape_matches(name: str, spec: ShapeSpec, sizes: Sequence[int]) -> bool:
+    """Each size equals ``spec``'s where it names one. Traced sizes are
+    asserted equal, not compared: two token counts marked unbacked (a first
+    call of one token) are separate symbols, and comparing them would guard
+    on data. Plain sizes are compared first: this runs on every step."""
+    if len(sizes) != len(spec):
+        return False
+    for want, got in zip(spec, sizes):
+        if want is None or (type(want) is int and type(got) is int and want == got):
+            continue
+        if isinstance(want, torch.SymInt) or isinstance(got, torch.SymInt):
+            torch._check(want == got, lambda: _shape_message(name, spec, sizes))
+        elif want != got:
+            return False
+    return True
+
+
+def _shape_message(name: str, spec: ShapeSpec, sizes: Sequence[int]) -> str:
+    return f"{name}: expected shape {_fmt_shape(spec)}, got {list(sizes)}"
 
 
 def check_tensor(
@@ -42,10 +51,8 @@ def check_tensor(
     if not isinstance(value, torch.Tensor):
         raise InvalidTypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     if shape is not None:
-        message = lambda: f"{name}: expected shape {_fmt_shape(shape)}, got {list(value.shape)}"  # noqa: E731
-        ok = value.dim() == len(shape) and all(_size_matches(w, g, message) for w, g in zip(shape, value.shape))
-        if not ok:
-            raise InvalidInputError(message())
+        if not _shape_matches(name, shape, value.shape):
+            raise InvalidInputError(_shape_message(name, shape, value.shape))
     if dtype is not None:
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if value.dtype not in allowed:
