@@ -29,8 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import free_batch, keep_busy, step_times_ms, write_json  # noqa: E402
 from suite import build, start_up, step_batch, step_paths, whole_model_runners  # noqa: E402
 
-import sgl_piecewise as sp  # noqa: E402,F401 (the library the suite's helpers run)
-
 
 def host_row(paths: dict, rounds: int, iters: int) -> dict:
     """Each path's host and step times over ``rounds`` interleaved rounds."""
@@ -62,6 +60,20 @@ def host_row(paths: dict, rounds: int, iters: int) -> dict:
     return row
 
 
+def time_rows(args, suite_args, runner, piecewise, whole) -> dict:
+    rows = {}
+    for kind, sizes in (("decode", args.decode_bs), ("extend", args.extend)):
+        for size in sizes:
+            batch = step_batch(suite_args, runner, kind, size)
+            paths = step_paths(runner, batch, piecewise.compiled, whole if kind == "decode" else {}, False)
+            del paths["eager"]
+            paths.pop("whole_model_pieces", None)
+            rows[f"{kind} {size}"] = row = host_row(paths, args.rounds, args.iters)
+            print(kind, size, json.dumps(row), flush=True)
+            free_batch(runner, batch)
+    return rows
+
+
 def run(args) -> dict:
     suite_args = argparse.Namespace(
         shape=args.shape,
@@ -75,23 +87,17 @@ def run(args) -> dict:
     _, runner = build(suite_args)
     piecewise, _ = start_up(runner)
     whole, _ = whole_model_runners(runner, max(args.decode_bs))
+    cores = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {args.core})
-    rows = {}
-    for kind, sizes in (("decode", args.decode_bs), ("extend", args.extend)):
-        for size in sizes:
-            batch = step_batch(suite_args, runner, kind, size)
-            paths = step_paths(runner, batch, piecewise.compiled, whole if kind == "decode" else {}, False)
-            del paths["eager"]
-            paths.pop("whole_model_pieces", None)
-            rows[f"{kind} {size}"] = row = host_row(paths, args.rounds, args.iters)
-            print(kind, size, json.dumps(row), flush=True)
-            free_batch(runner, batch)
+    try:
+        rows = time_rows(args, suite_args, runner, piecewise, whole)
+    finally:
+        os.sched_setaffinity(0, cores)
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    return {"shape": args.shape, "card": card, "torch": torch.__version__,
-            "library": os.path.dirname(sp.__file__), "core": args.core, "rows": rows}  # fmt: skip
+    return {"shape": args.shape, "card": card, "torch": torch.__version__, "core": args.core, "rows": rows}
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="0.5b")
     p.add_argument("--device", default="cuda")
@@ -102,8 +108,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--core", type=int, default=2, help="the core the timed steps run on")
-    args = p.parse_args()
-    print("wrote", write_json(args.out, f"host_{args.shape}.json", run(args)))
+    args = p.parse_args(argv)
+    result = run(args)
+    print("wrote", write_json(args.out, f"host_{args.shape}.json", result))
+    return result
 
 
 if __name__ == "__main__":
