@@ -62,6 +62,9 @@ model is one rank's shard of TP N as a plain model (its heads, KV heads,
 MLP columns and vocabulary; rows ``tp 1/N``): TP N's kernels with no
 communication, which splits a TP N step's excess over ``1/N`` of TP 1's
 into the shard's own kernels and the collectives (one GPU is enough).
+``--fused-projections`` (with ``--tp 1``): TP 1 and the shards alone with
+the model's projections through the fused ops
+(``models.set_fused_projections``), which run one rank.
 
 Weights: ``--fast-init`` (the default on CUDA) fills each rank's shard on
 its device with ``torch.randn`` under a fixed seed (``std`` 0.02, norm
@@ -103,7 +106,7 @@ from sgl_piecewise.distributed import (
     tensor_parallel,
 )
 from sgl_piecewise.engine.runner import ModelRunner
-from sgl_piecewise.models import ModelConfig, build_random_model
+from sgl_piecewise.models import ModelConfig, build_random_model, set_fused_projections
 from sgl_piecewise.models.hf_weights import new_model
 from sgl_piecewise.models.layers import RMSNorm
 from sgl_piecewise.models.norm import fuse_all_reduce_norms
@@ -136,6 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="draw weights on the device (default on cuda; module docstring)")  # fmt: skip
     p.add_argument("--shard-alone", type=int, nargs="+", default=[], metavar="N",
                    help="also time one rank's shard of TP N alone, on one rank (module docstring)")  # fmt: skip
+    p.add_argument("--fused-projections", action="store_true",
+                   help="the model's projections through the fused ops (one rank: --tp 1, --shard-alone)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600, help="seconds per launch (and per collective wait)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -153,6 +158,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if any(n < 2 for n in args.shard_alone):
         p.error(f"--shard-alone: expected TP sizes of at least 2, got {args.shard_alone}")
     args.shard_alone = sorted(set(args.shard_alone))
+    if args.fused_projections and args.tp != [1]:
+        p.error(f"--fused-projections: expected --tp 1 (the fused ops run one rank; --shard-alone N times "
+                f"one rank's shard of TP N), got --tp {' '.join(map(str, args.tp))}")  # fmt: skip
     return args
 
 
@@ -346,12 +354,14 @@ def run_rank(opts: dict, json_path: str) -> Optional[list]:
 
     start = time.perf_counter()
     model = build_model(config, dtype, device, opts["fast_init"])
+    fused_modules = set_fused_projections(model, True) if opts.get("fused_projections") else 0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     info = {"init_s": time.perf_counter() - start,
             "weights_gib_per_rank": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
             "num_local_heads": getattr(model, "num_local_heads", None),
-            "num_local_kv_heads": getattr(model, "num_local_kv_heads", None)}  # fmt: skip
+            "num_local_kv_heads": getattr(model, "num_local_kv_heads", None),
+            "fused_projection_modules": fused_modules}  # fmt: skip
     if {"fused", "symm"} & set(comms):  # before any capture
         try:
             prepare_communication(max(opts["decode_bs"]), config.hidden_size, dtype, device)

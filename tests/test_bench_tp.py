@@ -63,3 +63,21 @@ def test_kernels_fall_in_the_first_class_whose_mark_their_name_holds(load_benchm
     # A fused all-reduce + RMSNorm kernel counts as the collective it waits in.
     assert bench.kernel_class("allreduce_fusion_kernel_oneshot_lamport<RMSNorm>") == "collective"
     assert bench.kernel_class("void at::native::vectorized_elementwise_kernel<4, add>") == "other"
+
+
+def test_the_fused_ops_time_tp1_and_a_shard_alone_and_refuse_several_ranks(load_benchmark, tmp_path, monkeypatch):
+    bench = load_benchmark("bench_tp")
+    monkeypatch.setitem(sys.modules, "bench_tp", bench)
+    argv = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tp", "1", "--decode-bs", "1",
+            "--context", "16", "--iters", "1", "--paths", "whole_model", "--shard-alone", "2",
+            "--fused-projections", "--out", str(tmp_path)]  # fmt: skip
+    saved = json.loads(json.dumps(bench.main(argv)))
+    assert saved["launch_errors"] == []
+    assert {(r["shard_of"], r["path"], r["bs"]) for r in saved["rows"] if r["ms"] > 0} == {
+        (None, "whole_model", 1),
+        (2, "whole_model", 1),
+    }
+    # The model, each of its layers and the LM head (1 + 2 + 1 in the tiny shape), in both launches.
+    assert saved["ranks"]["1"]["fused_projection_modules"] == saved["ranks"]["1/2"]["fused_projection_modules"] == 4
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tp", "1", "2", "--fused-projections", "--out", str(tmp_path)])
