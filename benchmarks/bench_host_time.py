@@ -109,6 +109,10 @@ def main(argv=None) -> dict:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--core", type=int, default=2, help="the core the timed steps run on")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.iters < 1:
+        p.error(f"--rounds and --iters: expected at least 1, got {args.rounds} and {args.iters}")
+    if args.core not in os.sched_getaffinity(0):
+        p.error(f"--core: expected one of this process's cores {sorted(os.sched_getaffinity(0))}, got {args.core}")
     result = run(args)
     print("wrote", write_json(args.out, f"host_{args.shape}.json", result))
     return result

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 
 def test_tiny_run_times_each_rows_graph_paths_in_every_round(load_benchmark, tmp_path):
     argv = ["--device", "cpu", "--shape", "tiny", "--context", "16", "--decode-bs", "1", "2", "--extend", "4"]
@@ -24,3 +26,15 @@ def test_tiny_run_times_each_rows_graph_paths_in_every_round(load_benchmark, tmp
     for times in (t for row in result["rows"].values() for t in row.values()):
         assert times["samples"] == 2 * 3
         assert 0 < times["host_min_ms"] <= times["host_p10_ms"] <= times["host_median_ms"]
+
+
+def test_no_round_or_a_core_the_process_cannot_run_on_is_refused_before_any_work(load_benchmark, tmp_path, capsys):
+    bench = load_benchmark("bench_host_time")
+    for bad, message in (
+        ("--rounds=0", "--rounds and --iters: expected at least 1"),
+        ("--core=4096", "--core: expected one of"),
+    ):
+        with pytest.raises(SystemExit):
+            bench.main(["--device", "cpu", "--shape", "tiny", bad, "--out", str(tmp_path)])
+        assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
