@@ -16,6 +16,7 @@ import torch
 
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.memory import check_request_lens
+from sgl_piecewise.transfer import to_device
 
 
 class ForwardMode(enum.IntEnum):
@@ -162,20 +163,23 @@ class ForwardBatch:
         positions = torch.zeros(input_ids.shape[0], dtype=torch.int64)
         positions[:num_tokens] = token_positions(prefix_t, extend_t)
         seq_cpu = prefix_t if forward_mode.seq_lens_exclude_new_tokens() else prefix_t + extend_t
+        count = torch.tensor(num_tokens, dtype=torch.int32)
+        # One copy that does not wait (transfer.py): the host can build a step while one runs.
+        moved = to_device((positions, seq_cpu, extend_t, prefix_t, req_pool_indices, out_cache_loc, count), device)
         return cls(
             forward_mode=forward_mode,
             batch_size=bs,
             input_ids=input_ids,
-            positions=positions.to(device),
-            seq_lens=seq_cpu.to(device),
+            positions=moved[0],
+            seq_lens=moved[1],
             seq_lens_cpu=seq_cpu,
-            extend_seq_lens=extend_t.to(device),
-            extend_prefix_lens=prefix_t.to(device),
-            req_pool_indices=req_pool_indices.to(device),
-            out_cache_loc=out_cache_loc.to(device),
+            extend_seq_lens=moved[2],
+            extend_prefix_lens=moved[3],
+            req_pool_indices=moved[4],
+            out_cache_loc=moved[5],
             extend_seq_lens_cpu=list(extend_lens),
             extend_prefix_lens_cpu=list(prefix_lens),
-            num_token_non_padded=torch.tensor(num_tokens, dtype=torch.int32, device=device),
+            num_token_non_padded=moved[6],
             spec_info=spec_info,
             req_pool_indices_cpu=req_pool_indices.cpu(),
             out_cache_loc_cpu=out_cache_loc.cpu(),

@@ -14,6 +14,7 @@ import torch
 
 from sgl_piecewise.checks import check_positive_int, check_tensor
 from sgl_piecewise.errors import InvalidInputError, KVPoolExhaustedError
+from sgl_piecewise.transfer import to_device
 
 DUMMY_SLOT = 0
 
@@ -78,8 +79,9 @@ class ReqToTokenPool:
             raise InvalidInputError(
                 f"request too long: expected at most {self.max_context_len} tokens of context, got {max(positions) + 1}"
             )
-        cols = torch.tensor(list(positions), dtype=torch.int64, device=self.device)
-        self.req_to_token[rows.to(self.device), cols] = slots.to(self.req_to_token)
+        cols = torch.tensor(list(positions), dtype=torch.int64)
+        rows, cols, slots = to_device((rows, cols, slots.to(torch.int32)), self.device)
+        self.req_to_token[rows, cols] = slots
 
     def write_block(self, rows: torch.Tensor, starts: Sequence[int], slots: torch.Tensor) -> None:
         """Record ``slots [b, w]`` at positions ``starts[i] ..`` of ``rows[i]``, in one write."""
