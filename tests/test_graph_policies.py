@@ -6,6 +6,7 @@ path and reason in ``counters.step_paths``."""
 from __future__ import annotations
 
 import collections
+import warnings
 from functools import partial
 
 import pytest
@@ -390,6 +391,32 @@ def test_gpu_every_policy_generates_the_eager_tokens_for_7_ragged_prompts(backen
     expected = {"auto": {"piecewise": 1, "whole_model": 63}, "full": {"eager": 1, "whole_model": 63},
                 "piecewise": {"piecewise": 64}, "breakable": {"breakable": 64}, "none": {"eager": 64}}  # fmt: skip
     assert paths == expected[graphs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpu_whole_model_decode_steps_of_generate_never_synchronise(backend):
+    """Every decode step is queued before the one before it is read: a run of
+    20 tokens makes no more synchronising CUDA calls than a run of 2."""
+    model = _model("cuda", torch.float32, GPU_CONFIG)
+    runner = _runner(model, "full", backend, max_context_len=64)
+    runner.capture_graphs(progress=False, capture_sizes=(1, 2, 4, 8))
+    prompts = [[3, 1, 4], [1, 5]]
+    runner.generate(prompts, 2)  # warm: first calls may set things up
+
+    def syncs(new_tokens: int) -> int:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                runner.generate(prompts, new_tokens)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchronizing" in str(w.message) for w in caught)
+
+    short, long = syncs(2), syncs(20)
+    assert long == short
+    assert collections.Counter(s.path for s in runner.step_stats)["whole_model"] == 19
 
 
 @pytest.mark.triton_cpu

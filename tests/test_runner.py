@@ -101,6 +101,43 @@ def test_each_request_stops_at_its_eos_and_frees_its_row_and_slots_at_once(model
     assert sizes[0] == 4 and sizes[-1] < 4 and sizes == sorted(sizes, reverse=True)
 
 
+def _eos_run(runner: ModelRunner, plain: list[list[int]], prompts) -> list[int]:
+    """Batch sizes of each step of a run where request 0 stops at its 3rd token."""
+    runner.step_stats.clear()
+    out = runner.generate(prompts, max_new_tokens=6, eos_token_ids={plain[0][2]})
+    assert out[0] == plain[0][: plain[0].index(plain[0][2]) + 1]
+    return [s.batch_size for s in runner.step_stats]
+
+
+def test_a_request_that_reaches_its_eos_rides_along_one_more_step_whose_token_is_dropped(model):
+    """Each step is queued before the one before it is read: the step after an
+    EOS is already on its way, so the request's next batch holds it once more."""
+    runner = _runner(model)
+    prompts = _prompts([5, 2, 9], seed=4)
+    plain = runner.generate(prompts, max_new_tokens=6)
+    assert plain[0][2] not in plain[0][:2]
+    before = _pool_state(runner)
+    sizes = _eos_run(runner, plain, prompts)
+    # prefill and decodes 1, 2 (the EOS) and 3 (queued before the EOS was read) hold all three
+    assert sizes[:4] == [3, 3, 3, 3] and set(sizes[4:]) == {2}
+    assert _pool_state(runner) == before
+
+
+def test_a_backend_that_cannot_prepare_ahead_waits_for_each_step(model):
+    """``prepares_ahead=False``: each step is read before the next is built, so no request rides along."""
+
+    def waiting_backend(req_pool, kv_pool):
+        backend = ReferenceBackend(req_pool, kv_pool)
+        backend.prepares_ahead = False
+        return backend
+
+    runner = _runner(model, backend=waiting_backend)
+    prompts = _prompts([5, 2, 9], seed=4)
+    plain = runner.generate(prompts, max_new_tokens=6)
+    sizes = _eos_run(runner, plain, prompts)
+    assert sizes[:3] == [3, 3, 3] and set(sizes[3:]) == {2}
+
+
 @pytest.mark.parametrize("eos, err", [(["2"], InvalidInputError), ([VOCAB], InvalidInputError), (7, InvalidTypeError)])
 def test_bad_eos_token_ids_are_refused(model, eos, err):
     with pytest.raises(err, match="eos_token_ids: expected"):

@@ -39,6 +39,9 @@ class AttentionBackend(ABC):
     supports_cuda_graph: bool = False
     # False: runners pass no host lengths (None, SEQ_LENS_SUM_UNKNOWN) to the replay hook.
     replay_reads_host_lengths: bool = True
+    # True: a step's metadata may be prepared while the step before it runs. False where
+    # preparing rewrites host memory that a queued copy of the earlier step may still read.
+    prepares_ahead: bool = True
 
     def __init__(
         self,

@@ -37,6 +37,7 @@ class CompositeBackend(AttentionBackend):
         self.supported_modes = frozenset.intersection(*(frozenset(m.supported_modes) for m in self.members))
         self.supports_cuda_graph = all(m.supports_cuda_graph for m in self.members)
         self.replay_reads_host_lengths = any(m.replay_reads_host_lengths for m in self.members)
+        self.prepares_ahead = all(m.prepares_ahead for m in self.members)
 
     def _check_members(self) -> None:
         for i, child in enumerate(self.children):

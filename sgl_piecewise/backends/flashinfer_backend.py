@@ -71,6 +71,7 @@ class FlashInferBackend(StaticGraphBackend):
 
     name = "flashinfer"
     fill_on_device = False  # the fill ends in plan(), host work
+    prepares_ahead = False  # plan() rewrites pinned host buffers a queued copy may still read
 
     def __init__(
         self,

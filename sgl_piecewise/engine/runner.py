@@ -31,6 +31,7 @@ from sgl_piecewise.memory import KVPool, ReqToTokenPool, allocate_requests
 from sgl_piecewise.runners.dispatch import CaptureReport, capture_graphs, check_policy, graph_step
 from sgl_piecewise.runners.eager import run_model
 from sgl_piecewise.runners.protocols import Graphs, StepGraphs, TokenGraphs
+from sgl_piecewise.transfer import to_device
 
 BackendFactory = Callable[[ReqToTokenPool, KVPool], AttentionBackend]
 logger = logging.getLogger("sgl_piecewise")
@@ -43,7 +44,8 @@ STEP_STATS_MAXLEN = 4096  # step_stats keeps the most recent steps only
 
 
 class StepStat(NamedTuple):
-    """Wall time of one ``forward_step`` (logits included), and its path."""
+    """Wall time of one step (logits included), and its path: a ``forward_step``
+    call, or in ``generate`` from reading the step before to reading this one."""
 
     mode: str
     batch_size: int
@@ -226,6 +228,16 @@ class ModelRunner:
         """Run one step; ``[bs, vocab]`` float32 logits of each request's last new
         token, or with ``every_token`` ``[num_tokens, vocab]`` of every real token."""
         start = time.perf_counter()
+        logits, path = self._queue_step(batch, every_token)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # wall time of the work, not of the launches
+        self._record_step(batch, path, time.perf_counter() - start)
+        return logits
+
+    @torch.no_grad()
+    def _queue_step(self, batch: ForwardBatch, every_token: bool = False) -> tuple[torch.Tensor, str]:
+        """Check ``batch`` and queue its step on the device; its logits (not
+        waited for) and its path."""
         check_batch(batch, self.req_to_token_pool, self.kv_pool, debug_checks=self.debug_checks)
         hidden, path, why = graph_step(self, batch)
         if hidden is None:
@@ -237,12 +249,11 @@ class ModelRunner:
             if every_token
             else self.last_token_logits(hidden, batch)
         )
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # wall time of the work, not of the launches
-        seconds = time.perf_counter() - start
+        return logits, path
+
+    def _record_step(self, batch: ForwardBatch, path: str, seconds: float) -> None:
         mode = batch.forward_mode.name
         self.step_stats.append(StepStat(mode, batch.batch_size, batch.num_tokens, seconds, path))
-        return logits
 
     def run_model(
         self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: ForwardBatch
@@ -278,30 +289,45 @@ class ModelRunner:
         """Greedy-decode up to ``max_new_tokens`` tokens for each prompt; return the new tokens.
 
         A request finishes at ``max_new_tokens`` or at one of ``eos_token_ids``
-        (kept as its last token), its row and KV slots freed at once. Room for
-        the whole run is checked first; everything is freed by the end, on error too.
+        (kept as its last token). Room for the whole run is checked first;
+        everything is freed by the end, on error too.
+
+        Each step is queued before the tokens of the one before it are read, so
+        the host prepares a step while the device runs the last (as SGLang's
+        overlap scheduler): a request that reaches its EOS rides along one more
+        step, whose token is dropped, and its row and slots are freed as its
+        EOS is read. ``step_stats`` times each step from the last one's tokens to its own.
         """
         prompts = self._check_prompts(prompts)
         check_positive_int("max_new_tokens", max_new_tokens)
         eos = self._check_eos(eos_token_ids)
         self._check_room(prompts, max_new_tokens)
-        run = _Requests(self, [len(p) for p in prompts])
+        run = _Requests(self, [len(p) for p in prompts], max_new_tokens, eos)
+        show = max_new_tokens >= AUTO_PROGRESS_MIN_STEPS if progress is None else progress
+        # A backend that cannot prepare a step while another runs has each step read first.
+        ahead = self.backend.prepares_ahead
         try:
-            ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=self.device)
-            next_ids = self.forward_step(run.prefill(ids)).argmax(dim=-1)  # [bs]
-            out: List[List[int]] = [[] for _ in prompts]
-            show = max_new_tokens >= AUTO_PROGRESS_MIN_STEPS if progress is None else progress
-            for _ in tqdm(range(1, max_new_tokens), desc="decode", disable=not show):
-                kept = run.take(next_ids.tolist(), out, eos, max_new_tokens)
-                if not kept:
-                    break
-                next_ids = self.forward_step(run.decode(next_ids[kept] if len(kept) < len(next_ids) else next_ids))
-                next_ids = next_ids.argmax(dim=-1)
-            else:
-                run.take(next_ids.tolist(), out, eos, max_new_tokens)
-            return out
+            ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
+            (ids,) = to_device((ids,), self.device)
+            step = self._queue_greedy(run.prefill(ids), run.active)
+            with tqdm(total=max_new_tokens - 1, desc="decode", disable=not show) as bar:
+                while step is not None:
+                    if not ahead:
+                        run.read(step)
+                    going = run.going(step.requests)
+                    after = self._queue_greedy(run.decode(going, step.next_ids(going)), going) if going else None
+                    if ahead:
+                        run.read(step)
+                    bar.update(after is not None)
+                    step = after
+            return run.out
         finally:
             run.free_all()
+
+    def _queue_greedy(self, batch: ForwardBatch, requests: List[int]) -> "_QueuedStep":
+        """Queue ``batch``'s step and its greedy tokens' way to the host."""
+        logits, path = self._queue_step(batch)
+        return _QueuedStep(batch, path, requests, logits.argmax(dim=-1))
 
     def _check_eos(self, eos_token_ids: Collection[int]) -> frozenset:
         vocab = self.config.vocab_size
@@ -391,16 +417,56 @@ def _make_backend(backend, num_heads: int, req_pool: ReqToTokenPool, kv_pool: KV
     return built
 
 
+class _QueuedStep:
+    """A greedy step queued on the device: its requests in batch order, their
+    next tokens on the device and, once the step has run, on the host."""
+
+    def __init__(self, batch: ForwardBatch, path: str, requests: List[int], next_ids: torch.Tensor):
+        self.batch, self.path, self.requests = batch, path, requests
+        self._next_ids = next_ids  # [bs] int64
+        self._ready: Optional[torch.cuda.Event] = None
+        if next_ids.device.type == "cuda":
+            # Pinned, so the copy waits for nothing the host does; read once _ready has passed.
+            self._host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
+            self._host.copy_(next_ids, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = next_ids
+        self._tokens: Optional[List[int]] = None
+
+    def next_ids(self, requests: List[int]) -> torch.Tensor:
+        """The device's next tokens of ``requests``, a subsequence of this step's."""
+        if requests == self.requests:
+            return self._next_ids
+        rows = {r: i for i, r in enumerate(self.requests)}
+        (index,) = to_device((torch.tensor([rows[r] for r in requests], dtype=torch.int64),), self._next_ids.device)
+        return self._next_ids[index]
+
+    def tokens(self) -> List[int]:
+        """This step's next tokens on the host, waiting for the step if it has not run yet."""
+        if self._tokens is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._tokens = self._host.tolist()
+        return self._tokens
+
+
 class _Requests:
     """The requests of one ``generate`` run: rows and KV slots, freed as each finishes."""
 
-    def __init__(self, runner: ModelRunner, prompt_lens: List[int]):
+    def __init__(self, runner: ModelRunner, prompt_lens: List[int], max_new_tokens: int, eos: frozenset):
         self.runner = runner
         self.prompt_lens = prompt_lens
+        self.max_new_tokens = max_new_tokens
+        self.eos = eos
+        self.out: List[List[int]] = [[] for _ in prompt_lens]  # each request's new tokens
+        self._last_read = time.perf_counter()
         self.rows: List[int] = []
         self.slots: List[List[torch.Tensor]] = [[] for _ in prompt_lens]
-        self.active: List[int] = []  # the requests still generating, in batch order
-        self.generated: List[int] = [0] * len(prompt_lens)
+        self.active: List[int] = []  # the requests of the first step, in batch order
+        self.queued = [0] * len(prompt_lens)  # steps queued for each request: tokens made or coming
+        self.done = [False] * len(prompt_lens)
 
     def prefill(self, ids: torch.Tensor) -> ForwardBatch:
         bs, lens = len(self.prompt_lens), self.prompt_lens
@@ -408,32 +474,46 @@ class _Requests:
         self.rows, self.active = rows.tolist(), list(range(bs))
         for i, part in enumerate(torch.split(loc, lens)):
             self.slots[i].append(part)
+            self.queued[i] = 1
         return ForwardBatch.build(ForwardMode.EXTEND, ids, rows, [0] * bs, lens, loc)
 
-    def take(self, tokens: List[int], out: List[List[int]], eos: frozenset, max_new_tokens: int) -> List[int]:
-        """Append each active request's new token, free those done; the batch
-        positions of the requests that go on."""
-        kept, going = [], []
-        for pos, (i, t) in enumerate(zip(self.active, tokens)):
-            out[i].append(t)
-            self.generated[i] += 1
-            if t in eos or self.generated[i] == max_new_tokens:
-                self._free(i)
-            else:
-                kept.append(pos)
-                going.append(i)
-        self.active = going
-        return kept
+    def going(self, requests: List[int]) -> List[int]:
+        """Those of ``requests`` that get another step: not finished as far as
+        the host knows (an EOS still on its way is not), and short of ``max_new_tokens``."""
+        return [i for i in requests if not self.done[i] and self.queued[i] < self.max_new_tokens]
 
-    def decode(self, next_ids: torch.Tensor) -> ForwardBatch:
-        prefix = [self.prompt_lens[i] + self.generated[i] - 1 for i in self.active]  # tokens cached
-        rows = torch.tensor([self.rows[i] for i in self.active], dtype=torch.int64)
+    def decode(self, requests: List[int], next_ids: torch.Tensor) -> ForwardBatch:
+        prefix = [self.prompt_lens[i] + self.queued[i] - 1 for i in requests]  # tokens cached
+        rows = torch.tensor([self.rows[i] for i in requests], dtype=torch.int64)
         loc = self.runner._alloc_decode_slots(rows, prefix)
-        for j, i in enumerate(self.active):
+        for j, i in enumerate(requests):
             self.slots[i].append(loc[j : j + 1])
+            self.queued[i] += 1
         return ForwardBatch.build(ForwardMode.DECODE, next_ids, rows, prefix, [1] * len(prefix), loc)
 
+    def read(self, step: _QueuedStep) -> None:
+        """Take ``step``'s tokens, waiting for it if need be; its ``StepStat``
+        times it from the step read before it."""
+        tokens = step.tokens()
+        now = time.perf_counter()
+        self.runner._record_step(step.batch, step.path, now - self._last_read)
+        self._last_read = now
+        self.take(step.requests, tokens)
+
+    def take(self, requests: List[int], tokens: List[int]) -> None:
+        """Append each unfinished request's new token; free those it finishes.
+        A finished request's token (its ride-along step) is dropped."""
+        for i, t in zip(requests, tokens):
+            if self.done[i]:
+                continue
+            self.out[i].append(t)
+            if t in self.eos or len(self.out[i]) == self.max_new_tokens:
+                self.done[i] = True
+                self._free(i)
+
     def _free(self, i: int) -> None:
+        # A step still queued may write this request's slots: any later user of
+        # them is queued after it, so the device's order keeps them apart.
         if self.slots[i]:
             self.runner.kv_pool.free(torch.cat(self.slots[i]))
             self.slots[i] = []
