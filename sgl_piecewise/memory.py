@@ -59,7 +59,8 @@ class ReqToTokenPool:
             raise InvalidInputError(f"free: expected allocated request rows, got {bad}")
         if len(set(rows)) != len(rows):
             raise InvalidInputError(f"free: expected distinct request rows, got {rows}")
-        self.req_to_token[rows] = DUMMY_SLOT
+        (index,) = to_device((torch.tensor(rows, dtype=torch.int64),), self.device)
+        self.req_to_token[index] = DUMMY_SLOT
         for row in rows:
             self._allocated[row] = False
         self._free.extend(rows)
