@@ -7,7 +7,8 @@ prompts are the main job's chat questions, repeated to fill each batch size.
 Every request generates exactly ``--new-tokens`` tokens (EOS is ignored), so
 every side does the same work: tokens per second = batch size x new tokens /
 wall time of the whole generate call, prefill included, median of
-``--repeats`` runs after an untimed one.
+``--repeats`` runs after an untimed one; beside it, the median decode step
+of the last run (``bs<N>_decode_ms``, from the runner's ``step_stats``).
 
 ``--routes``: the model as the library's native Llama (``native``), the same
 with its projections through the fused ops (``fused``,
@@ -32,7 +33,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -67,6 +68,14 @@ def tokens_per_s(fn: Callable[[], object], tokens: int, repeats: int, device: to
     return tokens / statistics.median(wall_s(fn, device) for _ in range(repeats))
 
 
+def decode_ms(runner: ModelRunner, new_tokens: int) -> Optional[float]:
+    """Median ms of the last run's decode steps (``StepStat``: in ``generate``,
+    from reading one step's tokens to reading the next's), or None."""
+    last_run = list(runner.step_stats)[-(new_tokens - 1) :] if new_tokens > 1 else []
+    decode = [s.seconds for s in last_run if s.mode == "DECODE"]
+    return 1e3 * statistics.median(decode) if decode else None
+
+
 def ours(args, model, tokenizer, device) -> Dict[str, dict]:
     rows = {}
     max_bs = max(args.batch_sizes)
@@ -88,8 +97,9 @@ def ours(args, model, tokenizer, device) -> Dict[str, dict]:
             prompts = prompts_for(tokenizer, bs)
             run = functools.partial(runner.generate, prompts, args.new_tokens, progress=False)
             row[f"bs{bs}_tok_s"] = tokens_per_s(run, bs * args.new_tokens, args.repeats, device)
+            row[f"bs{bs}_decode_ms"] = decode_ms(runner, args.new_tokens)
         rows[policy] = row
-        print(policy, {k: round(v, 1) for k, v in row.items()}, flush=True)
+        print(policy, {k: round(v, 3) for k, v in row.items() if v is not None}, flush=True)
     return rows
 
 
