@@ -26,35 +26,27 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import free_batch, keep_busy, step_times_ms, write_json  # noqa: E402
+from common import free_batch, time_paths, write_json  # noqa: E402
 from suite import build, start_up, step_batch, step_paths, whole_model_runners  # noqa: E402
 
 
 def host_row(paths: dict, rounds: int, iters: int) -> dict:
-    """Each path's host and step times over ``rounds`` interleaved rounds."""
-    runs = {name: make() for name, make in paths.items()}
-    cuda = torch.cuda.is_available()
-    host = {name: [] for name in runs}
-    steps = {name: [] for name in runs}
-    with torch.no_grad():
-        for run in runs.values():
-            for _ in range(5):
-                run()
-        for _ in range(rounds):
-            for name, run in runs.items():
-                keep_busy(run)
-                times = step_times_ms(run, iters, host=host[name])
-                steps[name] += times
-                if not cuda:  # no launches to queue: the host's time is the step's
-                    host[name] += times
+    """Each path's host and step times over ``rounds`` interleaved rounds
+    (``common.time_paths``); a path that fails raises."""
+    samples = {}
+    result = time_paths(paths, rounds, iters, samples=samples)
+    errors = {k: v for k, v in result.items() if k.endswith("_error")}
+    if errors:
+        raise RuntimeError(f"expected every path to run, got {errors}")
     row = {}
-    for name, times in host.items():
-        times = sorted(times)
+    for name, timed in samples.items():
+        # Without CUDA no launches are queued: the host's time is the step's.
+        times = sorted(timed["host"] or timed["step"])
         row[name] = {
             "host_min_ms": times[0],
             "host_p10_ms": times[len(times) // 10],
             "host_median_ms": statistics.median(times),
-            "step_ms": statistics.median(steps[name]),
+            "step_ms": result[name],
             "samples": len(times),
         }
     return row

@@ -173,13 +173,18 @@ def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> flo
 
 
 def time_paths(
-    paths: Dict[str, Callable[[], Callable]], rounds: int = 6, iters: int = 5, warm_up: Callable = keep_busy
+    paths: Dict[str, Callable[[], Callable]],
+    rounds: int = 6,
+    iters: int = 5,
+    warm_up: Callable = keep_busy,
+    samples: Optional[Dict[str, dict]] = None,
 ) -> dict:
     """Median ms of each path (a factory of its step), its max |logit
     difference| to the first path, and on a GPU its median and least host
     time (``<path>_host_ms``, ``<path>_host_min_ms``, :func:`step_times_ms`;
     the host's other load only adds to a call's, so the least is the steadier
-    figure between processes); a failing path records its error.
+    figure between processes); a failing path records its error. ``samples``
+    gets every timed step of each path: ``{"step": [ms], "host": [ms]}``.
 
     The paths' steps are timed in ``rounds`` interleaved rounds of ``iters``
     each, not one path after the other: the host's load drifts over seconds,
@@ -209,21 +214,23 @@ def time_paths(
             result[name + "_maxdiff"] = 0.0 if ref is None else float((logits - ref).abs().max())
             ref = logits if ref is None else ref
             runs[name] = run
-        samples: Dict[str, List[float]] = {name: [] for name in runs}
+        steps: Dict[str, List[float]] = {name: [] for name in runs}
         host: Dict[str, List[float]] = {name: [] for name in runs}
         for _ in range(rounds):
             for name in list(runs):
                 try:
                     warm_up(runs[name])
-                    samples[name] += step_times_ms(runs[name], iters, host=host[name])
+                    steps[name] += step_times_ms(runs[name], iters, host=host[name])
                 except Exception as e:
                     failed(name, e)
-                    del runs[name], samples[name]
-        for name, times in samples.items():
+                    del runs[name], steps[name]
+        for name, times in steps.items():
             result[name] = statistics.median(times)
             if host[name]:
                 result[name + "_host_ms"] = statistics.median(host[name])
                 result[name + "_host_min_ms"] = min(host[name])
+            if samples is not None:
+                samples[name] = {"step": times, "host": host[name]}
     return result
 
 
