@@ -32,7 +32,7 @@ from common import SHAPES, copy_rate, write_json  # noqa: E402 (benchmarks/ is t
 
 from sgl_piecewise.internals import pdl
 from sgl_piecewise.ops.kernels import projection as P
-from sgl_piecewise.ops.kernels.tilings import Tiling, default_tiling, table_path, tiling_for
+from sgl_piecewise.ops.kernels.tilings import Tiling, default_tiling, rotary_kind, table_path, tiling_for
 
 ROTATE_BYTES = 256 * 2**20  # weight copies per timing: past any L2
 
@@ -65,7 +65,7 @@ def table_kind_cols(kind: str, n) -> tuple:
     """The projection's kind and output columns as a tilings table names them (``tilings.py``)."""
     if kind == "qkv":
         hq, hkv, d = n
-        return f"rotary{d}", (hq + 2 * hkv) * (d // 2)
+        return rotary_kind(d), (hq + 2 * hkv) * (d // 2)
     return kind, n
 
 

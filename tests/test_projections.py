@@ -11,6 +11,8 @@ shipped shapes use (14 / 2, 32 / 8, 9 / 3, and 4 / 4).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,7 @@ from sgl_piecewise.errors import InvalidInputError, InvalidTypeError  # noqa: E4
 from sgl_piecewise.internals import pdl  # noqa: E402
 from sgl_piecewise.ops import projections  # noqa: E402
 from sgl_piecewise.ops.kernels import projection as kernels  # noqa: E402
-from sgl_piecewise.ops.kernels.tilings import Tiling  # noqa: E402
+from sgl_piecewise.ops.kernels.tilings import TABLE_DIR, Tiling, rotary_head_dim, rotary_kind  # noqa: E402
 
 EPS = 1e-6
 # Tilings the CPU tests run: tensor-core tiles with and without split K, a
@@ -110,6 +112,18 @@ def test_fused_qkv_rope_equals_the_plain_ops_for_every_gqa_ratio(rows, heads):
 
 
 @pytest.mark.triton_cpu
+def test_every_shipped_table_names_kinds_the_ops_ask_for():
+    """Keys are ``<kind>:<n>:<k>``; a QKV kind names its head size, read back as written."""
+    assert rotary_head_dim(rotary_kind(80)) == 80 and rotary_head_dim("linear") is None
+    tables = sorted(TABLE_DIR.glob("*.json"))
+    assert tables
+    for table in tables:
+        for key in json.loads(table.read_text())["tilings"]:
+            kind, n, k = key.split(":")
+            assert kind in ("linear", "silu") or rotary_head_dim(kind) in (64, 128), (table.name, key)
+            assert int(n) > 0 and int(k) > 0
+
+
 def test_a_split_leaves_its_arrival_counts_zero():
     x, w, _ = _inputs(3, 256, 64)
     kernels.linear(x, w, tiling=Tiling(16, 32, split_k=4))

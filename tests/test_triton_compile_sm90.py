@@ -61,7 +61,7 @@ for dtype, hq, hkv, d in [(torch.bfloat16, 32, 8, 128), (torch.bfloat16, 8, 1, 2
 # The projection kernels under every tiling of every shipped table (the "1"
 # band at one row, "many" at 32), bf16, chained by PDL as on a Hopper card.
 from sgl_piecewise.ops.kernels import projection as proj
-from sgl_piecewise.ops.kernels.tilings import TABLE_DIR, Tiling
+from sgl_piecewise.ops.kernels.tilings import TABLE_DIR, Tiling, rotary_head_dim
 t = {n: "*bf16" for n in ("x_ptr", "nw_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "out2_ptr", "cs_ptr")}
 t.update({"part_ptr": "*fp32", "pos_ptr": "*i64", "eps": "fp32"})
 for table in sorted(TABLE_DIR.glob("*.json")):
@@ -75,9 +75,10 @@ for table in sorted(TABLE_DIR.glob("*.json")):
             if kind == "linear":
                 fn, epilogue = proj._linear_kernel, dict(NORM=False, HAS_BIAS=False, RESIDUAL=True)
             else:
-                rotary = kind.startswith("rotary")
+                head_dim = rotary_head_dim(kind)
+                rotary = head_dim is not None
                 fn = proj._paired_kernel
-                epilogue = dict(HEAD_DIM=int(kind[6:]) if rotary else 0, ROTATED_HEADS=2 if rotary else 0,
+                epilogue = dict(HEAD_DIM=head_dim or 0, ROTATED_HEADS=2 if rotary else 0,
                                 ROTARY=rotary, NORM=True, HAS_BIAS=False)
             meta = proj.kernel_meta(tiling, rows, int(k), tiling.split_k, torch.bfloat16, True, **epilogue)
             name = f"projection {table.stem} {key} rows {rows} {tiling}"

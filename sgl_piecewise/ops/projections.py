@@ -20,7 +20,7 @@ from sgl_piecewise.checks import check_tensor
 from sgl_piecewise.errors import InvalidInputError
 from sgl_piecewise.ops.kernels import elementwise
 from sgl_piecewise.ops.kernels import projection as kernels
-from sgl_piecewise.ops.kernels.tilings import Tiling, tiling_for
+from sgl_piecewise.ops.kernels.tilings import Tiling, rotary_kind, tiling_for
 
 MAX_ROWS = kernels.MAX_ROWS
 _HALF = (torch.bfloat16, torch.float16)
@@ -100,7 +100,7 @@ def _qkv_rope(
     head_dim = _check_qkv(x, weight, bias, positions, cos_sin_cache, num_heads, num_kv_heads, norm_weight)
     heads = num_heads + 2 * num_kv_heads
     tiling = _fused(x, weight, bias, positions, cos_sin_cache, norm_weight) and _tiling(
-        f"rotary{head_dim}", x, heads * (head_dim // 2)
+        rotary_kind(head_dim), x, heads * (head_dim // 2)
     )
     if tiling:
         return kernels.qkv_rope(

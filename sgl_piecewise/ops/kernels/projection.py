@@ -17,7 +17,7 @@ import torch
 
 from sgl_piecewise.internals import pdl
 from sgl_piecewise.internals.triton_jit import runs_compiled
-from sgl_piecewise.ops.kernels.tilings import Tiling, tiling_for
+from sgl_piecewise.ops.kernels.tilings import Tiling, rotary_kind, tiling_for
 
 try:
     import triton
@@ -586,7 +586,7 @@ def qkv_rope(
     if rows:
         half = head_dim // 2
         heads = rotated + num_kv_heads
-        tiling = tiling or tiling_for(f"rotary{head_dim}", rows, heads * half, k, x.device)
+        tiling = tiling or tiling_for(rotary_kind(head_dim), rows, heads * half, k, x.device)
         tiles_of = lambda bn: heads * triton.cdiv(half, bn)  # noqa: E731
         _paired(
             x,

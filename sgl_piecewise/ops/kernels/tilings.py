@@ -21,6 +21,17 @@ from sgl_piecewise.errors import InvalidInputError
 
 TABLE_DIR = Path(__file__).parent / "tilings"
 ENV_TABLE = "SGL_PIECEWISE_TILINGS"
+ROTARY = "rotary"  # kind prefix of a QKV projection with rotary: "rotary<head size>"
+
+
+def rotary_kind(head_dim: int) -> str:
+    """The table kind of a QKV projection that rotates heads of ``head_dim``."""
+    return f"{ROTARY}{head_dim}"
+
+
+def rotary_head_dim(kind: str) -> Optional[int]:
+    """The head size a :func:`rotary_kind` names; None for another kind."""
+    return int(kind[len(ROTARY) :]) if kind.startswith(ROTARY) else None
 
 
 @dataclass(frozen=True)
