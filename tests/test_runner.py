@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounter
 
 from sgl_piecewise.backends import ReferenceBackend
@@ -136,6 +138,27 @@ def test_a_backend_that_cannot_prepare_ahead_waits_for_each_step(model):
     plain = runner.generate(prompts, max_new_tokens=6)
     sizes = _eos_run(runner, plain, prompts)
     assert sizes[:3] == [3, 3, 3] and set(sizes[3:]) == {2}
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    max_new=st.integers(1, 7),
+    eos_picks=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6)), max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_any_eos_set_cuts_each_request_after_its_first_eos_and_frees_everything(model, lens, max_new, eos_picks, seed):
+    """Queued steps, ride-along steps and early frees give the plain run's
+    tokens cut after each request's first EOS, and every row and slot back."""
+    runner = _runner(model)
+    prompts = _prompts(lens, seed=seed)
+    plain = runner.generate(prompts, max_new_tokens=max_new)
+    eos = {plain[i % len(plain)][j % max_new] for i, j in eos_picks}
+    before = _pool_state(runner)
+    out = runner.generate(prompts, max_new_tokens=max_new, eos_token_ids=eos)
+    cut = [seq[: next((n + 1 for n, t in enumerate(seq) if t in eos), len(seq))] for seq in plain]
+    assert out == cut
+    assert _pool_state(runner) == before
 
 
 @pytest.mark.parametrize("eos, err", [(["2"], InvalidInputError), ([VOCAB], InvalidInputError), (7, InvalidTypeError)])
