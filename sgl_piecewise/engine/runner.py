@@ -309,7 +309,7 @@ class ModelRunner:
         try:
             ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
             (ids,) = to_device((ids,), self.device)
-            step = self._queue_greedy(run.prefill(ids), run.active)
+            step = self._queue_greedy(run.prefill(ids), list(range(len(prompts))))
             with tqdm(total=max_new_tokens - 1, desc="decode", disable=not show) as bar:
                 while step is not None:
                     if not ahead:
@@ -464,14 +464,13 @@ class _Requests:
         self._last_read = time.perf_counter()
         self.rows: List[int] = []
         self.slots: List[List[torch.Tensor]] = [[] for _ in prompt_lens]
-        self.active: List[int] = []  # the requests of the first step, in batch order
         self.queued = [0] * len(prompt_lens)  # steps queued for each request: tokens made or coming
         self.done = [False] * len(prompt_lens)
 
     def prefill(self, ids: torch.Tensor) -> ForwardBatch:
         bs, lens = len(self.prompt_lens), self.prompt_lens
         rows, loc = allocate_requests(self.runner.req_to_token_pool, self.runner.kv_pool, [0] * bs, lens)
-        self.rows, self.active = rows.tolist(), list(range(bs))
+        self.rows = rows.tolist()
         for i, part in enumerate(torch.split(loc, lens)):
             self.slots[i].append(part)
             self.queued[i] = 1
